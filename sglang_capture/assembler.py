@@ -1,0 +1,103 @@
+"""Per-request assembly: hidden-state rows keyed by absolute token position.
+
+The scheduler thread only appends ``(position, rows)`` pairs (``RequestCapture.add``); ordering,
+overlap resolution and the completeness check happen later on a writer thread
+(``assemble_rows``). Rows arrive out of the plain prompt-then-decode order on several SGLang
+paths: chunked prefill (one pair per chunk), mixed batches, and retraction (a retracted request
+is prefilled again, so positions repeat: the later rows win).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from sglang_capture.ledger import HostMemoryLedger
+
+
+@dataclass
+class RowChunk:
+    """Rows for positions ``start .. start+len(rows)``; ``ready`` is set when they are still in flight."""
+
+    start: int
+    rows: torch.Tensor
+    ready: Optional[Any] = None  # a torch.cuda.Event for a device-to-host copy not yet waited on
+
+
+def _to_host(rows: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+    """Queue a copy of device rows into pinned memory on the current stream (stream order keeps a
+    CUDA-graph output buffer from being overwritten before the copy has read it)."""
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+@dataclass
+class RequestCapture:
+    """Capture state of one request inside the scheduler process."""
+
+    rid: str
+    name: str
+    ledger: HostMemoryLedger
+    chunks: List[RowChunk] = field(default_factory=list)
+
+    def add(self, start: int, rows: torch.Tensor) -> None:
+        """Hot path: keep a reference to the rows (a view, no copy) and account for the host memory."""
+        ready = None
+        if rows.device.type == "cuda":
+            rows, ready = _to_host(rows)
+        self.ledger.hold(rows)
+        self.chunks.append(RowChunk(start, rows, ready))
+
+    def release(self) -> None:
+        """Give the rows' host memory back (after writing, or when the request is dropped)."""
+        chunks, self.chunks = self.chunks, []
+        for chunk in chunks:
+            self.ledger.release(chunk.rows)
+
+
+class IncompleteCapture(RuntimeError):
+    """Some positions of the request never received a row: the file would be wrong, so none is written."""
+
+
+def _ranges(mask: torch.Tensor) -> str:
+    idx = torch.nonzero(~mask).flatten().tolist()
+    spans: List[List[int]] = []
+    for i in idx:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans[:8])
+
+
+def assemble_rows(chunks: List[RowChunk], n_rows: int, splits: Dict[str, Tuple[int, int]]) -> Dict[str, torch.Tensor]:
+    """Place every chunk by position into fresh tensors, one per column range in ``splits``.
+
+    Later chunks overwrite earlier ones (re-prefill after retraction), rows past ``n_rows`` are
+    dropped (the step that sampled the last token also computed rows nobody fed back), and a
+    position left uncovered raises IncompleteCapture.
+    """
+    if not chunks:
+        if n_rows:
+            raise IncompleteCapture(f"no rows were captured for {n_rows} positions")
+        return {name: torch.empty((0, hi - lo)) for name, (lo, hi) in splits.items()}
+    dtype = chunks[0].rows.dtype
+    out = {name: torch.empty((n_rows, hi - lo), dtype=dtype) for name, (lo, hi) in splits.items()}
+    covered = torch.zeros(n_rows, dtype=torch.bool)
+    for chunk in chunks:
+        if chunk.ready is not None:
+            chunk.ready.synchronize()
+        end = min(chunk.start + chunk.rows.shape[0], n_rows)
+        if end <= chunk.start:
+            continue
+        part = chunk.rows[: end - chunk.start]
+        for name, (lo, hi) in splits.items():
+            out[name][chunk.start:end] = part[:, lo:hi]
+        covered[chunk.start:end] = True
+    if not bool(covered.all()):
+        raise IncompleteCapture(f"rows missing at positions {_ranges(covered)} of {n_rows}")
+    return out

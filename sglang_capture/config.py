@@ -1,0 +1,101 @@
+"""Capture options: one dataclass, validated once, carried to SGLang's spawned processes by env.
+
+The launcher validates the options and stores them as JSON in ``SGLANG_CAPTURE_CONFIG``; every
+process SGLang spawns inherits the environment, and the plugin entry point reads it back. The
+variable's presence is what switches capture on: without it, installing the package changes
+nothing in a plain ``python -m sglang.launch_server``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+from sglang_capture.format import CODECS, Codec
+
+ENV_VAR = "SGLANG_CAPTURE_CONFIG"
+
+
+class ConfigError(ValueError):
+    """A capture option that cannot work; the message is one actionable line."""
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """Everything the patched server needs to know about capture.
+
+    ``layers`` uses the package's single convention: i is the residual stream entering decoder
+    layer i (= transformers' ``output_hidden_states[i]``); ``None`` means the model default,
+    resolved by ``layers.resolve_layers`` once the model's depth is known.
+    """
+
+    capture_dir: str
+    layers: Optional[List[int]] = None
+    keep_last_hidden: bool = True
+    codec: str = "zstd"
+    level: int = 1
+    shuffle: bool = True
+    writer_threads: int = 4
+    compress_threads: int = 0
+    max_pending_mb: int = 8192
+    wait_timeout_s: float = 600.0
+    model_layers: Optional[int] = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.capture_dir):
+            object.__setattr__(self, "capture_dir", os.path.abspath(self.capture_dir))
+        if self.codec not in CODECS:
+            raise ConfigError(f"--capture-codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        try:
+            self.codec_spec()
+        except ValueError as e:
+            raise ConfigError(f"--capture-level: {e}") from None
+        if self.writer_threads < 1:
+            raise ConfigError(f"--capture-writer-threads must be at least 1, got {self.writer_threads}")
+        if self.compress_threads < -1:
+            raise ConfigError("--capture-compress-threads must be -1 (all cores), 0 (inline) or a positive count")
+        if self.max_pending_mb < 1:
+            raise ConfigError(f"--capture-max-pending-mb must be at least 1, got {self.max_pending_mb}")
+        if self.wait_timeout_s < 0:
+            raise ConfigError("--capture-wait-timeout must be zero or positive")
+        if self.layers is not None:
+            if not self.layers:
+                raise ConfigError("--capture-layers is empty; give comma-separated layer ids such as 3,31,59")
+            if len(set(self.layers)) != len(self.layers):
+                raise ConfigError(f"--capture-layers has duplicates: {self.layers}")
+            object.__setattr__(self, "layers", sorted(self.layers))
+
+    def codec_spec(self) -> Codec:
+        """The on-disk codec these options select."""
+        return Codec(name=self.codec, level=self.level, shuffle=self.shuffle, threads=self.compress_threads)
+
+    @property
+    def max_pending_bytes(self) -> int:
+        return self.max_pending_mb * (1 << 20)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict] = None) -> Optional["CaptureConfig"]:
+        """The configuration the launcher published, or None when capture is not switched on."""
+        raw = (os.environ if environ is None else environ).get(ENV_VAR)
+        if not raw:
+            return None
+        try:
+            return cls(**json.loads(raw))
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{ENV_VAR} is not a valid capture configuration: {e}") from None
+
+
+def parse_layers(text: str) -> List[int]:
+    """Parse ``--capture-layers`` ("3,31,59") with a one-line error for anything else."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise ConfigError(f"--capture-layers must be comma-separated integers such as 3,31,59, got {text!r}") from None
+    if not ids:
+        raise ConfigError("--capture-layers is empty; give comma-separated layer ids such as 3,31,59")
+    return ids

@@ -1,0 +1,243 @@
+"""How capture files are laid out on disk (schema v1): encoding and decoding, nothing else.
+
+A file is one msgpack map::
+
+    {"schema": "sglang_capture/v1",
+     "meta":    {...plain msgpack values...},
+     "tensors": {name: {"dtype": str, "shape": [int, ...], "byteorder": "little",
+                        "codec": "zstd" | "none", "shuffle": int, "nbytes": int,
+                        "data": bin}}}
+
+``data`` holds the tensor's raw little-endian bytes; with ``shuffle = k > 0`` the bytes of
+each k-byte element are first split into k planes (all first bytes, then all second bytes,
+...), which lets zstd find the low-entropy exponent bytes of bf16 activations. ``zstd`` data
+is one zstd frame with the content size and a content checksum. The writer streams the map
+(headers first, then each payload) so a multi-GB tensor is never copied into a msgpack
+buffer; any msgpack reader can still parse the whole file. See docs/format.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+import sys
+import threading
+from dataclasses import dataclass
+from typing import IO, Any, Dict, Iterable, Iterator, Mapping, Optional, Tuple
+
+import msgpack
+import numpy
+import torch
+import zstandard
+
+SCHEMA = "sglang_capture/v1"
+CODECS = ("zstd", "none")
+
+_DTYPES: Dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_TENSOR_KEYS = {"dtype", "shape", "byteorder", "codec", "shuffle", "nbytes", "frame_rows", "data"}
+
+if sys.byteorder != "little":  # pragma: no cover - every platform SGLang runs on is little-endian
+    raise ImportError("sglang_capture writes little-endian tensors and needs a little-endian host")
+
+
+class CaptureFileError(ValueError):
+    """A capture file that cannot be trusted: truncated, corrupted, or not schema v1."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How tensors are compressed: ``name`` zstd or none, zstd ``level``, byte ``shuffle``, ``threads``."""
+
+    name: str = "zstd"
+    level: int = 1
+    shuffle: bool = True
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in CODECS:
+            raise ValueError(f"unknown codec {self.name!r}; choose one of {', '.join(CODECS)}")
+        if self.name == "zstd" and not -7 <= self.level <= 22:
+            raise ValueError(f"zstd level must be between -7 and 22, got {self.level}")
+
+
+_local = threading.local()
+
+
+def _compressor(codec: Codec) -> zstandard.ZstdCompressor:
+    """One compressor per thread and setting: ZstdCompressor objects are not thread-safe."""
+    key = (codec.level, codec.threads)
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    if key not in cache:
+        cache[key] = zstandard.ZstdCompressor(
+            level=codec.level, threads=codec.threads, write_checksum=True, write_content_size=True
+        )
+    return cache[key]
+
+
+FRAME_BYTES = 64 << 20  # raw bytes per zstd frame: bounds temp memory, keeps bins under 4 GiB
+
+
+def _raw_bytes(tensor: torch.Tensor, shuffle: int) -> memoryview:
+    flat = tensor.contiguous().view(-1).view(torch.uint8)
+    if shuffle > 1 and flat.numel():
+        flat = flat.view(-1, shuffle).t().contiguous()
+    return memoryview(flat.numpy()).cast("B")
+
+
+def encode_tensor(tensor: torch.Tensor, codec: Codec) -> Tuple[Dict[str, Any], Iterator[memoryview]]:
+    """Return the tensor's header fields and a lazy iterator over its frames' payloads.
+
+    The tensor is cut into blocks of whole rows (first dimension) of about FRAME_BYTES each;
+    every block is shuffled and compressed on its own, so the writer never holds more than one
+    block's worth of temporary bytes and no payload reaches msgpack's 4 GiB bin limit.
+    """
+    if tensor.device.type != "cpu":
+        raise ValueError("encode_tensor takes host tensors; copy to the CPU first")
+    name = _DTYPE_NAMES.get(tensor.dtype)
+    if name is None:
+        raise ValueError(f"unsupported tensor dtype {tensor.dtype}")
+    tensor = tensor.detach()
+    itemsize = tensor.element_size()
+    shuffle = itemsize if (codec.shuffle and codec.name == "zstd" and itemsize > 1) else 0
+    rows = tensor.shape[0] if tensor.dim() else 1
+    row_bytes = tensor.numel() * itemsize // rows if rows else 0
+    frame_rows = max(1, FRAME_BYTES // max(row_bytes, 1))
+    n_frames = max(1, math.ceil(rows / frame_rows))
+    header = {
+        "dtype": name,
+        "shape": list(tensor.shape),
+        "byteorder": "little",
+        "codec": codec.name,
+        "shuffle": shuffle,
+        "nbytes": tensor.numel() * itemsize,
+        "frame_rows": frame_rows,
+    }
+    flat = tensor.reshape(rows, row_bytes // itemsize) if tensor.numel() else tensor.reshape(-1)
+
+    def frames() -> Iterator[memoryview]:
+        for i in range(n_frames):
+            raw = _raw_bytes(flat[i * frame_rows:(i + 1) * frame_rows], shuffle)
+            yield memoryview(_compressor(codec).compress(raw)) if codec.name == "zstd" else raw
+
+    return header, frames(), n_frames
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack bin8/16/32 header, so a payload can be written after it without a copy."""
+    if n < 1 << 8:
+        return struct.pack(">BB", 0xC4, n)
+    if n < 1 << 16:
+        return struct.pack(">BH", 0xC5, n)
+    if n < 1 << 32:
+        return struct.pack(">BI", 0xC6, n)
+    raise ValueError(f"a tensor of {n} bytes exceeds msgpack's 4 GiB bin limit; capture fewer tokens per request")
+
+
+class _HashingWriter:
+    """File wrapper that counts and hashes every byte written, so the checksum costs no re-read."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, data: Any) -> None:
+        self._f.write(data)
+        self.sha256.update(data)
+        self.nbytes += memoryview(data).nbytes
+
+
+def write_capture(
+    f: IO[bytes], meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], codec: Codec
+) -> Tuple[int, str]:
+    """Stream one schema-v1 file into ``f``; returns (bytes written, "sha256:<hex>")."""
+    out = _HashingWriter(f)
+    packer = msgpack.Packer(use_bin_type=True)
+    out.write(packer.pack_map_header(3))
+    out.write(packer.pack("schema") + packer.pack(SCHEMA))
+    out.write(packer.pack("meta") + packer.pack(dict(meta)))
+    out.write(packer.pack("tensors") + packer.pack_map_header(len(tensors)))
+    for name, tensor in tensors.items():
+        header, frames, n_frames = encode_tensor(tensor, codec)
+        out.write(packer.pack(name) + packer.pack_map_header(len(header) + 1))
+        for key, value in header.items():
+            out.write(packer.pack(key) + packer.pack(value))
+        out.write(packer.pack("data") + packer.pack_array_header(n_frames))
+        for payload in frames:
+            out.write(_bin_header(payload.nbytes))
+            out.write(payload)
+    return out.nbytes, "sha256:" + out.sha256.hexdigest()
+
+
+def _fail(path: str, why: str) -> CaptureFileError:
+    return CaptureFileError(f"{path}: {why}")
+
+
+def decode_tensor(name: str, rec: Any, path: str = "<capture>") -> torch.Tensor:
+    """Validate one tensor record against schema v1 and rebuild the tensor (dtype kept as stored)."""
+    if not isinstance(rec, dict) or set(rec) != _TENSOR_KEYS:
+        raise _fail(path, f"tensor {name!r} is not a schema v1 tensor record")
+    dtype = _DTYPES.get(rec["dtype"]) if isinstance(rec["dtype"], str) else None
+    shape = rec["shape"]
+    if dtype is None:
+        raise _fail(path, f"tensor {name!r} has unknown dtype {rec['dtype']!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise _fail(path, f"tensor {name!r} has an invalid shape {shape!r}")
+    frames = rec["data"]
+    if rec["byteorder"] != "little" or rec["codec"] not in CODECS or not isinstance(frames, list) \
+            or not all(isinstance(fr, bytes) for fr in frames):
+        raise _fail(path, f"tensor {name!r} has an unsupported byteorder, codec or data layout")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    rows = shape[0] if shape else 1
+    frame_rows = rec["frame_rows"]
+    if rec["nbytes"] != nbytes or rec["shuffle"] not in (0, itemsize) or not isinstance(frame_rows, int) \
+            or frame_rows < 1 or len(frames) != max(1, math.ceil(rows / frame_rows)):
+        raise _fail(path, f"tensor {name!r}: header sizes disagree with its shape and dtype")
+    row_bytes = nbytes // rows if rows else 0
+    out = bytearray(nbytes)
+    view = memoryview(out)
+    pos = 0
+    for i, frame in enumerate(frames):
+        want = min(frame_rows, rows - i * frame_rows) * row_bytes
+        if rec["codec"] == "zstd":
+            try:
+                frame = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(want, 1))
+            except zstandard.ZstdError as e:
+                raise _fail(path, f"tensor {name!r} failed to decompress ({e}); the file is corrupted") from None
+        if len(frame) != want:
+            raise _fail(path, f"tensor {name!r} frame {i} holds {len(frame)} bytes, expected {want}; the file is corrupted")
+        if rec["shuffle"] > 1 and want:
+            planes = numpy.frombuffer(frame, dtype=numpy.uint8).reshape(rec["shuffle"], -1)
+            numpy.frombuffer(view[pos:pos + want], dtype=numpy.uint8).reshape(-1, rec["shuffle"])[:] = planes.T
+        else:
+            view[pos:pos + want] = frame
+        pos += want
+    if not nbytes:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(out, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def parse_capture(buf: bytes, path: str = "<capture>", names: Optional[Iterable[str]] = None) -> Tuple[dict, dict]:
+    """Parse a whole file's bytes into (meta, tensors); ``names`` limits which tensors are decoded."""
+    try:
+        doc = msgpack.unpackb(buf, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise _fail(path, f"not a complete msgpack document ({type(e).__name__}); truncated or corrupted") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise _fail(path, f"not a {SCHEMA} capture file")
+    meta, recs = doc.get("meta"), doc.get("tensors")
+    if not isinstance(meta, dict) or not isinstance(recs, dict):
+        raise _fail(path, "missing 'meta' or 'tensors' section")
+    wanted = set(recs) if names is None else set(names) & set(recs)
+    return meta, {k: decode_tensor(k, v, path) for k, v in recs.items() if k in wanted}

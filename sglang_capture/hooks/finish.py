@@ -1,0 +1,19 @@
+"""Finish seam: a finished capture request is sealed and its response carries a reference."""
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
+
+
+def seal_finished(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Before ``_stream_output_generation``: the last point where every row of a request is in."""
+    reqs = args[0] if args else kwargs["reqs"]
+    skip_req = args[2] if len(args) > 2 else kwargs.get("skip_req")
+    for req in reqs:
+        capture = getattr(req, CAPTURE_ATTR, None)
+        if capture is None or req is skip_req or not req.finished() or req.finished_output:
+            continue
+        delattr(req, CAPTURE_ATTR)
+        req.hidden_states = [get_sidecar().finish(req, capture)]
+    return wrapped(*args, **kwargs)

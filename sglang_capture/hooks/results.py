@@ -1,0 +1,73 @@
+"""Result seams: take captured rows as tensors instead of SGLang's ``.tolist()``.
+
+Capture requests hand views of the (already host-side) hidden states to their RequestCapture,
+keyed by absolute position. Other requests go through SGLang's own code unchanged, except that
+they see only the final hidden state columns, exactly what plain SGLang would return them.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Optional
+
+from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
+
+_batch: Dict[str, Any] = {"batch": None, "index": None}
+
+
+def prefill_batch_context(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``process_batch_result_prefill``: remember the batch snapshot, whose ``prefix_lens``
+    give each request's chunk start (the live Req may already be scheduled further)."""
+    _batch["batch"] = args[0] if args else kwargs["batch"]
+    _batch["index"] = None
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _batch["batch"] = _batch["index"] = None
+
+
+def _chunk_start(req: Any) -> int:
+    batch = _batch["batch"]
+    if _batch["index"] is None:
+        _batch["index"] = {id(r): i for i, r in enumerate(batch.reqs)}
+    return batch.prefix_lens[_batch["index"][id(req)]]
+
+
+def _final_columns(hidden: Any) -> Any:
+    model = get_sidecar().model
+    if model is None or hidden is None or hidden.shape[-1] == model.hidden_size:
+        return hidden
+    return hidden[..., -model.hidden_size:]
+
+
+def take_prefill_rows(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``_append_prefill_hidden_states`` (keyword-only): store every chunk, middle ones too."""
+    req = kwargs["req"]
+    capture = getattr(req, CAPTURE_ATTR, None)
+    if capture is None:
+        if req.return_hidden_states:
+            out = copy.copy(kwargs["logits_output"])
+            out.hidden_states = _final_columns(out.hidden_states)
+            kwargs = {**kwargs, "logits_output": out}
+        return wrapped(*args, **kwargs)
+    start = kwargs["hidden_state_offset"]
+    end = start + kwargs["extend_input_len"]
+    if not kwargs["capture_hidden_mode"].is_full():
+        raise RuntimeError("sglang_capture needs full hidden-state capture; start the server through sglang_capture.launch")
+    if not req.finished() and not req.is_retracted:
+        capture.add(_chunk_start(req), kwargs["logits_output"].hidden_states[start:end])
+    return end
+
+
+def take_decode_rows(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Optional[Any]:
+    """Around the static ``_append_decode_hidden_states``: one row per fed-back token."""
+    req = kwargs["req"]
+    capture = getattr(req, CAPTURE_ATTR, None)
+    if capture is None:
+        return wrapped(*args, **{**kwargs, "hidden_states": _final_columns(kwargs["hidden_states"])})
+    accept = kwargs["accept_len"]
+    if accept > 0:
+        start = kwargs["start"]
+        # output_ids already holds this step's tokens; the rows belong to the tokens fed in.
+        position = len(req.origin_input_ids) + len(req.output_ids) - 1 - accept
+        capture.add(position, kwargs["hidden_states"][start:start + accept])
+    return None

@@ -1,0 +1,192 @@
+"""The capture sidecar of one scheduler process: model facts, per-request state, the writer.
+
+The hooks call into the one ``Sidecar`` of their process. Everything here that runs on the
+scheduler thread is bookkeeping only; tensors go to the writer threads untouched.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from sglang_capture.assembler import RequestCapture
+from sglang_capture.config import CaptureConfig
+from sglang_capture.format import SCHEMA
+from sglang_capture.layers import LAYER_CONVENTION, resolve_layers
+from sglang_capture.ledger import HostMemoryLedger
+from sglang_capture.naming import FILE_SUFFIX, BadCaptureName, check_capture_name, name_for_rid
+from sglang_capture.writer import CaptureJob, CaptureWriter, index_path
+
+logger = logging.getLogger(__name__)
+
+CAPTURE_ATTR = "_sglang_capture"  # the RequestCapture hung on a captured Req
+EXTRA_KEY_TAG = "\x00sglang_capture:"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the model loaded in this scheduler captures, recorded in every file."""
+
+    model_path: str
+    architecture: str
+    model_class: str
+    hidden_size: int
+    num_layers: int
+    layers: Tuple[int, ...]
+    dtype: str
+
+    @property
+    def aux_width(self) -> int:
+        return len(self.layers) * self.hidden_size
+
+
+def _model_facts(runner: Any) -> Tuple[str, int, int, str]:
+    cfg = runner.model_config
+    hf = cfg.hf_config
+    arch = (getattr(hf, "architectures", None) or [type(runner.model).__name__])[0]
+    text = getattr(cfg, "hf_text_config", hf)
+    return arch, int(cfg.hidden_size), int(text.num_hidden_layers), str(cfg.dtype).replace("torch.", "")
+
+
+class Sidecar:
+    """Capture state for the scheduler process it lives in."""
+
+    def __init__(self, config: CaptureConfig) -> None:
+        self.config = config
+        self.ledger = HostMemoryLedger(config.max_pending_bytes)
+        self.writer = CaptureWriter(config, self.ledger)
+        self.model: Optional[ModelInfo] = None
+        self._is_writer: Optional[bool] = None
+        from importlib.metadata import version
+
+        self._versions = {"sglang": version("sglang"), "sglang_capture": version("sglang_capture")}
+
+    @property
+    def is_writer(self) -> bool:
+        """Only the rank that owns the request outputs copies and writes (TP>1: one rank)."""
+        if self._is_writer is None:
+            from sglang.srt.runtime_context import get_parallel
+
+            p = get_parallel()
+            self._is_writer = p.pp_rank == 0 and p.attn_tp_rank == 0 and p.attn_cp_rank == 0
+        return self._is_writer
+
+    def configure_model(self, runner: Any) -> None:
+        """Switch aux capture on for the target model, before its CUDA graphs are captured."""
+        model = runner.model
+        lm = getattr(model, "language_model", None) or model
+        inner = lm.model
+        arch, hidden, num_layers, dtype = _model_facts(runner)
+        layers = resolve_layers(self.config.layers, num_layers, arch)
+        lm.capture_aux_hidden_states = True
+        if hasattr(type(inner), "set_eagle3_layers_to_capture"):
+            inner.set_eagle3_layers_to_capture(list(layers))  # inner-model setters take final ids (Qwen-MoE)
+        else:
+            inner.layers_to_capture = list(layers)
+        self.model = ModelInfo(
+            model_path=str(runner.server_args.model_path),
+            architecture=arch,
+            model_class=type(model).__name__,
+            hidden_size=hidden,
+            num_layers=num_layers,
+            layers=tuple(layers),
+            dtype=dtype,
+        )
+        logger.info("sglang_capture: capturing layers %s of %s (%s), final hidden state %s",
+                    layers, arch, type(model).__name__, "kept" if self.config.keep_last_hidden else "dropped")
+
+    def begin(self, req: Any) -> None:
+        """Mark a new request for capture when its custom_params ask for it (all ranks alike)."""
+        params = req.sampling_params.custom_params
+        if not isinstance(params, dict) or params.get("capture", False) is False:
+            return
+        if params["capture"] is not True:
+            req.set_finish_with_abort(f"custom_params.capture must be true or false, got {params['capture']!r}")
+            return
+        try:
+            name = check_capture_name(params["capture_name"]) if "capture_name" in params else name_for_rid(req.rid)
+        except BadCaptureName as e:
+            req.set_finish_with_abort(str(e))
+            return
+        # A private radix-cache namespace: a prefix hit would leave the cached positions without rows.
+        req.extra_key = (req.extra_key or "") + EXTRA_KEY_TAG + req.rid
+        if not self.is_writer:
+            req.return_hidden_states = False
+            return
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+        req.return_hidden_states = True
+        req.return_hidden_states_mode = CaptureHiddenMode.FULL
+        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger)
+        setattr(req, CAPTURE_ATTR, capture)
+        weakref.finalize(req, capture.release)  # aborted before finishing: free the rows with the Req
+
+    def splits(self) -> Dict[str, Tuple[int, int]]:
+        """Column ranges of the captured rows: aux layers first, then the final hidden state."""
+        m = self.model
+        out = {"aux_hidden_states": (0, m.aux_width)}
+        if self.config.keep_last_hidden:
+            out["last_hidden_states"] = (m.aux_width, m.aux_width + m.hidden_size)
+        return out
+
+    def finish(self, req: Any, capture: RequestCapture) -> Dict[str, Any]:
+        """Seal a finished request: hand its rows to the writer and return the response reference."""
+        n_out = req.finished_len if req.finished_len is not None else len(req.output_ids)
+        output_ids = list(req.output_ids[:n_out])
+        input_ids = list(req.origin_input_ids)
+        n_rows = len(input_ids) + max(len(output_ids) - 1, 0)
+        path = os.path.join(self.config.capture_dir, capture.name + FILE_SUFFIX)
+        ref: Dict[str, Any] = {
+            "sglang_capture": 1,
+            "rid": req.rid,
+            "path": path,
+            "index": index_path(self.config.capture_dir, req.rid),
+            "rows": n_rows,
+            "layers": list(self.model.layers),
+            "dtype": self.model.dtype,
+            "shapes": {k: [n_rows, hi - lo] for k, (lo, hi) in self.splits().items()},
+        }
+        reason = req.finished_reason.to_json() if req.finished_reason is not None else {}
+        if reason.get("type") == "abort":
+            capture.release()
+            ref.update(status="aborted", error=str(reason.get("message", "request aborted")))
+            return ref
+        meta = {
+            "rid": req.rid,
+            "capture_name": capture.name,
+            "model": self.model.model_path,
+            "architecture": self.model.architecture,
+            "model_class": self.model.model_class,
+            "hidden_size": self.model.hidden_size,
+            "num_layers": self.model.num_layers,
+            "layers": list(self.model.layers),
+            "layer_convention": LAYER_CONVENTION,
+            "dtype": self.model.dtype,
+            "num_prompt_tokens": len(input_ids),
+            "num_output_tokens": len(output_ids),
+            "finish_reason": reason,
+            "sglang_version": self._versions["sglang"],
+            "sglang_capture_version": self._versions["sglang_capture"],
+            "schema": SCHEMA,
+            "created": time.time(),
+        }
+        self.writer.submit(CaptureJob(capture, n_rows, self.splits(), input_ids, output_ids, meta))
+        ref["status"] = "pending"
+        return ref
+
+
+_SIDECAR: Optional[Sidecar] = None
+
+
+def get_sidecar() -> Sidecar:
+    """The sidecar of this process, created from the launcher's configuration on first use."""
+    global _SIDECAR
+    if _SIDECAR is None:
+        config = CaptureConfig.from_env()
+        if config is None:
+            raise RuntimeError("sglang_capture hooks are installed but SGLANG_CAPTURE_CONFIG is not set")
+        _SIDECAR = Sidecar(config)
+    return _SIDECAR

@@ -1,0 +1,53 @@
+"""Environment for serving SGLang on a CPU-only machine (no NVIDIA driver)."""
+from __future__ import annotations
+
+import os
+import subprocess
+from typing import Dict
+
+# The driver symbols the CUDA-built sgl_kernel wheel links against; each returns
+# CUDA_ERROR_STUB_LIBRARY (34), so torch sees no GPU and SGLang uses its native CPU ops.
+_STUB_SYMBOLS = (
+    "cuPointerGetAttribute cuCtxFromGreenCtx cuCtxPopCurrent_v2 cuCtxPushCurrent_v2 cuDevResourceGenerateDesc "
+    "cuDevSmResourceSplitByCount cuDeviceGetDevResource cuDriverGetVersion cuGetErrorString cuGetProcAddress_v2 "
+    "cuGreenCtxCreate cuGreenCtxDestroy cuGreenCtxGetDevResource cuStreamCreate cuInit cuDeviceGetCount"
+).split()
+
+
+def has_nvidia_driver() -> bool:
+    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    return "libcuda.so.1 " in out
+
+
+def build_cuda_stub(cache_dir: str) -> str:
+    """Compile (once) a stub libcuda.so.1 into ``cache_dir``; returns its folder."""
+    os.makedirs(cache_dir, exist_ok=True)
+    lib = os.path.join(cache_dir, "libcuda.so.1")
+    if not os.path.exists(lib):
+        src = os.path.join(cache_dir, "stub.c")
+        with open(src, "w") as f:
+            f.writelines(f"int {s}(void) {{ return 34; }}\n" for s in _STUB_SYMBOLS)
+        subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib + ".tmp", src], check=True)
+        os.replace(lib + ".tmp", lib)
+    return cache_dir
+
+
+def cpu_server_env(cache_dir: str, base: Dict[str, str] = None) -> Dict[str, str]:
+    """Environment variables under which SGLang 0.5.x serves on this CPU."""
+    env = dict(os.environ if base is None else base)
+    if not has_nvidia_driver():
+        stub = build_cuda_stub(os.path.join(cache_dir, "cudastub"))
+        env["LD_LIBRARY_PATH"] = stub + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    env.update(
+        SGLANG_USE_CPU_ENGINE="1",
+        TORCHDYNAMO_DISABLE="1",  # else inductor compiles MoE top-k for ~40 s on the first request
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        SGLANG_CAPTURE_CPU_TESTBED="1",
+    )
+    return env
+
+
+# Server flags every CPU launch needs; without --max-total-tokens the KV pool takes most of RAM.
+CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096",
+                   "--skip-server-warmup"]

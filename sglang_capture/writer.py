@@ -1,0 +1,194 @@
+"""Writing: background threads that turn finished requests into published capture files.
+
+Each job is assembled (rows by position), encoded (format.py), written to a private temp file,
+fsynced, and published with ``os.link`` into its final name, which never replaces an existing
+file; a reader therefore sees either no file or a whole one. The outcome of every request
+(ok or error, bytes, checksum) is then recorded in ``.index/<rid>.json``, which is what the
+server's HTTP process waits on before it answers the client.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from sglang_capture.assembler import RequestCapture, assemble_rows
+from sglang_capture.config import CaptureConfig
+from sglang_capture.format import write_capture
+from sglang_capture.ledger import HostMemoryLedger
+from sglang_capture.naming import FILE_SUFFIX, name_for_rid
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TMP_DIR = ".tmp"
+INDEX_DIR = ".index"
+
+
+def index_path(capture_dir: str, rid: str) -> str:
+    """Where the outcome of request ``rid`` is recorded."""
+    return os.path.join(capture_dir, INDEX_DIR, name_for_rid(rid) + ".json")
+
+
+def prepare_capture_dir(capture_dir: str) -> None:
+    """Create the private temp and index folders, refusing ones that are symlinks or not folders."""
+    for sub in (TMP_DIR, INDEX_DIR):
+        path = os.path.join(capture_dir, sub)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise OSError(f"{path} must be a real directory (found a symlink or a file)")
+
+
+@dataclass
+class CaptureJob:
+    """A finished request's rows plus everything the file records about it."""
+
+    capture: RequestCapture
+    n_rows: int
+    splits: Dict[str, Tuple[int, int]]
+    input_ids: List[int]
+    output_ids: List[int]
+    meta: Dict[str, Any]
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: str, doc: Dict[str, Any]) -> None:
+    tmp = f"{path}.{uuid.uuid4().hex}.part"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class CaptureWriter:
+    """A bounded pool of writer threads; ``submit`` is the only call made on the scheduler thread."""
+
+    def __init__(self, config: CaptureConfig, ledger: HostMemoryLedger) -> None:
+        self.config = config
+        self.ledger = ledger
+        self._queue: "queue.Queue[Optional[CaptureJob]]" = queue.Queue()
+        self._threads: List[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._busy = 0
+        self.stats = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0}
+
+    def _start(self) -> None:
+        prepare_capture_dir(self.config.capture_dir)
+        for i in range(self.config.writer_threads):
+            t = threading.Thread(target=self._run, name=f"sglang-capture-writer-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def pending(self) -> int:
+        """Jobs queued or being written: memory that waiting will free."""
+        with self._lock:
+            return self._queue.qsize() + self._busy
+
+    def submit(self, job: CaptureJob) -> None:
+        """Queue a job; blocks (back-pressure) while held memory is over the cap and writes are pending."""
+        with self._lock:
+            if not self._threads:
+                self._start()
+        self._queue.put(job)
+        self.stats["max_queue"] = max(self.stats["max_queue"], self._queue.qsize())
+        self.ledger.wait_for_room(lambda: self.pending() > 0)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish queued jobs and stop the threads (used on graceful shutdown and in tests)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._threads = []
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                self._busy += 1
+            try:
+                self._record(job, self.write(job))
+            except Exception:  # never let one request kill the writer thread
+                logger.exception("sglang_capture: failed to record the outcome of %s", job.meta.get("rid"))
+            finally:
+                job.capture.release()
+                with self._lock:
+                    self._busy -= 1
+
+    def write(self, job: CaptureJob) -> Dict[str, Any]:
+        """Assemble, encode and publish one job; returns its outcome (never raises)."""
+        cfg = self.config
+        final = os.path.join(cfg.capture_dir, job.capture.name + FILE_SUFFIX)
+        outcome: Dict[str, Any] = {"rid": job.meta["rid"], "name": job.capture.name, "path": final}
+        tmp = os.path.join(cfg.capture_dir, TMP_DIR, f"{job.capture.name}.{os.getpid()}.{uuid.uuid4().hex}.part")
+        try:
+            tensors = assemble_rows(job.capture.chunks, job.n_rows, job.splits)
+            job.capture.release()
+            tensors = {
+                "input_ids": torch.tensor(job.input_ids, dtype=torch.int64),
+                "output_ids": torch.tensor(job.output_ids, dtype=torch.int64),
+                **tensors,
+            }
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+            with os.fdopen(fd, "wb", buffering=1 << 20) as f:
+                nbytes, checksum = write_capture(f, job.meta, tensors, cfg.codec_spec())
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                raise FileExistsError(errno.EEXIST, f"a capture file named {job.capture.name!r} already exists") from None
+            _fsync_dir(cfg.capture_dir)
+            raw = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.stats["written"] += 1
+            self.stats["bytes"] += nbytes
+            self.stats["raw_bytes"] += raw
+            outcome.update(status="ok", bytes=nbytes, checksum=checksum,
+                           write_s=round(time.monotonic() - job.enqueued, 6))
+        except Exception as e:
+            self.stats["failed"] += 1
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            outcome.update(status="error", error=f"{type(e).__name__}: {reason}")
+            logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
+        finally:
+            _unlink_quietly(tmp)
+        return outcome
+
+    def _record(self, job: CaptureJob, outcome: Dict[str, Any]) -> None:
+        try:
+            _write_json_atomic(index_path(self.config.capture_dir, job.meta["rid"]), outcome)
+        except OSError as e:
+            logger.error("sglang_capture: cannot record the outcome of %s: %s", job.meta["rid"], e)

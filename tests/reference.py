@@ -1,0 +1,32 @@
+"""transformers as the reference: hidden states of the same weights for the same tokens."""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import List, Tuple
+
+import torch
+
+
+@lru_cache(maxsize=4)
+def _model(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def reference_states(path: str, dtype: torch.dtype, ids: List[int], layers: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(aux [N, len(layers)*H], final post-norm [N, H]) for the token ids, as transformers computes them."""
+    model = _model(path, dtype)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    hs = out.hidden_states
+    aux = torch.cat([hs[i][0] for i in layers], dim=-1)
+    return aux, hs[-1][0]
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def min_row_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min().item()

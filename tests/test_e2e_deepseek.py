@@ -1,0 +1,154 @@
+"""End to end on a tiny DeepSeek-V3 (MLA + MoE, Kimi-K2.5's architecture), float32, real SGLang on CPU."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import sglang_capture
+from tests.conftest import capture_cmd
+from tests.reference import max_abs_diff, reference_states
+
+LAYERS = [0, 2, 3]
+CHUNK = 64
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def dsv3(tiny_models, make_server, tmp_path_factory):
+    capture_dir = str(tmp_path_factory.mktemp("capture"))
+    cmd = capture_cmd(tiny_models["tiny-dsv3"], capture_dir, "--capture-layers", ",".join(map(str, LAYERS)),
+                      "--dtype", "float32", "--chunked-prefill-size", str(CHUNK))
+    return make_server(cmd, capture_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    return AutoTokenizer.from_pretrained(tiny_models["tiny-dsv3"])
+
+
+def capture(server, text, max_new_tokens=4, **custom):
+    r = server.generate({"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                                           "ignore_eos": True, "custom_params": {"capture": True, **custom}}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def check_against_transformers(path_model, data, tol=TOL):
+    ids = data["input_ids"].tolist() + data["output_ids"].tolist()[:-1]
+    aux, last = reference_states(path_model, torch.float32, ids, data["layers"])
+    assert data["aux_hidden_states"].shape == aux.shape
+    assert data["last_hidden_states"].shape == last.shape
+    assert max_abs_diff(data["aux_hidden_states"], aux) <= tol
+    assert max_abs_diff(data["last_hidden_states"], last) <= tol
+
+
+def test_capture_file_matches_transformers_and_response(dsv3, tiny_models, tokenizer):
+    out = capture(dsv3, "Kimi K2.5 uses the DeepSeek V3 architecture.", max_new_tokens=5)
+    ref = out["meta_info"]["capture"]
+    assert ref["status"] == "ok" and ref["checksum"].startswith("sha256:") and ref["bytes"] > 0
+    assert os.path.dirname(ref["path"]) == dsv3.capture_dir
+    assert "hidden_states" not in out["meta_info"]
+    data = sglang_capture.load(ref["path"])
+    assert data["rid"] == out["meta_info"]["id"]
+    assert data["input_ids"].tolist() == tokenizer("Kimi K2.5 uses the DeepSeek V3 architecture.")["input_ids"]
+    assert data["output_ids"].tolist() == out["output_ids"]
+    assert data["input_ids"].dtype == data["output_ids"].dtype == torch.int64
+    assert data["layers"] == LAYERS and data["hidden_size"] == 256
+    assert data["meta"]["architecture"] == "DeepseekV3ForCausalLM"
+    assert data["aux_hidden_states"].dtype == torch.float32  # the serving dtype, never converted
+    assert data["aux_hidden_states"].shape[0] == ref["rows"] == len(data["input_ids"]) + 4
+    check_against_transformers(tiny_models["tiny-dsv3"], data)
+
+
+def test_prompt_longer_than_chunked_prefill_is_captured_whole(dsv3, tiny_models, tokenizer):
+    text = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+    assert len(tokenizer(text)["input_ids"]) > 2 * CHUNK
+    out = capture(dsv3, text, max_new_tokens=3)
+    data = sglang_capture.load(out["meta_info"]["capture"]["path"])
+    assert data["aux_hidden_states"].shape[0] == len(data["input_ids"]) + 2
+    check_against_transformers(tiny_models["tiny-dsv3"], data)
+
+
+def test_concurrent_mixed_requests_keep_their_own_rows(dsv3, tiny_models, tokenizer):
+    words = "hello world this is a tiny tokenizer for sglang cpu tests".split()
+    prompts = [" ".join(words[: 2 + (i * 3) % 11] * (1 + i % 5)) for i in range(16)]
+
+    def payload(i):
+        p = {"text": prompts[i], "sampling_params": {"max_new_tokens": 2 + i % 4, "temperature": 0, "ignore_eos": True}}
+        if i % 2 == 0:
+            p["sampling_params"]["custom_params"] = {"capture": True, "capture_name": f"mixed-{i}"}
+        elif i % 4 == 1:
+            p["return_hidden_states"] = True
+        return p
+
+    solo = {i: dsv3.generate(payload(i)).json() for i in range(16) if i % 2}
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda i: dsv3.generate(payload(i)), range(16)))
+    for i, r in enumerate(results):
+        assert r.status_code == 200, r.text
+        out = r.json()
+        if i % 2 == 0:
+            ref = out["meta_info"]["capture"]
+            assert ref["status"] == "ok" and ref["path"].endswith(f"mixed-{i}.capture.msgpack")
+            data = sglang_capture.load(ref["path"])
+            assert data["input_ids"].tolist() == tokenizer(prompts[i])["input_ids"]
+            assert data["output_ids"].tolist() == out["output_ids"]
+            check_against_transformers(tiny_models["tiny-dsv3"], data)
+        else:
+            assert "capture" not in out["meta_info"]
+            assert out["output_ids"] == solo[i]["output_ids"]
+            if i % 4 == 1:  # SGLang's own JSON path still returns the final hidden state, as lists
+                hs = out["meta_info"]["hidden_states"]
+                ids = tokenizer(prompts[i])["input_ids"] + out["output_ids"][:-1]
+                _, last = reference_states(tiny_models["tiny-dsv3"], torch.float32, ids, LAYERS)
+                rows = torch.tensor(hs[0] + hs[1:])
+                # plain SGLang returns rows only for tokens it computed (the solo run cached the prompt)
+                assert rows.shape[1] == last.shape[1] and 0 < rows.shape[0] <= last.shape[0]
+                assert max_abs_diff(rows, last[-rows.shape[0]:]) <= TOL
+            else:
+                assert "hidden_states" not in out["meta_info"] or not out["meta_info"]["hidden_states"]
+
+
+BAD_NAMES = ["../escape", "/etc/passwd", "a\x00b", "x" * 300, ".hidden", "a/b", 7]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=["dotdot", "absolute", "nul", "huge", "hidden", "slash", "int"])
+def test_bad_capture_name_is_refused_and_never_escapes(dsv3, name):
+    before = set(os.listdir(os.path.dirname(dsv3.capture_dir)))
+    r = dsv3.generate({"text": "hello", "sampling_params": {"max_new_tokens": 2,
+                                                            "custom_params": {"capture": True, "capture_name": name}}})
+    assert r.status_code == 400
+    assert "capture_name" in r.text
+    assert set(os.listdir(os.path.dirname(dsv3.capture_dir))) == before
+    assert not os.path.exists("/etc/passwd.capture.msgpack")
+    ok = capture(dsv3, "hello again", max_new_tokens=2)  # the server keeps serving
+    assert ok["meta_info"]["capture"]["status"] == "ok"
+
+
+def test_capture_flag_must_be_boolean(dsv3):
+    r = dsv3.generate({"text": "hello", "sampling_params": {"max_new_tokens": 2, "custom_params": {"capture": "yes"}}})
+    assert r.status_code == 400 and "custom_params.capture must be true or false" in r.text
+
+
+def test_malicious_rid_becomes_a_digest_inside_the_capture_dir(dsv3):
+    r = dsv3.generate({"text": "hello", "rid": "../../evil-rid", "sampling_params": {
+        "max_new_tokens": 2, "custom_params": {"capture": True}}})
+    assert r.status_code == 200, r.text
+    ref = r.json()["meta_info"]["capture"]
+    assert ref["status"] == "ok"
+    assert os.path.dirname(ref["path"]) == dsv3.capture_dir
+    assert os.path.basename(ref["path"]).startswith("rid-")
+    assert sglang_capture.load(ref["path"])["rid"] == "../../evil-rid"
+
+
+def test_same_capture_name_twice_never_overwrites(dsv3):
+    first = capture(dsv3, "hello world", max_new_tokens=2, capture_name="twice")
+    second = capture(dsv3, "The quick brown fox", max_new_tokens=2, capture_name="twice")
+    assert first["meta_info"]["capture"]["status"] == "ok"
+    assert second["meta_info"]["capture"]["status"] == "error"
+    assert "already exists" in second["meta_info"]["capture"]["error"]
+    assert sglang_capture.load(first["meta_info"]["capture"]["path"])["rid"] == first["meta_info"]["id"]
