@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 import sglang_capture
-from tests.conftest import capture_cmd
+from sglang_capture.testbed.server import capture_cmd
 from tests.reference import max_abs_diff, reference_states
 
 LAYERS = [0, 2, 3]

@@ -32,17 +32,17 @@ def build_cuda_stub(cache_dir: str) -> str:
     return cache_dir
 
 
-def cpu_server_env(cache_dir: str, base: Dict[str, str] = None) -> Dict[str, str]:
-    """Environment variables under which SGLang 0.5.x serves on this CPU."""
+def server_env(cache_dir: str, base: Dict[str, str] = None) -> Dict[str, str]:
+    """Environment for a server subprocess: unchanged (offline) with a GPU, the CPU recipe without."""
     env = dict(os.environ if base is None else base)
-    if not has_nvidia_driver():
-        stub = build_cuda_stub(os.path.join(cache_dir, "cudastub"))
-        env["LD_LIBRARY_PATH"] = stub + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if has_nvidia_driver():
+        return env
+    stub = build_cuda_stub(os.path.join(cache_dir, "cudastub"))
+    env["LD_LIBRARY_PATH"] = stub + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     env.update(
         SGLANG_USE_CPU_ENGINE="1",
         TORCHDYNAMO_DISABLE="1",  # else inductor compiles MoE top-k for ~40 s on the first request
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
         SGLANG_CAPTURE_CPU_TESTBED="1",
     )
     return env

@@ -1,0 +1,87 @@
+"""Start and stop a real SGLang server on loopback by PID (tests and the demo)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List
+
+import requests
+
+from sglang_capture.testbed.cpu import CPU_SERVER_ARGS, has_nvidia_driver
+
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+    capture_dir: str = ""
+
+    def generate(self, payload: dict, timeout: float = 120) -> requests.Response:
+        return requests.post(self.url + "/generate", json=payload, timeout=timeout)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def device_args() -> List[str]:
+    """CPU flags on a machine without an NVIDIA driver, else none (SGLang picks the GPU)."""
+    return [] if has_nvidia_driver() else list(CPU_SERVER_ARGS)
+
+
+def capture_cmd(model: str, capture_dir: str, *extra: str) -> List[str]:
+    return [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir, *extra,
+            "--model-path", model, *device_args()]
+
+
+def plain_cmd(model: str, *extra: str) -> List[str]:
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *device_args(),
+            "--enable-return-hidden-states", *extra]
+
+
+def start_server(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir: str = "") -> Server:
+    """Start a server in its own process group and wait until /health answers."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path, capture_dir)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+        try:
+            if requests.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    stop_server(server)
+    raise RuntimeError(f"server did not become healthy in {START_TIMEOUT_S} s:\n{server.log()[-4000:]}")
+
+
+def stop_server(server: Server) -> None:
+    """SIGTERM the launcher's process group, then SIGKILL whatever is left."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(server.proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            server.proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass

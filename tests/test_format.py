@@ -1,0 +1,101 @@
+"""Format v1: round trips keep dtype and bytes; damaged files fail with one clear error."""
+from __future__ import annotations
+
+import io
+
+import msgpack
+import pytest
+import torch
+
+import sglang_capture.format as fmt
+from sglang_capture import CaptureFileError, load
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "input_ids": torch.arange(7, dtype=torch.int64),
+        "aux_hidden_states": torch.randn(37, 24, generator=g).to(torch.bfloat16),
+        "last_hidden_states": torch.randn(37, 8, generator=g),
+        "empty": torch.empty(0, 8, dtype=torch.bfloat16),
+    }
+
+
+META = {"rid": "r1", "layers": [1, 2], "layer_convention": "x", "hidden_size": 8, "model": "m",
+        "sglang_version": "0.5.17", "schema": fmt.SCHEMA}
+
+
+def _encode(codec, tensors=None):
+    buf = io.BytesIO()
+    nbytes, checksum = fmt.write_capture(buf, META, tensors or _tensors(), codec)
+    assert nbytes == len(buf.getvalue())
+    return buf.getvalue(), checksum
+
+
+@pytest.mark.parametrize("codec", [fmt.Codec(), fmt.Codec(shuffle=False), fmt.Codec(name="none"), fmt.Codec(level=5, threads=2)])
+def test_round_trip_keeps_values_dtypes_and_shapes(codec, monkeypatch):
+    monkeypatch.setattr(fmt, "FRAME_BYTES", 200)  # several frames per tensor
+    buf, _ = _encode(codec)
+    meta, out = fmt.parse_capture(buf)
+    assert meta == META
+    for name, t in _tensors().items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape and torch.equal(out[name], t)
+
+
+def test_any_msgpack_reader_parses_the_streamed_file():
+    doc = msgpack.unpackb(_encode(fmt.Codec())[0], raw=False)
+    assert doc["schema"] == fmt.SCHEMA and set(doc["tensors"]) == set(_tensors())
+
+
+def test_checksum_is_sha256_of_the_file_bytes():
+    import hashlib
+
+    buf, checksum = _encode(fmt.Codec())
+    assert checksum == "sha256:" + hashlib.sha256(buf).hexdigest()
+
+
+def test_shuffle_compresses_bf16_activations_better():
+    t = {"x": (torch.randn(4096, 256) * 0.5).to(torch.bfloat16)}
+    assert len(_encode(fmt.Codec(), t)[0]) < len(_encode(fmt.Codec(shuffle=False), t)[0])
+
+
+def test_flipped_byte_in_payload_is_detected(tmp_path):
+    buf = bytearray(_encode(fmt.Codec())[0])
+    buf[-40] ^= 0xFF
+    path = tmp_path / "bad.capture.msgpack"
+    path.write_bytes(bytes(buf))
+    with pytest.raises(CaptureFileError, match="corrupted"):
+        load(path)
+
+
+def test_truncated_file_is_detected(tmp_path):
+    path = tmp_path / "cut.capture.msgpack"
+    path.write_bytes(_encode(fmt.Codec())[0][:-100])
+    with pytest.raises(CaptureFileError, match="truncated or corrupted"):
+        load(path)
+
+
+def test_not_a_capture_file(tmp_path):
+    path = tmp_path / "other.capture.msgpack"
+    path.write_bytes(msgpack.packb({"schema": "something else"}))
+    with pytest.raises(CaptureFileError, match="not a sglang_capture/v1 capture file"):
+        load(path)
+
+
+def test_missing_file_is_one_line_error(tmp_path):
+    with pytest.raises(CaptureFileError, match="cannot read"):
+        load(tmp_path / "nope")
+
+
+def test_header_lying_about_size_is_rejected():
+    doc = msgpack.unpackb(_encode(fmt.Codec())[0], raw=False)
+    doc["tensors"]["aux_hidden_states"]["shape"] = [38, 24]
+    with pytest.raises(CaptureFileError, match="header sizes disagree"):
+        fmt.parse_capture(msgpack.packb(doc, use_bin_type=True))
+
+
+def test_bad_codec_settings_are_refused():
+    with pytest.raises(ValueError, match="unknown codec"):
+        fmt.Codec(name="gzip")
+    with pytest.raises(ValueError, match="zstd level"):
+        fmt.Codec(level=99)

@@ -1,0 +1,106 @@
+"""The launcher's start-up checks, the seam table and the instrumentor (in-process, no server)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import wrapt
+from click.testing import CliRunner
+
+import sglang_capture.instrumentor as inst
+from sglang_capture.launch import main
+from sglang_capture.patches import load_table, supported_versions
+
+
+def _launch(*args):
+    result = CliRunner().invoke(main, list(args))
+    lines = [l for l in result.output.strip().splitlines() if l.startswith("Error")]
+    return result, lines
+
+
+def test_missing_capture_dir_exits_non_zero_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", str(tmp_path / "nope"),
+                           "--model-path", "x"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == f"Error: --capture-dir {tmp_path / 'nope'} does not exist; create it first (mkdir -p {tmp_path / 'nope'})"
+    assert "Traceback" not in proc.stderr
+
+
+def test_capture_dir_that_is_a_file_or_unwritable(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    result, lines = _launch("--capture-dir", str(f), "--model-path", "x")
+    assert result.exit_code != 0 and len(lines) == 1 and ("is a file" in lines[0] or "not a directory" in lines[0])
+    result, lines = _launch("--capture-dir", "/proc", "--model-path", "x")  # not writable, even for root
+    assert result.exit_code != 0 and lines == [lines[0]] and "not writable" in lines[0]
+
+
+def test_layer_out_of_range_is_refused_before_start(tiny_models, tmp_path):
+    result, lines = _launch("--capture-dir", str(tmp_path), "--capture-layers", "1,9", "--model-path",
+                            tiny_models["tiny-dsv3"], "--device", "cpu")
+    assert result.exit_code != 0
+    assert lines == ["Error: --capture-layers 9 out of range: DeepseekV3ForCausalLM with 4 layers accepts ids 0..3 "
+                     "(id i = input of decoder layer i)"]
+    assert "SGLANG_CAPTURE_CONFIG" not in os.environ
+
+
+def test_model_without_aux_capture_is_refused(tiny_models, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = json.load(open(os.path.join(tiny_models["tiny-llama"], "config.json")))
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", str(model), "--device", "cpu")
+    assert result.exit_code != 0 and len(lines) == 1 and "GPT2LMHeadModel has no aux hidden-state capture" in lines[0]
+
+
+def test_speculative_decoding_is_refused(tiny_models, tmp_path):
+    result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", tiny_models["tiny-llama"], "--device", "cpu",
+                            "--speculative-algorithm", "NGRAM")
+    assert result.exit_code != 0 and len(lines) == 1 and "speculative" in lines[0]
+
+
+def test_unsupported_sglang_version_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(inst, "installed_sglang_version", lambda: "0.4.9")
+    result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", "x")
+    assert result.exit_code != 0
+    assert lines == [f"Error: sglang_capture supports SGLang {', '.join(supported_versions())}; found 0.4.9. "
+                     f"Install a supported release (pip install sglang=={supported_versions()[-1]})"]
+
+
+def test_seam_table_fingerprints_match_installed_sglang():
+    seams = inst.seams_for_installed()
+    assert {s.seam for s in seams} >= {"model_layers", "final_hidden", "request", "prefill_rows", "decode_rows",
+                                         "finish", "response"}
+    assert [inst.check_seam(s) for s in seams] == [None] * len(seams)
+
+
+def test_changed_sglang_function_fails_loudly():
+    seam = replace(load_table("0.5.17")[0], fingerprint="sha256:" + "0" * 64)
+    assert "changed (fingerprint" in inst.check_seam(seam)
+    probe = inst.CaptureInstrumentor()
+    probe._instrumented = True
+    with pytest.raises(inst.UnsupportedSGLang, match="refusing to patch"):
+        probe._patch(seam)
+
+
+def test_instrument_is_idempotent_and_uninstrument_restores():
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor as P
+
+    original_init, original_decode = Req.__dict__["__init__"], P.__dict__["_append_decode_hidden_states"]
+    probe = inst.CaptureInstrumentor()
+    probe.instrument(processes=("scheduler",))
+    probe.instrument(processes=("scheduler",))
+    try:
+        assert isinstance(Req.__dict__["__init__"], wrapt.FunctionWrapper)
+        assert not isinstance(Req.__dict__["__init__"].__wrapped__, wrapt.FunctionWrapper)  # wrapped once
+        assert "request" in probe.patched_seams() and "response" not in probe.patched_seams()
+    finally:
+        probe.uninstrument()
+    assert Req.__dict__["__init__"] is original_init
+    assert P.__dict__["_append_decode_hidden_states"] is original_decode

@@ -1,0 +1,157 @@
+"""Names, layers, options, assembly and host-memory back-pressure, without a server."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_capture.assembler import IncompleteCapture, RowChunk, assemble_rows
+from sglang_capture.config import CaptureConfig, ConfigError, parse_layers
+from sglang_capture.layers import LayerError, default_layers, resolve_layers
+from sglang_capture.ledger import HostMemoryLedger
+from sglang_capture.naming import BadCaptureName, check_capture_name, name_for_rid
+
+
+@pytest.mark.parametrize("name", ["../x", "/abs", "a/b", "a\x00b", "..", ".hidden", "x" * 129, "", "a..b", "é"])
+def test_unsafe_capture_names_are_refused(name):
+    with pytest.raises(BadCaptureName):
+        check_capture_name(name)
+
+
+def test_safe_capture_names_pass_and_unsafe_rids_become_digests():
+    assert check_capture_name("sample-0001.v2_a") == "sample-0001.v2_a"
+    assert name_for_rid("abc123") == "abc123"
+    digest = name_for_rid("../../etc/passwd")
+    assert digest.startswith("rid-") and "/" not in digest and digest == name_for_rid("../../etc/passwd")
+
+
+def test_kimi_default_layers_are_3_31_59():
+    assert default_layers(61, "DeepseekV3ForCausalLM") == [3, 31, 59]
+    assert default_layers(61, "KimiK25ForConditionalGeneration") == [3, 31, 59]
+    assert default_layers(32, "LlamaForCausalLM") == [3, 17, 30]
+
+
+def test_layer_ids_are_checked_against_the_model():
+    assert resolve_layers([59, 3, 31], 61, "DeepseekV3ForCausalLM") == [3, 31, 59]
+    assert resolve_layers([0], 4, "DeepseekV3ForCausalLM") == [0]
+    with pytest.raises(LayerError, match="out of range.*0..3"):
+        resolve_layers([4], 4, "DeepseekV3ForCausalLM")
+    with pytest.raises(LayerError, match="accepts ids 1..3"):
+        resolve_layers([0], 4, "LlamaForCausalLM")  # no residual enters Llama's layer 0
+    with pytest.raises(LayerError, match="no aux hidden-state capture"):
+        resolve_layers(None, 12, "GPT2LMHeadModel")
+
+
+@pytest.mark.parametrize("text,msg", [("3,x", "comma-separated integers"), (",", "empty")])
+def test_layer_option_parsing(text, msg):
+    with pytest.raises(ConfigError, match=msg):
+        parse_layers(text)
+
+
+def test_config_round_trips_through_the_environment(tmp_path):
+    cfg = CaptureConfig(capture_dir=str(tmp_path), layers=[31, 3, 59], level=3)
+    assert cfg.layers == [3, 31, 59]
+    assert CaptureConfig.from_env({"SGLANG_CAPTURE_CONFIG": cfg.to_env()}) == cfg
+    assert CaptureConfig.from_env({}) is None
+    with pytest.raises(ConfigError, match="duplicates"):
+        CaptureConfig(capture_dir=str(tmp_path), layers=[3, 3])
+    with pytest.raises(ConfigError, match="writer-threads"):
+        CaptureConfig(capture_dir=str(tmp_path), writer_threads=0)
+
+
+def test_rows_are_placed_by_position_later_rows_win():
+    a = torch.arange(0, 12, dtype=torch.float32).view(4, 3)      # positions 0..3
+    b = torch.full((3, 3), -1.0)                                    # positions 2..4 (re-prefill)
+    c = torch.full((2, 3), 7.0)                                     # positions 5..6, one past the end
+    out = assemble_rows([RowChunk(0, a), RowChunk(2, b), RowChunk(5, c)], 6, {"x": (0, 2), "y": (2, 3)})
+    assert out["x"].shape == (6, 2) and out["y"].shape == (6, 1)
+    assert torch.equal(out["x"][:2], a[:2, :2]) and (out["x"][2:5] == -1).all() and (out["x"][5] == 7).all()
+
+
+def test_missing_rows_fail_the_capture():
+    with pytest.raises(IncompleteCapture, match="positions 2-3"):
+        assemble_rows([RowChunk(0, torch.zeros(2, 3)), RowChunk(4, torch.zeros(1, 3))], 5, {"x": (0, 3)})
+
+
+def test_ledger_counts_a_shared_batch_buffer_once():
+    ledger = HostMemoryLedger(cap_bytes=1 << 30)
+    batch = torch.zeros(10, 4)
+    ledger.hold(batch[:3])
+    ledger.hold(batch[3:])
+    assert ledger.held_bytes == batch.untyped_storage().nbytes()
+    ledger.release(batch[:3])
+    assert ledger.held_bytes == batch.untyped_storage().nbytes()
+    ledger.release(batch[3:])
+    assert ledger.held_bytes == 0
+
+
+def test_ledger_blocks_producers_over_the_cap_until_writes_drain():
+    ledger = HostMemoryLedger(cap_bytes=100)
+    t = torch.zeros(100)  # 400 bytes, over the cap
+    ledger.hold(t)
+    released = threading.Event()
+
+    def drain():
+        time.sleep(0.2)
+        ledger.release(t)
+        released.set()
+
+    threading.Thread(target=drain).start()
+    start = time.monotonic()
+    ledger.wait_for_room(lambda: not released.is_set())
+    assert released.is_set() and time.monotonic() - start >= 0.15 and ledger.waits == 1
+    ledger.hold(t)
+    ledger.wait_for_room(lambda: False)  # nothing pending: never deadlock, go on over the cap
+    assert ledger.held_bytes == 400
+
+
+def _job(tmp_path, chunks, n_rows, name="req-1"):
+    from sglang_capture.assembler import RequestCapture
+    from sglang_capture.writer import CaptureJob
+
+    ledger = HostMemoryLedger(1 << 30)
+    cap = RequestCapture(rid=name, name=name, ledger=ledger)
+    for start, rows in chunks:
+        cap.add(start, rows)
+    meta = {"rid": name, "layers": [1], "layer_convention": "c", "hidden_size": 2, "model": "m",
+            "sglang_version": "0.5.17", "schema": "sglang_capture/v1"}
+    return CaptureJob(cap, n_rows, {"aux_hidden_states": (0, 2), "last_hidden_states": (2, 4)}, [1, 2], [3], meta), ledger
+
+
+def test_writer_publishes_whole_files_and_records_the_outcome(tmp_path):
+    import json
+    import os
+
+    from sglang_capture import load
+    from sglang_capture.writer import CaptureWriter, index_path
+
+    cfg = CaptureConfig(capture_dir=str(tmp_path), writer_threads=2)
+    rows = torch.arange(8, dtype=torch.float32).view(2, 4)
+    job, ledger = _job(tmp_path, [(0, rows)], 2)
+    writer = CaptureWriter(cfg, ledger)
+    writer.submit(job)
+    writer.close()
+    outcome = json.load(open(index_path(str(tmp_path), "req-1")))
+    assert outcome["status"] == "ok" and outcome["bytes"] == os.path.getsize(outcome["path"])
+    data = load(outcome["path"])
+    assert torch.equal(data["aux_hidden_states"], rows[:, :2]) and torch.equal(data["last_hidden_states"], rows[:, 2:])
+    assert ledger.held_bytes == 0 and os.listdir(tmp_path / ".tmp") == []
+
+
+def test_writer_failure_leaves_no_file_and_an_error_outcome(tmp_path):
+    import json
+    import os
+
+    from sglang_capture.writer import CaptureWriter, index_path
+
+    cfg = CaptureConfig(capture_dir=str(tmp_path), writer_threads=1)
+    job, ledger = _job(tmp_path, [(0, torch.zeros(1, 4))], 3, name="short")
+    writer = CaptureWriter(cfg, ledger)
+    writer.submit(job)
+    writer.close()
+    outcome = json.load(open(index_path(str(tmp_path), "short")))
+    assert outcome["status"] == "error" and "rows missing at positions 1-2" in outcome["error"]
+    assert not os.path.exists(outcome["path"]) and os.listdir(tmp_path / ".tmp") == []
+    assert ledger.held_bytes == 0 and writer.stats["failed"] == 1
