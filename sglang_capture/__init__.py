@@ -6,4 +6,5 @@ requests with ``"custom_params": {"capture": true}``, and read the files with ``
 from sglang_capture.format import CaptureFileError
 from sglang_capture.reader import load
 
-__all__ = ["load", "CaptureFileError"]
+__version__ = "0.1.0"
+__all__ = ["load", "CaptureFileError", "__version__"]

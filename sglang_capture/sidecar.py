@@ -10,7 +10,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from sglang_capture.assembler import RequestCapture
 from sglang_capture.config import CaptureConfig
@@ -60,9 +60,10 @@ class Sidecar:
         self.writer = CaptureWriter(config, self.ledger)
         self.model: Optional[ModelInfo] = None
         self._is_writer: Optional[bool] = None
-        from importlib.metadata import version
+        from sglang_capture import __version__
+        from sglang_capture.instrumentor import installed_sglang_version
 
-        self._versions = {"sglang": version("sglang"), "sglang_capture": version("sglang_capture")}
+        self._versions = {"sglang": installed_sglang_version(), "sglang_capture": __version__}
 
     @property
     def is_writer(self) -> bool:
