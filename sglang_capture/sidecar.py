@@ -139,6 +139,7 @@ class Sidecar:
         output_ids = list(req.output_ids[:n_out])
         input_ids = list(req.origin_input_ids)
         n_rows = len(input_ids) + max(len(output_ids) - 1, 0)
+        splits = self.splits()
         path = os.path.join(self.config.capture_dir, capture.name + FILE_SUFFIX)
         ref: Dict[str, Any] = {
             "sglang_capture": 1,
@@ -148,7 +149,7 @@ class Sidecar:
             "rows": n_rows,
             "layers": list(self.model.layers),
             "dtype": self.model.dtype,
-            "shapes": {k: [n_rows, hi - lo] for k, (lo, hi) in self.splits().items()},
+            "shapes": {k: [n_rows, hi - lo] for k, (lo, hi) in splits.items()},
         }
         reason = req.finished_reason.to_json() if req.finished_reason is not None else {}
         if reason.get("type") == "abort":
@@ -174,7 +175,7 @@ class Sidecar:
             "schema": SCHEMA,
             "created": time.time(),
         }
-        self.writer.submit(CaptureJob(capture, n_rows, self.splits(), input_ids, output_ids, meta))
+        self.writer.submit(CaptureJob(capture, n_rows, splits, input_ids, output_ids, meta))
         ref["status"] = "pending"
         return ref
 
