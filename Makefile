@@ -17,7 +17,7 @@ install:
 	$(VENV)/bin/pip install -q -e '.[test]' 2>&1 | $(PIP_QUIET)
 
 demo: install
-	$(VENV)/bin/python -m sglang_capture.demo
+	$(VENV)/bin/sglang-capture demo
 
 test: install
 	$(VENV)/bin/python -m pytest -q tests

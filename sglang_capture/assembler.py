@@ -43,6 +43,7 @@ class RequestCapture:
     name: str
     ledger: HostMemoryLedger
     chunks: List[RowChunk] = field(default_factory=list)
+    loss_spans: Optional[List[Tuple[int, int]]] = None  # from custom_params.capture_loss_mask
 
     def add(self, start: int, rows: torch.Tensor) -> None:
         """Hot path: keep a reference to the rows (a view, no copy) and account for the host memory."""

@@ -228,8 +228,8 @@ def decode_tensor(name: str, rec: Any, path: str = "<capture>") -> torch.Tensor:
     return torch.frombuffer(out, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def parse_capture(buf: bytes, path: str = "<capture>", names: Optional[Iterable[str]] = None) -> Tuple[dict, dict]:
-    """Parse a whole file's bytes into (meta, tensors); ``names`` limits which tensors are decoded."""
+def read_records(buf: bytes, path: str = "<capture>") -> Tuple[dict, dict]:
+    """Parse a whole file's bytes into (meta, raw tensor records) without decompressing anything."""
     try:
         doc = msgpack.unpackb(buf, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types for bad input
@@ -239,5 +239,19 @@ def parse_capture(buf: bytes, path: str = "<capture>", names: Optional[Iterable[
     meta, recs = doc.get("meta"), doc.get("tensors")
     if not isinstance(meta, dict) or not isinstance(recs, dict):
         raise _fail(path, "missing 'meta' or 'tensors' section")
+    return meta, recs
+
+
+def record_stats(rec: Dict[str, Any]) -> Dict[str, Any]:
+    """Sizes of one raw tensor record (for ``inspect``): raw bytes, stored bytes, frame count."""
+    stored = sum(len(fr) for fr in rec.get("data", []))
+    return {"dtype": rec.get("dtype"), "shape": rec.get("shape"), "codec": rec.get("codec"),
+            "shuffle": rec.get("shuffle"), "frames": len(rec.get("data", [])), "raw_bytes": rec.get("nbytes"),
+            "stored_bytes": stored}
+
+
+def parse_capture(buf: bytes, path: str = "<capture>", names: Optional[Iterable[str]] = None) -> Tuple[dict, dict]:
+    """Parse a whole file's bytes into (meta, tensors); ``names`` limits which tensors are decoded."""
+    meta, recs = read_records(buf, path)
     wanted = set(recs) if names is None else set(names) & set(recs)
     return meta, {k: decode_tensor(k, v, path) for k, v in recs.items() if k in wanted}

@@ -19,6 +19,7 @@ from sglang_capture.config import ENV_VAR, CaptureConfig, ConfigError, parse_lay
 from sglang_capture.format import CODECS
 from sglang_capture.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
 from sglang_capture.layers import LayerError, resolve_layers
+from sglang_capture.server_info import add_route, describe
 
 if __name__ == "__mp_main__":  # spawn re-runs the launcher module in every child: patch there too
     from sglang_capture.plugin import register
@@ -92,10 +93,11 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
     check_server_args(server_args)
     arch, num_layers = read_model_shape(server_args.model_path, server_args.trust_remote_code)
     try:
-        resolve_layers(config.layers, num_layers, arch)
+        layers = resolve_layers(config.layers, num_layers, arch)
     except LayerError as e:
         raise ConfigError(str(e)) from None
     os.environ[ENV_VAR] = config.to_env()
+    add_route(describe(config, str(server_args.model_path), arch, layers))
     return server_args
 
 

@@ -58,3 +58,20 @@ def resolve_layers(requested: Optional[Sequence[int]], num_layers: int, architec
             f"accepts ids {lo}..{hi} (id i = input of decoder layer i)"
         )
     return sorted(set(requested))
+
+
+def eagle3_config_layer_ids(layers: Sequence[int], architecture: str) -> List[int]:
+    """The ``eagle_aux_hidden_state_layer_ids`` a drafter config needs so that SGLang (0.5.17)
+    serving it captures exactly ``layers`` (this package's convention).
+
+    SGLang hands those ids to the target's ``set_eagle3_layers_to_capture``: Llama/Qwen store
+    ``id + 1``; DeepSeek-V2/V3 and Kimi-K2.5 store the ids unchanged unless the first is 1, in
+    which case they add 1 to all of them.
+    """
+    layers = sorted(layers)
+    if architecture in _DEEPSEEK:
+        if layers and layers[0] == 1:
+            raise LayerError("SGLang's DeepSeek drafter setter cannot capture layer 1 first (ids starting at 1 "
+                             "are shifted by one); capture with a first layer other than 1")
+        return list(layers)
+    return [i - 1 for i in layers]

@@ -17,6 +17,7 @@ from sglang_capture.config import CaptureConfig
 from sglang_capture.format import SCHEMA
 from sglang_capture.layers import LAYER_CONVENTION, resolve_layers
 from sglang_capture.ledger import HostMemoryLedger
+from sglang_capture.loss_mask import BadLossMask, parse_spans
 from sglang_capture.naming import FILE_SUFFIX, BadCaptureName, check_capture_name, name_for_rid
 from sglang_capture.writer import CaptureJob, CaptureWriter, index_path
 
@@ -109,7 +110,9 @@ class Sidecar:
             return
         try:
             name = check_capture_name(params["capture_name"]) if "capture_name" in params else name_for_rid(req.rid)
-        except BadCaptureName as e:
+            spans = (parse_spans(params["capture_loss_mask"], len(req.origin_input_ids))
+                     if "capture_loss_mask" in params else None)
+        except (BadCaptureName, BadLossMask) as e:
             req.set_finish_with_abort(str(e))
             return
         # A private radix-cache namespace: a prefix hit would leave the cached positions without rows.
@@ -121,7 +124,7 @@ class Sidecar:
 
         req.return_hidden_states = True
         req.return_hidden_states_mode = CaptureHiddenMode.FULL
-        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger)
+        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans)
         setattr(req, CAPTURE_ATTR, capture)
         weakref.finalize(req, capture.release)  # aborted before finishing: free the rows with the Req
 

@@ -23,6 +23,7 @@ from sglang_capture.assembler import RequestCapture, assemble_rows
 from sglang_capture.config import CaptureConfig
 from sglang_capture.format import write_capture
 from sglang_capture.ledger import HostMemoryLedger
+from sglang_capture.loss_mask import mask_from_spans
 from sglang_capture.naming import FILE_SUFFIX, name_for_rid
 
 import torch
@@ -63,7 +64,8 @@ class CaptureJob:
     enqueued: float = field(default_factory=time.monotonic)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a rename or link inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -100,6 +102,8 @@ class CaptureWriter:
         self._threads: List[threading.Thread] = []
         self._lock = threading.Lock()
         self._busy = 0
+        self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
+        self._last_stats = 0.0
         self.stats = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0}
 
     def _start(self) -> None:
@@ -112,15 +116,16 @@ class CaptureWriter:
     def pending(self) -> int:
         """Jobs queued or being written: memory that waiting will free."""
         with self._lock:
-            return self._queue.qsize() + self._busy
+            return self._queued + self._busy
 
     def submit(self, job: CaptureJob) -> None:
         """Queue a job; blocks (back-pressure) while held memory is over the cap and writes are pending."""
         with self._lock:
             if not self._threads:
                 self._start()
+            self._queued += 1
+            self.stats["max_queue"] = max(self.stats["max_queue"], self._queued)
         self._queue.put(job)
-        self.stats["max_queue"] = max(self.stats["max_queue"], self._queue.qsize())
         self.ledger.wait_for_room(lambda: self.pending() > 0)
 
     def close(self, timeout: float = 60.0) -> None:
@@ -138,6 +143,7 @@ class CaptureWriter:
             if job is None:
                 return
             with self._lock:
+                self._queued -= 1
                 self._busy += 1
             try:
                 self._record(job, self.write(job))
@@ -147,6 +153,24 @@ class CaptureWriter:
                 job.capture.release()
                 with self._lock:
                     self._busy -= 1
+                self._dump_stats()
+
+    def _dump_stats(self, min_interval_s: float = 1.0) -> None:
+        """Write ``.index/writer-<pid>.json`` (counters, queue depth, held and peak host memory)
+        at most once a second, and whenever the queue drains, for monitoring and benchmarks."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_stats < min_interval_s and self._queued:
+                return
+            self._last_stats = now
+            doc = {**self.stats, "queue": self._queued, "busy": self._busy,
+                   "held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
+                   "cap_bytes": self.ledger.cap_bytes, "back_pressure_waits": self.ledger.waits,
+                   "time": time.time()}
+        try:
+            _write_json_atomic(os.path.join(self.config.capture_dir, INDEX_DIR, f"writer-{os.getpid()}.json"), doc)
+        except OSError as e:
+            logger.warning("sglang_capture: cannot write writer stats: %s", e)
 
     def write(self, job: CaptureJob) -> Dict[str, Any]:
         """Assemble, encode and publish one job; returns its outcome (never raises)."""
@@ -162,6 +186,8 @@ class CaptureWriter:
                 "output_ids": torch.tensor(job.output_ids, dtype=torch.int64),
                 **tensors,
             }
+            if job.capture.loss_spans is not None:
+                tensors["loss_mask"] = mask_from_spans(job.capture.loss_spans, len(job.input_ids))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
             with os.fdopen(fd, "wb", buffering=1 << 20) as f:
                 nbytes, checksum = write_capture(f, job.meta, tensors, cfg.codec_spec())
@@ -171,15 +197,17 @@ class CaptureWriter:
                 os.link(tmp, final)
             except FileExistsError:
                 raise FileExistsError(errno.EEXIST, f"a capture file named {job.capture.name!r} already exists") from None
-            _fsync_dir(cfg.capture_dir)
+            fsync_dir(cfg.capture_dir)
             raw = sum(t.numel() * t.element_size() for t in tensors.values())
-            self.stats["written"] += 1
-            self.stats["bytes"] += nbytes
-            self.stats["raw_bytes"] += raw
+            with self._lock:
+                self.stats["written"] += 1
+                self.stats["bytes"] += nbytes
+                self.stats["raw_bytes"] += raw
             outcome.update(status="ok", bytes=nbytes, checksum=checksum,
                            write_s=round(time.monotonic() - job.enqueued, 6))
         except Exception as e:
-            self.stats["failed"] += 1
+            with self._lock:
+                self.stats["failed"] += 1
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             outcome.update(status="error", error=f"{type(e).__name__}: {reason}")
             logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])

@@ -7,7 +7,7 @@ from typing import Dict, Iterator, List
 import pytest
 
 from sglang_capture.testbed.cpu import server_env
-from sglang_capture.testbed.server import Server, start_server, stop_server
+from sglang_capture.testbed.server import Server, plain_cmd, start_server, stop_server
 from sglang_capture.testbed.tiny_models import build_all
 
 CACHE = os.environ.get("SGLANG_CAPTURE_TEST_CACHE", os.path.expanduser("~/.cache/sglang-capture-tests"))
@@ -23,8 +23,7 @@ def env() -> Dict[str, str]:
     return server_env(CACHE)
 
 
-@pytest.fixture(scope="module")
-def make_server(tmp_path_factory, env) -> Iterator:
+def _server_factory(tmp_path_factory, env) -> Iterator:
     started: List[Server] = []
 
     def make(cmd: List[str], capture_dir: str = "") -> Server:
@@ -36,3 +35,21 @@ def make_server(tmp_path_factory, env) -> Iterator:
     yield make
     for server in started:
         stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def make_server(tmp_path_factory, env) -> Iterator:
+    """Servers that live as long as the test module."""
+    yield from _server_factory(tmp_path_factory, env)
+
+
+@pytest.fixture(scope="session")
+def make_session_server(tmp_path_factory, env) -> Iterator:
+    """Servers shared by several modules (stopped at the end of the session)."""
+    yield from _server_factory(tmp_path_factory, env)
+
+
+@pytest.fixture(scope="session")
+def plain_llama(tiny_models, make_session_server) -> Server:
+    """A plain ``sglang.launch_server`` (no capture) on the tiny Llama."""
+    return make_session_server(plain_cmd(tiny_models["tiny-llama"]))

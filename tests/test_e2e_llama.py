@@ -8,7 +8,7 @@ import torch
 
 import sglang_capture
 from sglang_capture.layers import default_layers
-from sglang_capture.testbed.server import capture_cmd, plain_cmd
+from sglang_capture.testbed.server import capture_cmd
 from tests.reference import min_row_cosine, reference_states
 
 PROMPTS = ["hello world, this is a tiny tokenizer", "The quick brown fox jumps over the lazy dog."]
@@ -21,8 +21,8 @@ def llama(tiny_models, make_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_models, make_server):
-    return make_server(plain_cmd(tiny_models["tiny-llama"]))
+def plain(plain_llama):
+    return plain_llama
 
 
 def _body(text, **extra):

@@ -138,6 +138,9 @@ def test_writer_publishes_whole_files_and_records_the_outcome(tmp_path):
     data = load(outcome["path"])
     assert torch.equal(data["aux_hidden_states"], rows[:, :2]) and torch.equal(data["last_hidden_states"], rows[:, 2:])
     assert ledger.held_bytes == 0 and os.listdir(tmp_path / ".tmp") == []
+    stats = json.load(open(tmp_path / ".index" / f"writer-{os.getpid()}.json"))
+    assert stats["written"] == 1 and stats["queue"] == 0 and stats["peak_held_bytes"] == rows.numel() * 4
+    assert stats["cap_bytes"] == ledger.cap_bytes
 
 
 def test_writer_failure_leaves_no_file_and_an_error_outcome(tmp_path):
@@ -155,3 +158,40 @@ def test_writer_failure_leaves_no_file_and_an_error_outcome(tmp_path):
     assert outcome["status"] == "error" and "rows missing at positions 1-2" in outcome["error"]
     assert not os.path.exists(outcome["path"]) and os.listdir(tmp_path / ".tmp") == []
     assert ledger.held_bytes == 0 and writer.stats["failed"] == 1
+
+
+def test_loss_mask_spans_round_trip_and_reject_bad_spans():
+    from sglang_capture.loss_mask import BadLossMask, mask_from_spans, parse_spans, spans_from_mask
+
+    mask = [0, 1, 1, 0, 0, 1, 0, 1]
+    spans = spans_from_mask(mask)
+    assert spans == [(1, 3), (5, 6), (7, 8)]
+    assert mask_from_spans(parse_spans([list(s) for s in spans], 8), 8).tolist() == mask
+    for bad in ([[3, 1]], [[0, 9]], [[2, 4], [3, 5]], [[1, 1]], "0-3", [[0, 1.5]], [[True, 2]]):
+        with pytest.raises(BadLossMask):
+            parse_spans(bad, 8)
+
+
+def test_conversation_lines_are_parsed_or_rejected_with_a_reason():
+    from sglang_capture.conversations import BadLine, Sample, parse_line
+
+    s = parse_line('{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}', 3)
+    assert isinstance(s, Sample) and s.id == "line-00000003"
+    assert s.messages == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert parse_line('{"id": "x1", "text": "t"}', 1) == Sample("x1", 1, text="t")
+    for text, reason in (("[1]", "not a JSON object"), ("{", "not valid JSON"), ('{"text": ""}', "needs"),
+                         ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant turn"),
+                         ('{"id": "/etc/passwd", "text": "t"}', "cannot name a file"),
+                         ('{"id": "' + "a" * 100 + '", "text": "t"}', "limit is 96")):
+        bad = parse_line(text, 7)
+        assert isinstance(bad, BadLine) and reason in str(bad) and str(bad).startswith("line 7:")
+
+
+def test_drafter_config_layer_ids_follow_sglang_setters():
+    from sglang_capture.layers import LayerError, eagle3_config_layer_ids
+
+    assert eagle3_config_layer_ids([3, 31, 59], "KimiK25ForConditionalGeneration") == [3, 31, 59]
+    assert eagle3_config_layer_ids([3, 31, 59], "DeepseekV3ForCausalLM") == [3, 31, 59]
+    assert eagle3_config_layer_ids([3, 16, 30], "LlamaForCausalLM") == [2, 15, 29]
+    with pytest.raises(LayerError):
+        eagle3_config_layer_ids([1, 2, 3], "DeepseekV3ForCausalLM")

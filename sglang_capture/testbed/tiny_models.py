@@ -20,10 +20,15 @@ _CORPUS = [
     "Kimi K2.5 uses the DeepSeek V3 architecture with MLA and MoE layers.",
     "user: assistant: system: 0123456789 !?.,;:'\"()[]{}<>+-*/=_ abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
 ] * 20
+# ChatML-like, with transformers' {% generation %} markers around what an assistant turn adds,
+# so tests can check extract's loss mask against transformers' own assistant mask.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+BUILD_VERSION = 2  # bump when the models or tokenizer change, so cached copies are rebuilt
 
 
 def build_tokenizer():
@@ -35,12 +40,13 @@ def build_tokenizer():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB - 8,
-        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -127,11 +133,18 @@ def save_deepseek_v3(path: str, tokenizer, layers: int = 4, hidden: int = 256, e
 def build_all(out_dir: str) -> Dict[str, str]:
     """Build (once) every tiny model under ``out_dir``; returns name -> path."""
     paths = {"tiny-llama": os.path.join(out_dir, "tiny-llama"), "tiny-dsv3": os.path.join(out_dir, "tiny-dsv3")}
-    if all(os.path.exists(os.path.join(p, "tokenizer.json")) for p in paths.values()):
-        return paths
+    stamp = os.path.join(out_dir, "build.json")
+    try:
+        with open(stamp) as f:
+            if json.load(f) == {"version": BUILD_VERSION}:
+                return paths
+    except (OSError, ValueError):
+        pass
     tok = build_tokenizer()
     save_llama(paths["tiny-llama"], tok)
     save_deepseek_v3(paths["tiny-dsv3"], tok)
+    with open(stamp, "w") as f:
+        json.dump({"version": BUILD_VERSION}, f)
     return paths
 
 

@@ -1,0 +1,338 @@
+"""The data tools on a real CPU capture server: extract, resume, verify, inspect, export, Dataset, errors."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import sglang_capture
+from sglang_capture.dataset import CaptureDataset
+from sglang_capture.manifest import MANIFEST, read_manifest
+from sglang_capture.testbed.server import capture_cmd, free_port
+
+LAYERS = [0, 2, 3]
+N_SAMPLES = 50
+WORDS = ("the quick brown fox jumps over lazy dog hidden states are captured from every decoder layer "
+         "Kimi uses DeepSeek architecture with MLA and MoE layers hello world tiny tokenizer").split()
+TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")
+
+
+def _sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))).capitalize() + "."
+
+
+def make_conversations(path, n=N_SAMPLES, seed=0):
+    """ShareGPT, OpenAI and plain-text lines, 1-3 exchanges each, some with explicit ids."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        turns = []
+        if i % 5 == 0:
+            turns.append(("system", _sentence(rng)))
+        for _ in range(1 + i % 3):
+            turns += [("user", _sentence(rng)), ("assistant", _sentence(rng))]
+        if i % 10 == 9:
+            rec = {"text": _sentence(rng) + " " + _sentence(rng)}
+        elif i % 2:
+            rec = {"messages": [{"role": r, "content": c} for r, c in turns]}
+        else:
+            sharegpt = {"system": "system", "user": "human", "assistant": "gpt"}
+            rec = {"conversations": [{"from": sharegpt[r], "value": c} for r, c in turns]}
+        if i % 4 == 0:
+            rec["id"] = f"conv-{i:03d}"
+        records.append(rec)
+    with open(path, "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    return records
+
+
+def cli(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "sglang_capture", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def extract(server, inp, out, *extra, env=None):
+    return cli("extract", inp, "--server", server.url, "--out", out, "--no-progress", *extra, env=env)
+
+
+def expected_encoding(tok, rec):
+    if "text" in rec:
+        ids = tok(rec["text"])["input_ids"]
+        return ids, [1] * len(ids)
+    if "messages" in rec:
+        msgs = rec["messages"]
+    else:
+        role = {"system": "system", "human": "user", "gpt": "assistant"}
+        msgs = [{"role": role[t["from"]], "content": t["value"]} for t in rec["conversations"]]
+    # the test tokenizer's template marks assistant turns with {% generation %}: transformers'
+    # own assistant mask is the reference
+    enc = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    return list(enc["input_ids"]), list(enc["assistant_masks"])
+
+
+def sample_id(rec, line):
+    return rec.get("id", f"line-{line:08d}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, make_server, tmp_path_factory):
+    capture_dir = str(tmp_path_factory.mktemp("server-captures"))
+    cmd = capture_cmd(tiny_models["tiny-dsv3"], capture_dir, "--capture-layers", ",".join(map(str, LAYERS)))
+    return make_server(cmd, capture_dir)
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    path = tmp_path_factory.mktemp("input") / "conversations.jsonl"
+    return str(path), make_conversations(path)
+
+
+@pytest.fixture(scope="module")
+def reference_run(server, conversations, tmp_path_factory, env):
+    """One uninterrupted extract, one request at a time (batch composition fixed, so re-runs are bit-exact)."""
+    out = str(tmp_path_factory.mktemp("reference"))
+    r = extract(server, conversations[0], out, "--concurrency", "1", env=env)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _files(d):
+    return sorted(f for f in os.listdir(d) if f.endswith(".capture.msgpack"))
+
+
+def test_extract_writes_one_file_per_conversation_with_template_ids_and_assistant_mask(
+        server, conversations, tiny_models, tmp_path, env):
+    inp, records = conversations
+    out = tmp_path / "out"
+    r = extract(server, inp, out, "--concurrency", "4", env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"{N_SAMPLES} samples: {N_SAMPLES} written" in r.stdout
+    tok = AutoTokenizer.from_pretrained(tiny_models["tiny-dsv3"])
+    assert len(_files(out)) == N_SAMPLES
+    entries, problems = read_manifest(str(out))
+    assert not problems and len(entries) == N_SAMPLES and len({e.id for e in entries}) == N_SAMPLES
+    for line, rec in enumerate(records, start=1):
+        d = sglang_capture.load(out / f"{sample_id(rec, line)}.capture.msgpack")
+        ids, mask = expected_encoding(tok, rec)
+        assert d["input_ids"].tolist() == ids
+        assert d["loss_mask"].tolist() == mask and d["loss_mask"].dtype == torch.int64
+        assert 0 < sum(mask) < len(mask) or "text" in rec
+        # prefill only: one row per prompt token, no decode rows
+        assert d["aux_hidden_states"].shape == (len(ids), len(LAYERS) * d["hidden_size"])
+        assert d["last_hidden_states"].shape == (len(ids), d["hidden_size"])
+    assert not any(".try-" in f for f in os.listdir(out)), "attempt files must not remain"
+    assert not any(".try-" in f for f in os.listdir(server.capture_dir))
+
+
+def test_killed_extract_resumes_to_the_same_files_without_duplicates(server, conversations, reference_run, tmp_path, env):
+    inp, _ = conversations
+    out = tmp_path / "resumed"
+    cmd = [sys.executable, "-m", "sglang_capture", "extract", inp, "--server", server.url, "--out", str(out),
+           "--no-progress", "--concurrency", "1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        entries, _ = read_manifest(str(out)) if out.exists() else ([], [])
+        if len(entries) >= 15:
+            break
+        assert proc.poll() is None, "extract finished before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(read_manifest(str(out))[0])
+    assert 15 <= done_before < N_SAMPLES
+    r = extract(server, inp, out, "--concurrency", "1", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "already done" in r.stdout
+    entries, problems = read_manifest(str(out))
+    assert not problems and len(entries) == N_SAMPLES and len({e.id for e in entries}) == N_SAMPLES
+    assert _files(out) == _files(reference_run)
+    for name in _files(out):
+        a = sglang_capture.load(out / name)
+        b = sglang_capture.load(os.path.join(reference_run, name))
+        for key in TENSORS:
+            assert a[key].dtype == b[key].dtype and torch.equal(_bits(a[key]), _bits(b[key])), (name, key)
+    assert cli("verify", out, "--no-progress").returncode == 0
+
+
+def test_rerun_of_a_finished_extract_sends_nothing(server, conversations, reference_run, env):
+    before = {f: os.path.getmtime(os.path.join(reference_run, f)) for f in _files(reference_run)}
+    r = extract(server, conversations[0], reference_run, env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"0 written, {N_SAMPLES} already done" in r.stdout
+    assert {f: os.path.getmtime(os.path.join(reference_run, f)) for f in _files(reference_run)} == before
+
+
+@pytest.fixture
+def damaged(reference_run, tmp_path):
+    d = tmp_path / "copy"
+    shutil.copytree(reference_run, d)
+    return d
+
+
+def _verify(d):
+    r = cli("verify", d, "--no-progress")
+    assert "Traceback" not in r.stdout + r.stderr
+    return r
+
+
+def test_verify_passes_on_a_clean_directory(damaged):
+    r = _verify(damaged)
+    assert r.returncode == 0 and f"{N_SAMPLES} decoded and consistent, 0 problems" in r.stdout
+
+
+def test_verify_catches_a_flipped_byte(damaged):
+    victim = damaged / _files(damaged)[3]
+    data = bytearray(victim.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x40
+    victim.write_bytes(bytes(data))
+    r = _verify(damaged)
+    assert r.returncode == 1
+    assert any(line.startswith(victim.name) for line in r.stdout.splitlines())
+
+
+def test_verify_catches_a_flipped_byte_without_a_manifest(damaged):
+    os.unlink(damaged / MANIFEST)
+    victim = damaged / _files(damaged)[5]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    r = _verify(damaged)
+    assert r.returncode == 1 and f"{victim.name}: corrupt" in r.stdout
+
+
+def test_verify_catches_a_truncated_file(damaged):
+    victim = damaged / _files(damaged)[7]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    r = _verify(damaged)
+    assert r.returncode == 1 and f"{victim.name}: corrupt" in r.stdout
+
+
+def test_verify_catches_a_missing_file(damaged):
+    victim = _files(damaged)[11]
+    os.unlink(damaged / victim)
+    r = _verify(damaged)
+    assert r.returncode == 1 and f"{victim}: missing" in r.stdout
+
+
+def test_verify_catches_an_extra_file(damaged):
+    shutil.copy(damaged / _files(damaged)[0], damaged / "stray.capture.msgpack")
+    r = _verify(damaged)
+    assert r.returncode == 1 and "stray.capture.msgpack: extra" in r.stdout
+
+
+def test_inspect_shows_metadata_tensors_and_ratio(reference_run):
+    name = _files(reference_run)[0]
+    r = cli("inspect", os.path.join(reference_run, name))
+    assert r.returncode == 0, r.stderr
+    for text in ("aux_hidden_states", "last_hidden_states", "loss_mask", "bfloat16", "zstd", "ratio", "layers"):
+        assert text in r.stdout
+
+
+def test_export_specforge_files_load_with_the_exact_contract(reference_run, tmp_path):
+    out = tmp_path / "specforge"
+    r = cli("export", "--format", "specforge", reference_run, out, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert '"eagle_aux_hidden_state_layer_ids": [0, 2, 3]' in r.stdout  # DeepSeek: SGLang keeps ids as given
+    ckpts = sorted(os.listdir(out))
+    assert len(ckpts) == N_SAMPLES and all(c.endswith(".ckpt") for c in ckpts)
+    for ckpt in ckpts:
+        s = torch.load(out / ckpt, weights_only=False, mmap=True)
+        d = sglang_capture.load(os.path.join(reference_run, ckpt[:-len(".ckpt")] + ".capture.msgpack"))
+        T, H = d["input_ids"].numel(), d["hidden_size"]
+        assert set(s) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+        assert s["input_ids"].dtype == s["loss_mask"].dtype == torch.int64
+        assert s["hidden_state"].dtype == s["aux_hidden_state"].dtype == torch.bfloat16
+        assert s["input_ids"].shape == s["loss_mask"].shape == (T,)
+        assert s["hidden_state"].shape == (1, T, H) and s["aux_hidden_state"].shape == (1, T, 3 * H)
+        assert torch.equal(s["input_ids"], d["input_ids"]) and torch.equal(s["loss_mask"], d["loss_mask"])
+        assert torch.equal(s["hidden_state"][0], d["last_hidden_states"])
+        assert torch.equal(s["aux_hidden_state"][0], d["aux_hidden_states"])
+
+
+def test_dataset_gives_random_access_in_manifest_order(reference_run):
+    ds = CaptureDataset(reference_run)
+    entries, _ = read_manifest(reference_run)
+    assert len(ds) == N_SAMPLES
+    for i in (0, 17, N_SAMPLES - 1, -1):
+        item = ds[i]
+        ref = sglang_capture.load(os.path.join(reference_run, entries[i].file))
+        assert item["rid"] == ref["rid"] and item["aux_hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(item["aux_hidden_states"], ref["aux_hidden_states"])
+    with pytest.raises(IndexError):
+        ds[N_SAMPLES]
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    assert sum(1 for _ in loader) == N_SAMPLES
+
+
+def test_bad_input_lines_are_reported_with_their_number_and_skipped(server, tmp_path, env):
+    inp = tmp_path / "mixed.jsonl"
+    inp.write_text("\n".join([
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}),
+        '{"messages": [oops',
+        json.dumps({"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]}),
+        json.dumps({"text": "plain text sample"}),
+        json.dumps({"id": "../evil", "text": "x"}),
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+    ]) + "\n")
+    out = tmp_path / "out"
+    r = extract(server, inp, out, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "line 2: not valid JSON" in r.stderr
+    assert "line 3: turn 0 has an unknown role 'alien'" in r.stderr
+    assert "line 5: id '../evil' cannot name a file" in r.stderr
+    assert "line 6: no assistant turn" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert _files(out) == ["line-00000001.capture.msgpack", "line-00000004.capture.msgpack"]
+
+
+def test_unreachable_server_is_one_clear_line(tmp_path, conversations, env):
+    r = cli("extract", conversations[0], "--server", f"http://127.0.0.1:{free_port()}", "--out", tmp_path / "o", env=env)
+    assert r.returncode == 1 and "cannot reach http://127.0.0.1" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_server_without_capture_is_one_clear_line(plain_llama, tmp_path, conversations, env):
+    r = cli("extract", conversations[0], "--server", plain_llama.url, "--out", tmp_path / "o", env=env)
+    assert r.returncode == 1 and "is not a capture server" in r.stderr and "sglang_capture.launch" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_tokenizer_without_chat_template_is_refused_before_any_request(server, conversations, tiny_models, tmp_path, env):
+    tok = AutoTokenizer.from_pretrained(tiny_models["tiny-dsv3"])
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "tok")
+    for f in ("chat_template.jinja", "chat_template.json"):
+        if (tmp_path / "tok" / f).exists():
+            os.unlink(tmp_path / "tok" / f)
+    r = cli("extract", conversations[0], "--server", server.url, "--out", tmp_path / "o", "--tokenizer",
+            tmp_path / "tok", env=env)
+    assert r.returncode == 1 and "has no chat template" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "o").exists() or not _files(tmp_path / "o")
+
+
+def test_bad_loss_mask_spans_are_rejected_by_the_server(server):
+    body = {"text": "hello world", "sampling_params": {"max_new_tokens": 1, "custom_params": {
+        "capture": True, "capture_loss_mask": [[3, 1]]}}}
+    r = server.generate(body)
+    assert r.status_code == 400 and "capture_loss_mask" in r.text
+
+
+def test_demo_command_captures_and_verifies(tmp_path, env):
+    r = cli("demo", "--out", tmp_path / "demo", env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "5 of 5 conversations captured and verified" in r.stdout
