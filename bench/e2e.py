@@ -145,7 +145,7 @@ def main(argv: List[str]) -> int:
     p.add_argument("--seconds", type=float, default=20)
     p.add_argument("--json-requests", type=int, default=8)
     p.add_argument("--capture-dir", default=None)
-    p.add_argument("--capture-args", default="--capture-writer-threads 8")
+    p.add_argument("--capture-args", default="--capture-layers 1,2,3 --capture-writer-threads 8")
     p.add_argument("--sglang-args", default=" ".join(BASE_ARGS))
     p.add_argument("--modes", default="plain,capture")
     a = p.parse_args(argv)
@@ -246,6 +246,10 @@ def report(res: Dict) -> str:
         checks.append(f"writer: peak held {w.get('peak_held_bytes', 0) / 1e9:.2f} GB of cap {w.get('cap_bytes', 0) / 1e9:.2f} GB "
                       f"({'PASS' if w.get('peak_held_bytes', 0) <= w.get('cap_bytes', 1) else 'OVER'}), max queue "
                       f"{w.get('max_queue')}, back-pressure waits {w.get('back_pressure_waits')}")
+        n = max(w.get("written", 0), 1)
+        checks.append("writer stage ms/file (summed over threads): " + ", ".join(
+            f"{k[:-2]} {w.get(k, 0) / n * 1e3:.0f}" for k in ("queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s"))
+            + f"; raw {w.get('raw_bytes', 0) / n / 1e6:.0f} MB/file, failed {w.get('failed')}")
     return "\n".join(rows + [""] + checks)
 
 

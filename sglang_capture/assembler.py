@@ -44,6 +44,9 @@ class RequestCapture:
     ledger: HostMemoryLedger
     chunks: List[RowChunk] = field(default_factory=list)
     loss_spans: Optional[List[Tuple[int, int]]] = None  # from custom_params.capture_loss_mask
+    # Frees the rows if the Req is dropped unfinished (aborts); detached once the request is
+    # sealed, because a finished Req is usually freed before a writer thread gets to its rows.
+    finalizer: Optional[Any] = None
 
     def add(self, start: int, rows: torch.Tensor) -> None:
         """Hot path: keep a reference to the rows (a view, no copy) and account for the host memory."""
@@ -52,6 +55,12 @@ class RequestCapture:
             rows, ready = _to_host(rows)
         self.ledger.hold(rows)
         self.chunks.append(RowChunk(start, rows, ready))
+
+    def seal(self) -> None:
+        """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""
+        if self.finalizer is not None:
+            self.finalizer.detach()
+            self.finalizer = None
 
     def release(self) -> None:
         """Give the rows' host memory back (after writing, or when the request is dropped)."""

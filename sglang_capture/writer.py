@@ -104,7 +104,9 @@ class CaptureWriter:
         self._busy = 0
         self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
         self._last_stats = 0.0
-        self.stats = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0}
+        self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
+                                      "queue_wait_s": 0.0, "assemble_s": 0.0, "encode_write_s": 0.0,
+                                      "fsync_publish_s": 0.0}
 
     def _start(self) -> None:
         prepare_capture_dir(self.config.capture_dir)
@@ -178,9 +180,11 @@ class CaptureWriter:
         final = os.path.join(cfg.capture_dir, job.capture.name + FILE_SUFFIX)
         outcome: Dict[str, Any] = {"rid": job.meta["rid"], "name": job.capture.name, "path": final}
         tmp = os.path.join(cfg.capture_dir, TMP_DIR, f"{job.capture.name}.{os.getpid()}.{uuid.uuid4().hex}.part")
+        t_start = time.monotonic()
         try:
             tensors = assemble_rows(job.capture.chunks, job.n_rows, job.splits)
             job.capture.release()
+            t_assembled = time.monotonic()
             tensors = {
                 "input_ids": torch.tensor(job.input_ids, dtype=torch.int64),
                 "output_ids": torch.tensor(job.output_ids, dtype=torch.int64),
@@ -192,6 +196,7 @@ class CaptureWriter:
             with os.fdopen(fd, "wb", buffering=1 << 20) as f:
                 nbytes, checksum = write_capture(f, job.meta, tensors, cfg.codec_spec())
                 f.flush()
+                t_encoded = time.monotonic()
                 os.fsync(f.fileno())
             try:
                 os.link(tmp, final)
@@ -203,6 +208,11 @@ class CaptureWriter:
                 self.stats["written"] += 1
                 self.stats["bytes"] += nbytes
                 self.stats["raw_bytes"] += raw
+                # seconds spent per stage, summed over threads: which stage bounds throughput
+                self.stats["queue_wait_s"] += t_start - job.enqueued
+                self.stats["assemble_s"] += t_assembled - t_start
+                self.stats["encode_write_s"] += t_encoded - t_assembled
+                self.stats["fsync_publish_s"] += time.monotonic() - t_encoded
             outcome.update(status="ok", bytes=nbytes, checksum=checksum,
                            write_s=round(time.monotonic() - job.enqueued, 6))
         except Exception as e:

@@ -195,3 +195,38 @@ def test_drafter_config_layer_ids_follow_sglang_setters():
     assert eagle3_config_layer_ids([3, 16, 30], "LlamaForCausalLM") == [2, 15, 29]
     with pytest.raises(LayerError):
         eagle3_config_layer_ids([1, 2, 3], "DeepseekV3ForCausalLM")
+
+
+def test_rows_survive_the_finished_req_being_freed_before_the_writer_runs(tmp_path):
+    """Under load the scheduler frees a finished Req long before a writer thread reaches its job
+    (seen on the H200: 'no rows were captured'); the job must own the rows by then."""
+    import gc
+    import types
+
+    from sglang_capture.sidecar import CAPTURE_ATTR, ModelInfo, Sidecar
+    from sglang_capture.writer import prepare_capture_dir
+
+    prepare_capture_dir(str(tmp_path))
+    sidecar = Sidecar(CaptureConfig(capture_dir=str(tmp_path), writer_threads=1))
+    sidecar._is_writer = True
+    sidecar.model = ModelInfo("m", "LlamaForCausalLM", "LlamaForCausalLM", 2, 4, (1,), "float32")
+    jobs = []
+    sidecar.writer.submit = jobs.append  # hold the job back, as a busy writer queue does
+
+    class FakeReq(types.SimpleNamespace):
+        def set_finish_with_abort(self, msg):  # pragma: no cover - not reached
+            raise AssertionError(msg)
+
+    req = FakeReq(rid="r1", origin_input_ids=[5, 6, 7], output_ids=[8], finished_len=None, extra_key=None,
+                  finished_reason=None, sampling_params=types.SimpleNamespace(custom_params={"capture": True}))
+    sidecar.begin(req)
+    capture = getattr(req, CAPTURE_ATTR)
+    rows = torch.arange(12, dtype=torch.float32).view(3, 4)
+    capture.add(0, rows)
+    sidecar.finish(req, capture)
+    del req, capture
+    gc.collect()
+    outcome = sidecar.writer.write(jobs[0])
+    assert outcome["status"] == "ok", outcome
+    data = __import__("sglang_capture").load(outcome["path"])
+    assert torch.equal(data["aux_hidden_states"], rows[:, :2]) and torch.equal(data["last_hidden_states"], rows[:, 2:])
