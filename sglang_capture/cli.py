@@ -1,4 +1,4 @@
-"""``sglang-capture``: the data tools around capture files (extract, inspect, verify, export, demo).
+"""``sglang-capture``: the tools around capture files (extract, inspect, verify, export, doctor, demo).
 
 Every expected failure is one line on stderr and a non-zero exit; an unexpected one says how
 to get the traceback instead of printing it.
@@ -122,6 +122,18 @@ def export(fmt: str, all_tokens: bool, no_progress: bool, directory: str, out: s
         click.echo(f"captured layers {report.layers} ({report.architecture}); in the drafter config set "
                    f"\"eagle_aux_hidden_state_layer_ids\": {json.dumps(report.eagle_ids)} "
                    "so SGLang serves the drafter with the same layers")
+
+
+@cli.command()
+def doctor() -> None:
+    """Installed SGLang, patched-function fingerprints, plugin, effective capture configuration."""
+    from sglang_capture.doctor import diagnose
+
+    lines, ok = diagnose()
+    for line in lines:
+        click.echo(line)
+    if not ok:
+        sys.exit(1)
 
 
 @cli.command()

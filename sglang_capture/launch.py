@@ -20,6 +20,7 @@ from sglang_capture.format import CODECS
 from sglang_capture.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
 from sglang_capture.layers import LayerError, resolve_layers
 from sglang_capture.server_info import add_route, describe
+from sglang_capture.writer import prepare_capture_dir
 
 if __name__ == "__mp_main__":  # spawn re-runs the launcher module in every child: patch there too
     from sglang_capture.plugin import register
@@ -40,6 +41,10 @@ def check_capture_dir(path: str) -> str:
         os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"--capture-dir {path} is not writable ({e.strerror})") from None
+    try:
+        prepare_capture_dir(path)
+    except OSError as e:
+        raise ConfigError(f"--capture-dir: {e}") from None
     return path
 
 

@@ -13,10 +13,18 @@ import torch
 
 
 class HostMemoryLedger:
-    """Bytes of host memory held by captured rows, with a cap that producers wait on."""
+    """Bytes of host memory held by captured rows, with a cap that producers wait on.
 
-    def __init__(self, cap_bytes: int) -> None:
+    ``hold`` is called on the scheduler thread as rows arrive. When holding a new batch buffer
+    would go over the cap, it waits (back-pressure: the scheduler schedules nothing meanwhile)
+    until writer threads free enough, as long as ``draining()`` says writes are pending. When
+    nothing is pending, waiting cannot free memory (it is held by requests still running), so it
+    goes on over the cap instead of deadlocking; so does a single buffer larger than the cap.
+    """
+
+    def __init__(self, cap_bytes: int, draining: Callable[[], bool] = lambda: False) -> None:
         self.cap_bytes = cap_bytes
+        self.draining = draining  # set by the writer: "are writes pending that will free memory?"
         self._cond = threading.Condition()
         self._storages: Dict[int, List[int]] = {}  # data_ptr -> [nbytes, refcount]
         self.held_bytes = 0
@@ -25,15 +33,16 @@ class HostMemoryLedger:
 
     def hold(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
         with self._cond:
             entry = self._storages.get(key)
-            if entry is None:
-                self._storages[key] = [storage.nbytes(), 1]
-                self.held_bytes += storage.nbytes()
-                self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-            else:
+            if entry is not None:
                 entry[1] += 1
+                return
+            self._wait_locked(nbytes)
+            self._storages[key] = [nbytes, 1]
+            self.held_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def release(self, t: torch.Tensor) -> None:
         key = t.untyped_storage().data_ptr()
@@ -47,14 +56,11 @@ class HostMemoryLedger:
                 self.held_bytes -= entry[0]
                 self._cond.notify_all()
 
-    def wait_for_room(self, draining: Callable[[], bool]) -> None:
-        """Block while over the cap and ``draining()`` says pending writes will free memory.
+    def _wait_locked(self, incoming: int) -> None:
+        def over() -> bool:
+            return self.held_bytes > 0 and self.held_bytes + incoming > self.cap_bytes and self.draining()
 
-        Memory held by requests that are still running cannot be freed by waiting, so when no
-        write is pending the caller goes on (the cap is then exceeded rather than deadlocked).
-        """
-        with self._cond:
-            if self.held_bytes > self.cap_bytes and draining():
-                self.waits += 1
-            while self.held_bytes > self.cap_bytes and draining():
-                self._cond.wait(0.05)
+        if over():
+            self.waits += 1
+        while over():
+            self._cond.wait(0.05)

@@ -73,23 +73,44 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_json_atomic(path: str, doc: Dict[str, Any]) -> None:
-    tmp = f"{path}.{uuid.uuid4().hex}.part"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _write_json_atomic(dir_fd: int, name: str, doc: Dict[str, Any]) -> None:
+    tmp = f"{name}.{uuid.uuid4().hex}.part"
+    fd = os.open(tmp, _CREATE, 0o640, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f)
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        _unlink_quietly(tmp)
+        _unlink_quietly(tmp, dir_fd)
         raise
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(name: str, dir_fd: Optional[int] = None) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
+
+
+@dataclass(frozen=True)
+class _DirFds:
+    """The capture dir and its private folders, opened once: every later create, link and
+    rename goes through these descriptors, so a symlink planted in the capture dir after start
+    cannot redirect a write (and ``O_NOFOLLOW`` refuses one planted before)."""
+
+    capture: int
+    tmp: int
+    index: int
+
+    @classmethod
+    def open(cls, capture_dir: str) -> "_DirFds":
+        prepare_capture_dir(capture_dir)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        top = os.open(capture_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return cls(top, os.open(TMP_DIR, flags, dir_fd=top), os.open(INDEX_DIR, flags, dir_fd=top))
 
 
 class CaptureWriter:
@@ -98,18 +119,29 @@ class CaptureWriter:
     def __init__(self, config: CaptureConfig, ledger: HostMemoryLedger) -> None:
         self.config = config
         self.ledger = ledger
+        ledger.draining = lambda: self.pending() > 0
         self._queue: "queue.Queue[Optional[CaptureJob]]" = queue.Queue()
         self._threads: List[threading.Thread] = []
         self._lock = threading.Lock()
         self._busy = 0
+        self._dirs: Optional[_DirFds] = None
         self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
         self._last_stats = 0.0
         self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
                                       "queue_wait_s": 0.0, "assemble_s": 0.0, "encode_write_s": 0.0,
                                       "fsync_publish_s": 0.0}
 
+    def dirs(self) -> _DirFds:
+        """The capture dir's descriptors, opened on first use (raises OSError if unusable)."""
+        if self._dirs is None:
+            self._dirs = _DirFds.open(self.config.capture_dir)
+        return self._dirs
+
     def _start(self) -> None:
-        prepare_capture_dir(self.config.capture_dir)
+        try:
+            self.dirs()  # opened once here, before several threads could race to open them
+        except OSError as e:  # each job will then fail with this reason; the server keeps serving
+            logger.error("sglang_capture: capture dir %s is unusable: %s", self.config.capture_dir, e)
         for i in range(self.config.writer_threads):
             t = threading.Thread(target=self._run, name=f"sglang-capture-writer-{i}", daemon=True)
             t.start()
@@ -121,14 +153,13 @@ class CaptureWriter:
             return self._queued + self._busy
 
     def submit(self, job: CaptureJob) -> None:
-        """Queue a job; blocks (back-pressure) while held memory is over the cap and writes are pending."""
+        """Queue a job (never blocks; back-pressure happens in ``HostMemoryLedger.hold``)."""
         with self._lock:
             if not self._threads:
                 self._start()
             self._queued += 1
             self.stats["max_queue"] = max(self.stats["max_queue"], self._queued)
         self._queue.put(job)
-        self.ledger.wait_for_room(lambda: self.pending() > 0)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued jobs and stop the threads (used on graceful shutdown and in tests)."""
@@ -170,7 +201,7 @@ class CaptureWriter:
                    "cap_bytes": self.ledger.cap_bytes, "back_pressure_waits": self.ledger.waits,
                    "time": time.time()}
         try:
-            _write_json_atomic(os.path.join(self.config.capture_dir, INDEX_DIR, f"writer-{os.getpid()}.json"), doc)
+            _write_json_atomic(self.dirs().index, f"writer-{os.getpid()}.json", doc)
         except OSError as e:
             logger.warning("sglang_capture: cannot write writer stats: %s", e)
 
@@ -179,9 +210,11 @@ class CaptureWriter:
         cfg = self.config
         final = os.path.join(cfg.capture_dir, job.capture.name + FILE_SUFFIX)
         outcome: Dict[str, Any] = {"rid": job.meta["rid"], "name": job.capture.name, "path": final}
-        tmp = os.path.join(cfg.capture_dir, TMP_DIR, f"{job.capture.name}.{os.getpid()}.{uuid.uuid4().hex}.part")
+        tmp = f"{job.capture.name}.{os.getpid()}.{uuid.uuid4().hex}.part"
         t_start = time.monotonic()
+        dirs: Optional[_DirFds] = None
         try:
+            dirs = self.dirs()
             tensors = assemble_rows(job.capture.chunks, job.n_rows, job.splits)
             job.capture.release()
             t_assembled = time.monotonic()
@@ -192,17 +225,18 @@ class CaptureWriter:
             }
             if job.capture.loss_spans is not None:
                 tensors["loss_mask"] = mask_from_spans(job.capture.loss_spans, len(job.input_ids))
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+            fd = os.open(tmp, _CREATE, 0o640, dir_fd=dirs.tmp)
             with os.fdopen(fd, "wb", buffering=1 << 20) as f:
                 nbytes, checksum = write_capture(f, job.meta, tensors, cfg.codec_spec())
                 f.flush()
                 t_encoded = time.monotonic()
                 os.fsync(f.fileno())
             try:
-                os.link(tmp, final)
+                os.link(tmp, os.path.basename(final), src_dir_fd=dirs.tmp, dst_dir_fd=dirs.capture,
+                        follow_symlinks=False)
             except FileExistsError:
                 raise FileExistsError(errno.EEXIST, f"a capture file named {job.capture.name!r} already exists") from None
-            fsync_dir(cfg.capture_dir)
+            os.fsync(dirs.capture)
             raw = sum(t.numel() * t.element_size() for t in tensors.values())
             with self._lock:
                 self.stats["written"] += 1
@@ -222,11 +256,13 @@ class CaptureWriter:
             outcome.update(status="error", error=f"{type(e).__name__}: {reason}")
             logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
         finally:
-            _unlink_quietly(tmp)
+            if dirs is not None:
+                _unlink_quietly(tmp, dirs.tmp)
         return outcome
 
     def _record(self, job: CaptureJob, outcome: Dict[str, Any]) -> None:
         try:
-            _write_json_atomic(index_path(self.config.capture_dir, job.meta["rid"]), outcome)
+            _write_json_atomic(self.dirs().index, os.path.basename(index_path(self.config.capture_dir, job.meta["rid"])),
+                               outcome)
         except OSError as e:
             logger.error("sglang_capture: cannot record the outcome of %s: %s", job.meta["rid"], e)

@@ -152,3 +152,54 @@ def test_same_capture_name_twice_never_overwrites(dsv3):
     assert second["meta_info"]["capture"]["status"] == "error"
     assert "already exists" in second["meta_info"]["capture"]["error"]
     assert sglang_capture.load(first["meta_info"]["capture"]["path"])["rid"] == first["meta_info"]["id"]
+
+
+def test_prefix_cached_by_an_earlier_request_is_still_captured_whole(dsv3, tiny_models, tokenizer):
+    prefix = "Hidden states are captured from every decoder layer of the model. " * 3
+    plain = dsv3.generate({"text": prefix, "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert plain.status_code == 200  # the prefix is now in the radix cache
+    for _ in range(2):  # and a second capture of the same prompt must not reuse the first one's cache either
+        out = capture(dsv3, prefix + "The quick brown fox.", max_new_tokens=3)
+        data = sglang_capture.load(out["meta_info"]["capture"]["path"])
+        assert data["input_ids"].tolist() == tokenizer(prefix + "The quick brown fox.")["input_ids"]
+        check_against_transformers(tiny_models["tiny-dsv3"], data)
+
+
+def test_streaming_request_gets_its_reference_in_the_last_chunk(dsv3, tiny_models):
+    import json
+
+    import requests
+
+    body = {"text": "Kimi K2.5 uses MLA.", "stream": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True,
+                                "custom_params": {"capture": True, "capture_name": "streamed"}}}
+    chunks = []
+    with requests.post(dsv3.url + "/generate", json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunks.append(json.loads(line[len(b"data: "):]))
+    assert len(chunks) >= 2
+    ref = chunks[-1]["meta_info"]["capture"]
+    assert ref["status"] == "ok" and ref["path"].endswith("streamed.capture.msgpack")
+    data = sglang_capture.load(ref["path"])
+    assert data["output_ids"].tolist() == chunks[-1]["output_ids"]
+    check_against_transformers(tiny_models["tiny-dsv3"], data)
+
+
+def test_parallel_samples_each_get_their_own_file(dsv3, tiny_models):
+    body = {"text": "The quick brown fox", "sampling_params": {
+        "n": 2, "max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True, "custom_params": {"capture": True}}}
+    r = dsv3.generate(body)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert isinstance(outs, list) and len(outs) == 2
+    paths = set()
+    for out in outs:
+        ref = out["meta_info"]["capture"]
+        assert ref["status"] == "ok"
+        paths.add(ref["path"])
+        data = sglang_capture.load(ref["path"])
+        assert data["output_ids"].tolist() == out["output_ids"]
+        check_against_transformers(tiny_models["tiny-dsv3"], data)
+    assert len(paths) == 2

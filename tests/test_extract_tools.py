@@ -336,3 +336,18 @@ def test_demo_command_captures_and_verifies(tmp_path, env):
     r = cli("demo", "--out", tmp_path / "demo", env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "5 of 5 conversations captured and verified" in r.stdout
+
+
+def test_extract_spreads_work_over_several_servers(server, tiny_models, make_server, tmp_path_factory, tmp_path, env):
+    second_dir = str(tmp_path_factory.mktemp("second-server"))
+    second = make_server(capture_cmd(tiny_models["tiny-dsv3"], second_dir, "--capture-layers",
+                                     ",".join(map(str, LAYERS))), second_dir)
+    inp = tmp_path / "ten.jsonl"
+    make_conversations(inp, n=10, seed=1)
+    out = tmp_path / "out"
+    r = cli("extract", inp, "--server", server.url, "--server", second.url, "--out", out, "--no-progress",
+            "--concurrency", "4", env=env)
+    assert r.returncode == 0, r.stderr
+    assert len(_files(out)) == 10 and cli("verify", out, "--no-progress").returncode == 0
+    for d in (server.capture_dir, second_dir):  # each server recorded outcomes of the samples it captured
+        assert any(f.endswith(".json") and not f.startswith("writer-") for f in os.listdir(os.path.join(d, ".index")))

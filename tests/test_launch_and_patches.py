@@ -104,3 +104,28 @@ def test_instrument_is_idempotent_and_uninstrument_restores():
         probe.uninstrument()
     assert Req.__dict__["__init__"] is original_init
     assert P.__dict__["_append_decode_hidden_states"] is original_decode
+
+
+def test_doctor_reports_version_fingerprints_plugin_and_configuration():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "sglang_capture", "doctor"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "installed SGLang: 0.5.17" in r.stdout
+    assert r.stdout.count("matches its fingerprint") == 8 and "FAIL" not in r.stdout
+    assert "plugin entry point sglang.srt.plugins: sglang_capture" in r.stdout
+    assert "writer_threads = 4" in r.stdout and "max_pending_mb = 8192" in r.stdout
+
+
+def test_doctor_fails_on_a_changed_sglang_function():
+    import dataclasses
+
+    from sglang_capture.doctor import diagnose
+    from sglang_capture.instrumentor import seams_for_installed
+
+    seams = seams_for_installed()
+    seams[2] = dataclasses.replace(seams[2], fingerprint="sha256:" + "0" * 64)
+    lines, ok = diagnose(seams)
+    assert not ok
+    assert any(line.startswith(f"FAIL {seams[2].seam}:") and "changed" in line for line in lines)

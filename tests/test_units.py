@@ -87,24 +87,31 @@ def test_ledger_counts_a_shared_batch_buffer_once():
     assert ledger.held_bytes == 0
 
 
-def test_ledger_blocks_producers_over_the_cap_until_writes_drain():
-    ledger = HostMemoryLedger(cap_bytes=100)
-    t = torch.zeros(100)  # 400 bytes, over the cap
-    ledger.hold(t)
-    released = threading.Event()
+def test_ledger_never_exceeds_the_cap_while_writes_are_pending():
+    pending = threading.Event()
+    pending.set()
+    ledger = HostMemoryLedger(cap_bytes=500, draining=pending.is_set)
+    first, second = torch.zeros(100), torch.zeros(100)  # 400 bytes each: both together exceed the cap
 
-    def drain():
+    def writer_finishes_first():
         time.sleep(0.2)
-        ledger.release(t)
-        released.set()
+        ledger.release(first)
+        pending.clear()
 
-    threading.Thread(target=drain).start()
+    ledger.hold(first)
+    threading.Thread(target=writer_finishes_first).start()
     start = time.monotonic()
-    ledger.wait_for_room(lambda: not released.is_set())
-    assert released.is_set() and time.monotonic() - start >= 0.15 and ledger.waits == 1
-    ledger.hold(t)
-    ledger.wait_for_room(lambda: False)  # nothing pending: never deadlock, go on over the cap
-    assert ledger.held_bytes == 400
+    ledger.hold(second)  # the scheduler waits here until the pending write frees memory
+    assert time.monotonic() - start >= 0.15 and ledger.waits == 1
+    assert ledger.peak_bytes == 400 <= ledger.cap_bytes
+
+
+def test_ledger_goes_over_the_cap_rather_than_deadlock_when_nothing_is_pending():
+    ledger = HostMemoryLedger(cap_bytes=100)  # draining() is False: no write will free anything
+    big = torch.zeros(100)
+    ledger.hold(big)  # one buffer larger than the cap
+    ledger.hold(torch.zeros(10))
+    assert ledger.held_bytes == 440 and ledger.waits == 0
 
 
 def _job(tmp_path, chunks, n_rows, name="req-1"):
@@ -230,3 +237,50 @@ def test_rows_survive_the_finished_req_being_freed_before_the_writer_runs(tmp_pa
     assert outcome["status"] == "ok", outcome
     data = __import__("sglang_capture").load(outcome["path"])
     assert torch.equal(data["aux_hidden_states"], rows[:, :2]) and torch.equal(data["last_hidden_states"], rows[:, 2:])
+
+
+def test_a_symlink_planted_at_the_file_name_is_never_written_through(tmp_path):
+    import json
+    import os
+
+    from sglang_capture.writer import CaptureWriter, index_path
+
+    capture_dir, outside = tmp_path / "caps", tmp_path / "outside.txt"
+    capture_dir.mkdir()
+    outside.write_text("precious")
+    os.symlink(outside, capture_dir / "req-1.capture.msgpack")
+    job, ledger = _job(tmp_path, [(0, torch.zeros(2, 4))], 2)
+    writer = CaptureWriter(CaptureConfig(capture_dir=str(capture_dir), writer_threads=1), ledger)
+    writer.submit(job)
+    writer.close()
+    outcome = json.load(open(index_path(str(capture_dir), "req-1")))
+    assert outcome["status"] == "error" and "already exists" in outcome["error"]
+    assert outside.read_text() == "precious" and os.path.islink(capture_dir / "req-1.capture.msgpack")
+
+
+def test_a_symlinked_private_folder_is_refused_at_start(tmp_path):
+    import os
+
+    from sglang_capture.config import ConfigError
+    from sglang_capture.launch import check_capture_dir
+
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / ".tmp")
+    with pytest.raises(ConfigError, match="must be a real directory"):
+        check_capture_dir(str(tmp_path))
+
+
+def test_files_are_created_owner_and_group_only(tmp_path):
+    import json
+    import os
+    import stat
+
+    from sglang_capture.writer import CaptureWriter, index_path
+
+    job, ledger = _job(tmp_path, [(0, torch.zeros(2, 4))], 2)
+    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=1), ledger)
+    writer.submit(job)
+    writer.close()
+    outcome = json.load(open(index_path(str(tmp_path), "req-1")))
+    assert stat.S_IMODE(os.stat(outcome["path"]).st_mode) & 0o007 == 0
+    assert stat.S_IMODE(os.stat(tmp_path / ".tmp").st_mode) == 0o700

@@ -1,0 +1,40 @@
+"""Throughput per mode from a ``bench/e2e.py`` result, as a log-scale bar chart (PNG).
+
+    python bench/plot.py bench/results/e2e-h200-2026-11-29.json bench/results/e2e-h200-2026-11-29.png
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+LABELS = [("a_plain", "prefill", "(a) plain SGLang"), ("b_launcher_idle", "prefill", "(b) capture server,\nno capture"),
+          ("d_mixed", "mixed-other", "(d) mixed: requests\nnot capturing"),
+          ("d_mixed", "mixed-capture", "(d) mixed: capturing\nrequests"), ("d_file_capture", "capture", "(d) every request\ncaptures"),
+          ("c_json", "json", "(c) SGLang JSON\nreturn_hidden_states")]
+
+
+def main(src: str, dst: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.load(open(src))
+    cfg = res["config"]
+    rows = [(label, res[m][k]["tok_per_s"]) for m, k, label in LABELS if k in res.get(m, {})]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bars = ax.bar([r[0] for r in rows], [r[1] for r in rows],
+                  color=["#888", "#888", "#4a7", "#27a", "#27a", "#c44"][: len(rows)])
+    ax.set_yscale("log")
+    ax.set_ylabel("prompt tokens / s (log)")
+    ax.set_title(f"One H200, DeepSeek-V3 4 layers at Kimi width (hidden {cfg['hidden']}), "
+                 f"{cfg['concurrency']} clients x {cfg['tokens']}-token prompts", fontsize=9)
+    for b, (_, v) in zip(bars, rows):
+        ax.text(b.get_x() + b.get_width() / 2, v * 1.1, f"{v:,.0f}", ha="center", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=120)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,44 @@
+"""Faults on a real CPU capture server: a kill -9 in the middle of heavy capture."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+from sglang_capture.testbed.server import capture_cmd
+
+
+def test_kill_9_during_capture_leaves_only_complete_files(tiny_models, make_server, tmp_path):
+    capture_dir = str(tmp_path / "caps")
+    os.makedirs(capture_dir)
+    server = make_server(capture_cmd(tiny_models["tiny-dsv3"], capture_dir), capture_dir)
+    text = "Kimi K2.5 uses the DeepSeek V3 architecture with MLA and MoE layers. " * 6
+
+    def send(i):
+        body = {"text": text + str(i), "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True,
+                                                           "custom_params": {"capture": True, "capture_name": f"k{i}"}}}
+        try:
+            requests.post(server.url + "/generate", json=body, timeout=120)
+        except requests.RequestException:
+            pass  # the server dies under us
+
+    pool = ThreadPoolExecutor(24)
+    for i in range(48):
+        pool.submit(send, i)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(f.endswith(".capture.msgpack") for f in os.listdir(capture_dir)):
+        time.sleep(0.05)
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    pool.shutdown(wait=True)
+    files = [f for f in os.listdir(capture_dir) if f.endswith(".capture.msgpack")]
+    assert 1 <= len(files) < 48, "the kill must land in the middle of the run"
+    r = subprocess.run([sys.executable, "-m", "sglang_capture", "verify", capture_dir, "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{len(files)} decoded and consistent, 0 problems" in r.stdout
