@@ -261,8 +261,11 @@ class CaptureWriter:
         return outcome
 
     def _record(self, job: CaptureJob, outcome: Dict[str, Any]) -> None:
+        self.record_outcome(job.meta["rid"], outcome)
+
+    def record_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
+        """Write ``.index/<rid>.json`` (also called on the scheduler thread for aborts, which are rare)."""
         try:
-            _write_json_atomic(self.dirs().index, os.path.basename(index_path(self.config.capture_dir, job.meta["rid"])),
-                               outcome)
+            _write_json_atomic(self.dirs().index, os.path.basename(index_path(self.config.capture_dir, rid)), outcome)
         except OSError as e:
-            logger.error("sglang_capture: cannot record the outcome of %s: %s", job.meta["rid"], e)
+            logger.error("sglang_capture: cannot record the outcome of %s: %s", rid, e)

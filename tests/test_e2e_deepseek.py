@@ -203,3 +203,24 @@ def test_parallel_samples_each_get_their_own_file(dsv3, tiny_models):
         assert data["output_ids"].tolist() == out["output_ids"]
         check_against_transformers(tiny_models["tiny-dsv3"], data)
     assert len(paths) == 2
+
+
+def test_client_disconnect_aborts_without_a_file(dsv3):
+    import json
+    import time
+
+    import requests
+
+    from sglang_capture.writer import index_path
+
+    body = {"text": "hello world", "rid": "disconnect-me", "sampling_params": {
+        "max_new_tokens": 3900, "temperature": 0, "ignore_eos": True,
+        "custom_params": {"capture": True, "capture_name": "disconnected"}}}
+    with pytest.raises(requests.Timeout):
+        requests.post(dsv3.url + "/generate", json=body, timeout=2)  # the client gives up and hangs up
+    record = index_path(dsv3.capture_dir, "disconnect-me")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not os.path.exists(record):
+        time.sleep(0.2)
+    assert json.load(open(record))["status"] == "aborted"
+    assert not os.path.exists(os.path.join(dsv3.capture_dir, "disconnected.capture.msgpack"))
