@@ -8,6 +8,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import requests
 
 from sglang_capture.testbed.server import capture_cmd
@@ -42,3 +43,40 @@ def test_kill_9_during_capture_leaves_only_complete_files(tiny_models, make_serv
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"{len(files)} decoded and consistent, 0 problems" in r.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs as the capture dir (needs root, as on this project's CI machines)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_full_disk_fails_captures_clearly_keeps_serving_and_recovers(tiny_models, make_server, small_disk):
+    server = make_server(capture_cmd(tiny_models["tiny-dsv3"], str(small_disk)), str(small_disk))
+    text = "Hidden states are captured from every decoder layer of the model. " * 20  # ~0.5 MB of rows
+
+    def capture(name):
+        body = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0,
+                                                  "custom_params": {"capture": True, "capture_name": name}}}
+        r = server.generate(body)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["capture"]
+
+    assert capture("before")["status"] == "ok"
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # leave about 64 KiB free
+        f.write(b"\0" * (os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize - (64 << 10)))
+    ref = capture("while-full")
+    assert ref["status"] == "error" and "No space left on device" in ref["error"]
+    assert not (small_disk / "while-full.capture.msgpack").exists()
+    assert os.listdir(small_disk / ".tmp") == []
+    plain = server.generate({"text": text, "sampling_params": {"max_new_tokens": 2}})
+    assert plain.status_code == 200 and "capture" not in plain.json()["meta_info"]
+    os.unlink(filler)
+    assert capture("after")["status"] == "ok"
