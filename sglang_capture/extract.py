@@ -207,26 +207,32 @@ class Extractor:
         except ServerError as e:
             raise ExtractError(str(e)) from None
         self._prepare_out()
+        try:
+            self._run_locked(read.samples, servers)
+        finally:
+            os.close(self._lock_fd)  # releases the lock: the next run in this process may start
+            self.report.seconds = time.monotonic() - t0
+        return self.report
+
+    def _run_locked(self, samples: List[Sample], servers: List[ServerInfo]) -> None:
         self._check_capture_dirs(servers)
         source = self.tokenizer_path or servers[0].model_path
         try:
             encoder = ChatEncoder(load_tokenizer(source), source)
         except TemplateError as e:
             raise ExtractError(f"{e}; pass --tokenizer PATH" if not self.tokenizer_path else str(e)) from None
-        if any(s.messages for s in read.samples) and not getattr(encoder.tok, "chat_template", None):
+        if any(s.messages for s in samples) and not getattr(encoder.tok, "chat_template", None):
             raise ExtractError(f"the tokenizer at {source!r} has no chat template, needed for conversations; "
                                "pass --tokenizer with one, or give samples as {\"text\": ...}")
         capture_dirs = [s.capture_dir for s in servers]
         remove_attempt_leftovers(self.out, capture_dirs)
-        todo = self._resume(read.samples, encoder)
+        todo = self._resume(samples, encoder)
         manifest = ManifestWriter(self.out)
         try:
             self._work(todo, servers, encoder, manifest)
         finally:
             manifest.close()
             remove_attempt_leftovers(self.out, capture_dirs)
-            self.report.seconds = time.monotonic() - t0
-        return self.report
 
     def _work(self, todo: List[Sample], servers: List[ServerInfo], encoder: ChatEncoder,
               manifest: ManifestWriter) -> None:

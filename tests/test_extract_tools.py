@@ -357,3 +357,17 @@ def test_extract_spreads_work_over_several_servers(server, tiny_models, make_ser
         for d in per_server:
             per_server[d] += os.path.exists(index_path(d, rid))
     assert sum(per_server.values()) == 10 and all(per_server.values()), per_server
+
+
+def test_one_extract_per_directory_and_the_lock_is_released(server, conversations, reference_run, env):
+    import fcntl
+
+    from sglang_capture.extract import LOCK_FILE, Extractor
+
+    for _ in range(2):  # in one process, twice: the first run must give the lock back
+        report = Extractor(conversations[0], [server.url], reference_run, progress=False).run()
+        assert report.written == 0 and report.skipped == N_SAMPLES
+    with open(os.path.join(reference_run, LOCK_FILE), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a running extract holds it
+        r = extract(server, conversations[0], reference_run, env=env)
+    assert r.returncode == 1 and "another extract is writing to" in r.stderr and "Traceback" not in r.stderr
