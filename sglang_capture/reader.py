@@ -37,7 +37,12 @@ def load(path: Union[str, os.PathLike], tensors: Optional[Iterable[str]] = None)
     rest of the file's metadata under ``meta``. ``tensors`` limits which tensors are decoded.
     """
     path = os.fspath(path)
-    meta, arrays = parse_capture(_read(path), path, tensors)
+    return loads(_read(path), path, tensors)
+
+
+def loads(buf: bytes, path: str = "<capture>", tensors: Optional[Iterable[str]] = None) -> Dict[str, Any]:
+    """``load`` for a file's bytes already in memory (``path`` only names it in errors)."""
+    meta, arrays = parse_capture(buf, path, tensors)
     try:
         out: Dict[str, Any] = {
             "rid": str(meta["rid"]),

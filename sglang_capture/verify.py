@@ -7,6 +7,7 @@ size and checksum. Problems are one line each; the caller turns "any problem" in
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -16,9 +17,9 @@ from typing import Dict, List, Optional
 import torch
 
 from sglang_capture.format import CaptureFileError
-from sglang_capture.manifest import MANIFEST, file_checksum, read_manifest
+from sglang_capture.manifest import MANIFEST, read_manifest
 from sglang_capture.naming import FILE_SUFFIX
-from sglang_capture.reader import load
+from sglang_capture.reader import loads
 
 
 @dataclass
@@ -57,17 +58,27 @@ def check_tensors(d: Dict) -> List[str]:
     return problems
 
 
-def check_file(path: str) -> List[str]:
-    """Problems of one file, each prefixed with its name."""
+def check_file(path: str, checksum: Optional[str] = None) -> List[str]:
+    """Problems of one file, each prefixed with its name; the file is read once, for the
+    manifest's ``checksum`` (when given) and the decode alike."""
     name = os.path.basename(path)
     try:
-        d = load(path)
+        with open(path, "rb") as f:
+            buf = f.read()
+    except OSError as e:
+        return [f"{name}: cannot read ({e.strerror})"]
+    problems = []
+    if checksum is not None and "sha256:" + hashlib.sha256(buf).hexdigest() != checksum:
+        problems.append(f"{name}: checksum differs from the manifest (the file changed after it was written)")
+    try:
+        d = loads(buf, path)
     except CaptureFileError as e:
-        return [f"{name}: corrupt: {str(e).split(': ', 1)[-1]}"]
-    return [f"{name}: {p}" for p in check_tensors(d)]
+        return problems + [f"{name}: corrupt: {str(e).split(': ', 1)[-1]}"]
+    return problems + [f"{name}: {p}" for p in check_tensors(d)]
 
 
-def _check_manifest(directory: str, files: List[str], report: VerifyReport) -> None:
+def _check_manifest(directory: str, files: List[str], report: VerifyReport) -> Dict[str, str]:
+    """Manifest-level problems; returns file -> checksum for the per-file pass to compare."""
     entries, problems = read_manifest(directory)
     report.manifest_entries = len(entries)
     report.problems += problems
@@ -82,11 +93,10 @@ def _check_manifest(directory: str, files: List[str], report: VerifyReport) -> N
             report.problems.append(f"{e.file}: missing (sample {e.id!r} is in the manifest)")
         elif os.path.getsize(path) != e.bytes:
             report.problems.append(f"{e.file}: {os.path.getsize(path):,} bytes, the manifest says {e.bytes:,}")
-        elif file_checksum(path) != e.checksum:
-            report.problems.append(f"{e.file}: checksum differs from the manifest (the file changed after it was written)")
     for f in files:
         if f not in listed:
             report.problems.append(f"{f}: extra (not in the manifest)")
+    return {e.file: e.checksum for e in entries}
 
 
 def verify_dir(directory: str, workers: int = 4, progress: bool = True) -> VerifyReport:
@@ -97,10 +107,11 @@ def verify_dir(directory: str, workers: int = 4, progress: bool = True) -> Verif
         raise FileNotFoundError(f"{directory} is not a directory")
     files = sorted(f for f in os.listdir(directory) if f.endswith(FILE_SUFFIX) and not f.startswith("."))
     report = VerifyReport(files=len(files))
+    checksums: Dict[str, str] = {}
     if os.path.exists(os.path.join(directory, MANIFEST)):
-        _check_manifest(directory, files, report)
+        checksums = _check_manifest(directory, files, report)
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        results = pool.map(check_file, [os.path.join(directory, f) for f in files])
+        results = pool.map(lambda f: check_file(os.path.join(directory, f), checksums.get(f)), files)
         for problems in tqdm(results, total=len(files), unit="file", disable=None if progress else True):
             report.problems += problems
             report.good_files += not problems
