@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -67,8 +67,7 @@ def to_specforge(d: dict, path: str, all_tokens: bool) -> dict:
     }
 
 
-def export_specforge(directory: str, out: str, all_tokens: bool = False, progress: bool = True,
-                     log: Callable[[str], None] = print) -> ExportReport:
+def export_specforge(directory: str, out: str, all_tokens: bool = False, progress: bool = True) -> ExportReport:
     """Write ``OUT/<sample>.ckpt`` for every capture file of ``directory``."""
     from tqdm import tqdm
 

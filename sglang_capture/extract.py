@@ -17,7 +17,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 from sglang_capture.client import ServerError, ServerInfo, capture_prefill, discover
 from sglang_capture.conversations import BadLine, Sample, read_samples
@@ -123,8 +123,7 @@ class Extractor:
     """One extract run. Construct, then ``run()``; see the module docstring for the flow."""
 
     def __init__(self, input_path: str, server_urls: Sequence[str], out: str, tokenizer: Optional[str] = None,
-                 concurrency: int = 8, retries: int = 3, timeout: float = 600.0, progress: bool = True,
-                 log: Callable[[str], None] = print) -> None:
+                 concurrency: int = 8, retries: int = 3, timeout: float = 600.0, progress: bool = True) -> None:
         if concurrency < 1:
             raise ExtractError(f"--concurrency must be at least 1, got {concurrency}")
         if retries < 0:
@@ -132,7 +131,7 @@ class Extractor:
         if not server_urls:
             raise ExtractError("give at least one --server URL of a capture server")
         self.input_path, self.out, self.concurrency = input_path, os.path.abspath(out), concurrency
-        self.retries, self.timeout, self.progress, self.log = retries, timeout, progress, log
+        self.retries, self.timeout, self.progress = retries, timeout, progress
         self.server_urls = list(server_urls)
         self.tokenizer_path = tokenizer
         self.report = ExtractReport()
