@@ -185,6 +185,14 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16") -> 
             "rows_below_0.999": sum(v["rows_below_0.999"] for v in caps), "requests": per_request}
         files = sorted(f for f in os.listdir(capture_dir) if f.endswith(".capture.msgpack"))
         results["files"] = len(files)
+        # with --tp N only the writer rank may copy and write: one writer stats file, one file per request
+        idx = os.path.join(capture_dir, ".index")
+        writers = [f for f in os.listdir(idx) if f.startswith("writer-")]
+        outcomes = [json.load(open(os.path.join(idx, f))) for f in os.listdir(idx)
+                    if f.endswith(".json") and not f.startswith("writer-")]
+        results["checks"]["one_file_per_request_one_writer"] = {
+            "pass": len(writers) == 1 and len(files) == len(outcomes) == sum(o["status"] == "ok" for o in outcomes),
+            "writer_processes": len(writers), "outcome_records": len(outcomes), "files": len(files)}
     finally:
         stop_server(server)
     with open(os.path.join(out_dir, "gpu_e2e.json"), "w") as f:

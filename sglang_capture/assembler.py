@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy
 import torch
 
+from sglang_capture.format import HostTensor, host_tensor
 from sglang_capture.ledger import HostMemoryLedger
 
 
@@ -73,41 +75,48 @@ class IncompleteCapture(RuntimeError):
     """Some positions of the request never received a row: the file would be wrong, so none is written."""
 
 
-def _ranges(mask: torch.Tensor) -> str:
-    idx = torch.nonzero(~mask).flatten().tolist()
-    spans: List[List[int]] = []
-    for i in idx:
-        if spans and spans[-1][1] == i - 1:
-            spans[-1][1] = i
-        else:
-            spans.append([i, i])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans[:8])
+def _gaps(spans: List[Tuple[int, int]], n_rows: int) -> List[Tuple[int, int]]:
+    """The inclusive position ranges in ``[0, n_rows)`` that no ``[start, end)`` span covers."""
+    gaps: List[Tuple[int, int]] = []
+    reached = 0
+    for start, end in sorted(spans):
+        if start > reached:
+            gaps.append((reached, start - 1))
+        reached = max(reached, end)
+    if reached < n_rows:
+        gaps.append((reached, n_rows - 1))
+    return gaps
 
 
-def assemble_rows(chunks: List[RowChunk], n_rows: int, splits: Dict[str, Tuple[int, int]]) -> Dict[str, torch.Tensor]:
-    """Place every chunk by position into fresh tensors, one per column range in ``splits``.
+def assemble_rows(chunks: List[RowChunk], n_rows: int, splits: Dict[str, Tuple[int, int]]) -> Dict[str, HostTensor]:
+    """Place every chunk by position into fresh arrays, one per column range in ``splits``.
 
     Later chunks overwrite earlier ones (re-prefill after retraction), rows past ``n_rows`` are
     dropped (the step that sampled the last token also computed rows nobody fed back), and a
-    position left uncovered raises IncompleteCapture.
+    position left uncovered raises IncompleteCapture. Runs on a writer thread, in numpy: one
+    GIL-releasing copy per chunk and column range (see ``format.HostTensor``).
     """
     if not chunks:
         if n_rows:
             raise IncompleteCapture(f"no rows were captured for {n_rows} positions")
-        return {name: torch.empty((0, hi - lo)) for name, (lo, hi) in splits.items()}
-    dtype = chunks[0].rows.dtype
-    out = {name: torch.empty((n_rows, hi - lo), dtype=dtype) for name, (lo, hi) in splits.items()}
-    covered = torch.zeros(n_rows, dtype=torch.bool)
+        return {name: host_tensor(numpy.empty((0, hi - lo), dtype=numpy.float32)) for name, (lo, hi) in splits.items()}
     for chunk in chunks:
         if chunk.ready is not None:
             chunk.ready.synchronize()
-        end = min(chunk.start + chunk.rows.shape[0], n_rows)
+    sources = [host_tensor(chunk.rows) for chunk in chunks]
+    dtype = sources[0].dtype
+    out = {name: numpy.empty((n_rows, hi - lo), dtype=sources[0].array.dtype) for name, (lo, hi) in splits.items()}
+    spans: List[Tuple[int, int]] = []
+    for chunk, src in zip(chunks, sources):
+        end = min(chunk.start + src.array.shape[0], n_rows)
         if end <= chunk.start:
             continue
-        part = chunk.rows[: end - chunk.start]
+        part = src.array[: end - chunk.start]
         for name, (lo, hi) in splits.items():
             out[name][chunk.start:end] = part[:, lo:hi]
-        covered[chunk.start:end] = True
-    if not bool(covered.all()):
-        raise IncompleteCapture(f"rows missing at positions {_ranges(covered)} of {n_rows}")
-    return out
+        spans.append((chunk.start, end))
+    gaps = _gaps(spans, n_rows)
+    if gaps:
+        where = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:8])
+        raise IncompleteCapture(f"rows missing at positions {where} of {n_rows}")
+    return {name: HostTensor(dtype, arr) for name, arr in out.items()}

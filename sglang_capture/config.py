@@ -34,10 +34,11 @@ class CaptureConfig:
     layers: Optional[List[int]] = None
     keep_last_hidden: bool = True
     codec: str = "zstd"
-    level: int = 1
+    level: Optional[int] = None
     shuffle: bool = True
     writer_threads: int = 4
     compress_threads: int = 0
+    switch_interval_ms: float = 1.0
     max_pending_mb: int = 8192
     wait_timeout_s: float = 600.0
     model_layers: Optional[int] = field(default=None, compare=False)
@@ -55,6 +56,8 @@ class CaptureConfig:
             raise ConfigError(f"--capture-writer-threads must be at least 1, got {self.writer_threads}")
         if self.compress_threads < -1:
             raise ConfigError("--capture-compress-threads must be -1 (all cores), 0 (inline) or a positive count")
+        if self.switch_interval_ms < 0:
+            raise ConfigError("--capture-switch-interval-ms must be zero (leave Python's) or positive")
         if self.max_pending_mb < 1:
             raise ConfigError(f"--capture-max-pending-mb must be at least 1, got {self.max_pending_mb}")
         if self.wait_timeout_s < 0:

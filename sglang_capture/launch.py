@@ -114,16 +114,17 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-layers", default=None, help="Comma-separated layer ids (input of layer i = HF hidden_states[i]). Default: EAGLE-3's, 3,31,59 for a 61-layer model.")
 @click.option("--capture-keep-last/--capture-no-keep-last", default=True, show_default=True, help="Also keep the final post-norm hidden state.")
 @click.option("--capture-codec", type=click.Choice(CODECS), default="zstd", show_default=True)
-@click.option("--capture-level", type=int, default=1, show_default=True, help="zstd level.")
+@click.option("--capture-level", type=int, default=None, help="zstd level. Default: entropy-first settings tuned for activations (2-3x faster than level 1, same ratio).")
 @click.option("--capture-shuffle/--capture-no-shuffle", default=True, show_default=True, help="Byte-shuffle before zstd (better ratio on bf16).")
 @click.option("--capture-writer-threads", type=int, default=4, show_default=True, help="Background writer threads.")
 @click.option("--capture-compress-threads", type=int, default=0, show_default=True, help="zstd threads per file (0 = in the writer thread, -1 = all cores).")
+@click.option("--capture-switch-interval-ms", type=float, default=1.0, show_default=True, help="GIL switch interval of the scheduler process once writers run (0 = leave Python's 5 ms).")
 @click.option("--capture-max-pending-mb", type=int, default=8192, show_default=True, help="Cap on host memory held for pending writes; the server waits beyond it.")
 @click.option("--capture-wait-timeout", type=float, default=600.0, show_default=True, help="Seconds a response waits for its file.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: bool, capture_codec: str,
-         capture_level: int, capture_shuffle: bool, capture_writer_threads: int, capture_compress_threads: int,
-         capture_max_pending_mb: int, capture_wait_timeout: float, sglang_args: Tuple[str, ...]) -> None:
+         capture_level: Optional[int], capture_shuffle: bool, capture_writer_threads: int, capture_compress_threads: int,
+         capture_switch_interval_ms: float, capture_max_pending_mb: int, capture_wait_timeout: float, sglang_args: Tuple[str, ...]) -> None:
     """Start an SGLang server that writes captured hidden states to CAPTURE_DIR."""
     try:
         config = CaptureConfig(
@@ -135,6 +136,7 @@ def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: boo
             shuffle=capture_shuffle,
             writer_threads=capture_writer_threads,
             compress_threads=capture_compress_threads,
+            switch_interval_ms=capture_switch_interval_ms,
             max_pending_mb=capture_max_pending_mb,
             wait_timeout_s=capture_wait_timeout,
         )

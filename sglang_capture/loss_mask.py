@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, List, Sequence, Tuple
 
-import torch
+import numpy
 
 Span = Tuple[int, int]
 
@@ -33,9 +33,9 @@ def parse_spans(value: Any, n_tokens: int) -> List[Span]:
     return spans
 
 
-def mask_from_spans(spans: Sequence[Span], n_tokens: int) -> torch.Tensor:
+def mask_from_spans(spans: Sequence[Span], n_tokens: int) -> numpy.ndarray:
     """The int64 0/1 mask of length ``n_tokens`` (SpecForge's ``loss_mask`` dtype)."""
-    mask = torch.zeros(n_tokens, dtype=torch.int64)
+    mask = numpy.zeros(n_tokens, dtype=numpy.int64)
     for a, b in spans:
         mask[a:b] = 1
     return mask

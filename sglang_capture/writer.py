@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -26,7 +27,7 @@ from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.loss_mask import mask_from_spans
 from sglang_capture.naming import FILE_SUFFIX, name_for_rid
 
-import torch
+import numpy
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,11 @@ class CaptureWriter:
             self.dirs()  # opened once here, before several threads could race to open them
         except OSError as e:  # each job will then fail with this reason; the server keeps serving
             logger.error("sglang_capture: capture dir %s is unusable: %s", self.config.capture_dir, e)
+        if self.config.switch_interval_ms > 0:
+            # Writer threads re-take the GIL after each compress/hash/write call; behind SGLang's busy
+            # scheduler thread every re-take waits a full switch interval (5 ms by default), which
+            # made writers 2-4x slower under load. A shorter interval only matters while writers run.
+            sys.setswitchinterval(self.config.switch_interval_ms / 1000.0)
         for i in range(self.config.writer_threads):
             t = threading.Thread(target=self._run, name=f"sglang-capture-writer-{i}", daemon=True)
             t.start()
@@ -219,8 +225,8 @@ class CaptureWriter:
             job.capture.release()
             t_assembled = time.monotonic()
             tensors = {
-                "input_ids": torch.tensor(job.input_ids, dtype=torch.int64),
-                "output_ids": torch.tensor(job.output_ids, dtype=torch.int64),
+                "input_ids": numpy.asarray(job.input_ids, dtype=numpy.int64),
+                "output_ids": numpy.asarray(job.output_ids, dtype=numpy.int64),
                 **tensors,
             }
             if job.capture.loss_spans is not None:
@@ -237,7 +243,7 @@ class CaptureWriter:
             except FileExistsError:
                 raise FileExistsError(errno.EEXIST, f"a capture file named {job.capture.name!r} already exists") from None
             os.fsync(dirs.capture)
-            raw = sum(t.numel() * t.element_size() for t in tensors.values())
+            raw = sum(t.nbytes for t in tensors.values())
             with self._lock:
                 self.stats["written"] += 1
                 self.stats["bytes"] += nbytes

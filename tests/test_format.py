@@ -32,7 +32,8 @@ def _encode(codec, tensors=None):
     return buf.getvalue(), checksum
 
 
-@pytest.mark.parametrize("codec", [fmt.Codec(), fmt.Codec(shuffle=False), fmt.Codec(name="none"), fmt.Codec(level=5, threads=2)])
+@pytest.mark.parametrize("codec", [fmt.Codec(), fmt.Codec(shuffle=False), fmt.Codec(name="none"), fmt.Codec(level=5, threads=2),
+                                   fmt.Codec(threads=2), fmt.Codec(level=1, threads=-1)])
 def test_round_trip_keeps_values_dtypes_and_shapes(codec, monkeypatch):
     monkeypatch.setattr(fmt, "FRAME_BYTES", 200)  # several frames per tensor
     buf, _ = _encode(codec)
@@ -57,6 +58,34 @@ def test_checksum_is_sha256_of_the_file_bytes():
 def test_shuffle_compresses_bf16_activations_better():
     t = {"x": (torch.randn(4096, 256) * 0.5).to(torch.bfloat16)}
     assert len(_encode(fmt.Codec(), t)[0]) < len(_encode(fmt.Codec(shuffle=False), t)[0])
+
+
+def test_activation_preset_writes_standard_zstd_frames_as_small_as_level_1():
+    import zstandard
+
+    g = torch.Generator().manual_seed(1)
+    t = {"x": (torch.randn(2048, 512, generator=g) * 0.6).to(torch.bfloat16)}
+    preset, level1 = _encode(fmt.Codec(), t)[0], _encode(fmt.Codec(level=1), t)[0]
+    assert len(preset) <= len(level1) * 1.01
+    frame = msgpack.unpackb(preset, raw=False)["tensors"]["x"]["data"][0]
+    assert len(zstandard.ZstdDecompressor().decompress(frame)) == t["x"].numel() * 2
+
+
+@pytest.mark.parametrize("codec", [fmt.Codec(), fmt.Codec(name="none")])
+def test_strided_host_views_encode_to_the_same_bytes_as_contiguous_tensors(codec, monkeypatch):
+    monkeypatch.setattr(fmt, "FRAME_BYTES", 300)
+    rows = torch.randn(29, 40).to(torch.bfloat16)
+    view = fmt.host_tensor(rows)  # shares memory: a column slice of it is strided
+    strided = {"aux": fmt.HostTensor("bfloat16", view.array[:, 8:32]), "ids": torch.arange(5)}
+    contiguous = {"aux": rows[:, 8:32].contiguous(), "ids": torch.arange(5)}
+    assert _encode(codec, strided)[0] == _encode(codec, contiguous)[0]
+    assert torch.equal(fmt.parse_capture(_encode(codec, strided)[0])[1]["aux"], contiguous["aux"])
+
+
+def test_bf16_byte_planes_are_low_bytes_then_high_bytes():
+    t = torch.tensor([0x1234, 0x5678, 0x0A0B], dtype=torch.int16).view(torch.bfloat16)
+    planes = bytes(fmt._raw_bytes(fmt.host_tensor(t).array.reshape(3, 1), 2))
+    assert planes == bytes([0x34, 0x78, 0x0B, 0x12, 0x56, 0x0A])
 
 
 def test_flipped_byte_in_payload_is_detected(tmp_path):

@@ -65,9 +65,18 @@ def test_rows_are_placed_by_position_later_rows_win():
     a = torch.arange(0, 12, dtype=torch.float32).view(4, 3)      # positions 0..3
     b = torch.full((3, 3), -1.0)                                    # positions 2..4 (re-prefill)
     c = torch.full((2, 3), 7.0)                                     # positions 5..6, one past the end
-    out = assemble_rows([RowChunk(0, a), RowChunk(2, b), RowChunk(5, c)], 6, {"x": (0, 2), "y": (2, 3)})
+    out = {k: v.to_torch() for k, v in
+           assemble_rows([RowChunk(0, a), RowChunk(2, b), RowChunk(5, c)], 6, {"x": (0, 2), "y": (2, 3)}).items()}
     assert out["x"].shape == (6, 2) and out["y"].shape == (6, 1)
     assert torch.equal(out["x"][:2], a[:2, :2]) and (out["x"][2:5] == -1).all() and (out["x"][5] == 7).all()
+
+
+def test_bf16_rows_keep_their_exact_bits_through_assembly():
+    rows = torch.randn(5, 6).to(torch.bfloat16)
+    out = assemble_rows([RowChunk(0, rows)], 5, {"aux": (0, 4), "final": (4, 6)})
+    assert out["aux"].dtype == "bfloat16" and out["aux"].to_torch().dtype == torch.bfloat16
+    assert torch.equal(out["aux"].to_torch().view(torch.int16), rows[:, :4].view(torch.int16))
+    assert torch.equal(out["final"].to_torch().view(torch.int16), rows[:, 4:].view(torch.int16))
 
 
 def test_missing_rows_fail_the_capture():
@@ -148,6 +157,27 @@ def test_writer_publishes_whole_files_and_records_the_outcome(tmp_path):
     stats = json.load(open(tmp_path / ".index" / f"writer-{os.getpid()}.json"))
     assert stats["written"] == 1 and stats["queue"] == 0 and stats["peak_held_bytes"] == rows.numel() * 4
     assert stats["cap_bytes"] == ledger.cap_bytes
+
+
+@pytest.mark.parametrize("interval_ms", [1.0, 0.0])
+def test_writer_shortens_the_gil_switch_interval_only_once_it_runs(tmp_path, interval_ms):
+    import sys
+
+    from sglang_capture.writer import CaptureWriter
+
+    before = sys.getswitchinterval()
+    try:
+        cfg = CaptureConfig(capture_dir=str(tmp_path), writer_threads=1, switch_interval_ms=interval_ms)
+        job, ledger = _job(tmp_path, [(0, torch.zeros(2, 4))], 2)
+        writer = CaptureWriter(cfg, ledger)
+        assert sys.getswitchinterval() == before  # an idle capture server keeps Python's interval
+        writer.submit(job)
+        writer.close()
+        assert sys.getswitchinterval() == pytest.approx(interval_ms / 1000 if interval_ms else before)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ConfigError, match="switch-interval"):
+        CaptureConfig(capture_dir=str(tmp_path), switch_interval_ms=-1)
 
 
 def test_writer_failure_leaves_no_file_and_an_error_outcome(tmp_path):

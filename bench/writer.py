@@ -1,0 +1,180 @@
+"""Host-side ceiling of the capture writer: how many captured tokens/s the writer threads can
+turn into published files, with no server and no GPU in the way.
+
+    python bench/writer.py OUT.json [--tokens 2048] [--hidden 7168] [--files 24]
+                           [--threads 4,8,12,16] [--codecs zstd+shuffle,zstd,none]
+                           [--compress-threads 0] [--gil-hog 0,1] [--switch-interval-ms 1]
+                           [--dir /tmp/writer-bench]
+
+Every configuration drives the package's real ``CaptureWriter`` (assembly, encoding, hashing,
+temp file, fsync, link, outcome record) with ``--files`` jobs of ``--tokens`` rows of
+activation-like bf16 (3 aux layers + final = 4 × hidden columns) held in pinned memory when a GPU
+is present, as SGLang's batch buffers are. ``--gil-hog 1`` adds a thread that runs pure Python
+without pause, the way SGLang's scheduler thread does under load, to show what sharing the
+interpreter with it costs. Single-thread rates of each stage (shuffle, zstd, sha256, write+fsync)
+are measured first, so a configuration's rate can be read as a fraction of them.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List
+
+import torch
+
+from sglang_capture.assembler import RequestCapture
+from sglang_capture.config import CaptureConfig
+from sglang_capture.format import Codec, _compressor, _raw_bytes, host_tensor
+from sglang_capture.ledger import HostMemoryLedger
+from sglang_capture.writer import CaptureJob, CaptureWriter, prepare_capture_dir
+
+# name -> (codec, shuffle, zstd level); level None is the package's default activation preset
+CODEC_PRESETS = {"zstd+shuffle": ("zstd", True, None), "zstd": ("zstd", False, None),
+                 "zstd1+shuffle": ("zstd", True, 1), "none": ("none", False, None)}
+
+
+def activation_like(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """bf16 rows with the statistics that matter to zstd: mostly small values, a few large columns."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * 0.6
+    x[:, torch.randint(0, cols, (max(1, cols // 512),), generator=g)] *= 40.0
+    out = x.to(torch.bfloat16)
+    return out.pin_memory() if torch.cuda.is_available() else out
+
+
+def stage_rates(sample: torch.Tensor, tmpdir: str) -> Dict[str, float]:
+    """GB/s of raw bf16 for each writer stage on one thread, measured on ``sample``."""
+    n = sample.numel() * sample.element_size()
+    rows = host_tensor(sample).array
+
+    def rate(fn) -> float:
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return n / best / 1e9
+
+    shuffled = _raw_bytes(rows, 2)
+    comp = _compressor(Codec()).compress(shuffled)
+    path = os.path.join(tmpdir, "stage.bin")
+
+    def write_fsync() -> None:
+        with open(path, "wb") as f:
+            f.write(comp)
+            f.flush()
+            os.fsync(f.fileno())
+
+    rates = {
+        "copy_rows": rate(lambda: torch.empty_like(sample).copy_(sample)),
+        "shuffle": rate(lambda: _raw_bytes(rows, 2)),
+        "zstd_preset_shuffled": rate(lambda: _compressor(Codec()).compress(shuffled)),
+        "zstd1_shuffled": rate(lambda: _compressor(Codec(level=1)).compress(shuffled)),
+        "zstd1_unshuffled": rate(lambda: _compressor(Codec(level=1)).compress(_raw_bytes(rows, 0))),
+        "sha256_of_compressed": rate(lambda: hashlib.sha256(comp).digest()) * len(comp) / n,
+        "write_fsync_compressed": rate(write_fsync) * len(comp) / n,
+    }
+    os.unlink(path)
+    return {k: round(v, 3) for k, v in rates.items()}
+
+
+def gil_hog(stop: threading.Event) -> None:
+    x = 0
+    while not stop.is_set():
+        for i in range(1000):
+            x = (x + i * i) % 1000003
+
+
+def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int, threads: int, codec: str,
+               compress_threads: int, hog: bool, switch_ms: float, base_dir: str) -> Dict:
+    name, shuffle, level = CODEC_PRESETS[codec]
+    d = tempfile.mkdtemp(dir=base_dir)
+    cfg = CaptureConfig(capture_dir=d, codec=name, shuffle=shuffle, level=level, writer_threads=threads,
+                        compress_threads=compress_threads, max_pending_mb=1 << 20,
+                        switch_interval_ms=switch_ms)
+    default_interval = sys.getswitchinterval()
+    prepare_capture_dir(d)
+    ledger = HostMemoryLedger(cfg.max_pending_bytes)
+    writer = CaptureWriter(cfg, ledger)
+    splits = {"aux_hidden_states": (0, 3 * hidden), "hidden_states": (3 * hidden, 4 * hidden)}
+    stop = threading.Event()
+    hog_thread = threading.Thread(target=gil_hog, args=(stop,), daemon=True) if hog else None
+    if hog_thread:
+        hog_thread.start()
+    t0 = time.monotonic()
+    for i in range(files):
+        cap = RequestCapture(rid=f"r{i}", name=f"bench-{i}", ledger=ledger)
+        cap.add(0, sources[i % len(sources)])
+        writer.submit(CaptureJob(cap, tokens, splits, list(range(tokens)), [0], {"rid": f"r{i}"}))
+    while writer.pending():
+        time.sleep(0.005)
+    wall = time.monotonic() - t0
+    stop.set()
+    writer.close()
+    sys.setswitchinterval(default_interval)
+    stats = dict(writer.stats)
+    shutil.rmtree(d)
+    raw = files * tokens * 4 * hidden * 2
+    n = max(stats["written"], 1)
+    return {"threads": threads, "codec": codec, "compress_threads": compress_threads, "gil_hog": hog,
+            "switch_interval_ms": switch_ms or default_interval * 1000, "files": files, "failed": stats["failed"], "wall_s": round(wall, 3),
+            "tok_per_s": round(files * tokens / wall), "raw_gb_per_s": round(raw / wall / 1e9, 3),
+            "ratio": round(stats["raw_bytes"] / max(stats["bytes"], 1), 3),
+            "ms_per_file": {k[:-2]: round(stats[k] / n * 1e3) for k in
+                            ("queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s")}}
+
+
+def main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--files", type=int, default=24)
+    p.add_argument("--threads", default="4,8,12,16")
+    p.add_argument("--codecs", default="zstd+shuffle,zstd,none")
+    p.add_argument("--compress-threads", default="0")
+    p.add_argument("--gil-hog", default="0,1")
+    p.add_argument("--switch-interval-ms", default="1", help="0 = Python's default (5 ms)")
+    p.add_argument("--dir", default=None, help="where files are written (default: a temp dir)")
+    a = p.parse_args(argv)
+    base = a.dir or tempfile.mkdtemp(prefix="writer-bench-")
+    os.makedirs(base, exist_ok=True)
+    sources = [activation_like(a.tokens, 4 * a.hidden, seed) for seed in range(4)]
+    res: Dict = {"config": {**vars(a), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                            "bytes_per_token_raw": 4 * a.hidden * 2},
+                 "stage_rates_gb_per_s": stage_rates(sources[0], base), "runs": []}
+    print("single-thread stage rates (GB/s of raw bf16):", res["stage_rates_gb_per_s"], file=sys.stderr, flush=True)
+    for hog in (bool(int(h)) for h in a.gil_hog.split(",")):
+        for codec in a.codecs.split(","):
+            for ct in (int(c) for c in a.compress_threads.split(",")):
+                for sw in (float(x) for x in a.switch_interval_ms.split(",")):
+                    for threads in (int(t) for t in a.threads.split(",")):
+                        r = run_config(sources, a.files, a.tokens, a.hidden, threads, codec, ct, hog, sw, base)
+                        res["runs"].append(r)
+                        print(json.dumps(r), file=sys.stderr, flush=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(report(res))
+    return 0
+
+
+def report(res: Dict) -> str:
+    rows = ["| codec | writer threads | zstd threads | GIL hog | switch ms | tok/s | raw GB/s | ratio | ms/file: assemble / encode+write / fsync |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        ms = r["ms_per_file"]
+        rows.append(f"| {r['codec']} | {r['threads']} | {r['compress_threads']} | {'yes' if r['gil_hog'] else 'no'} | {r['switch_interval_ms']:g} | "
+                    f"{r['tok_per_s']:,} | {r['raw_gb_per_s']:.2f} | {r['ratio']:.2f} | "
+                    f"{ms['assemble']} / {ms['encode_write']} / {ms['fsync_publish']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
