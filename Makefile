@@ -4,15 +4,18 @@
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3.11
-VENV ?= $(HOME)/.cache/sglang-cpu-ci/venv-0.5.17
+# SGLang release to install and test against; `make test SGLANG_VERSION=0.5.23` (alias
+# `make test-0.5.23`) runs the same suite against the other supported release in its own venv.
+SGLANG_VERSION ?= 0.5.17
+VENV ?= $(HOME)/.cache/sglang-cpu-ci/venv-$(SGLANG_VERSION)
 PIP_QUIET := { grep -v -e 'is ignored: it is neither a file nor a directory' || true; }
 
-.PHONY: install demo test
+.PHONY: install demo test test-0.5.23
 install:
-	@if ! $(VENV)/bin/python -c "import sglang, sys; sys.exit(sglang.__version__ != '0.5.17')" 2>/dev/null; then \
+	@if ! $(VENV)/bin/python -c "import sglang, sys; sys.exit(sglang.__version__ != '$(SGLANG_VERSION)')" 2>/dev/null; then \
 	  rm -rf $(VENV) && $(PYTHON) -m venv $(VENV) && \
 	  $(VENV)/bin/pip install -q --upgrade pip 2>&1 | $(PIP_QUIET) && \
-	  $(VENV)/bin/pip install -q 'sglang==0.5.17' 2>&1 | $(PIP_QUIET); \
+	  $(VENV)/bin/pip install -q 'sglang==$(SGLANG_VERSION)' 2>&1 | $(PIP_QUIET); \
 	fi
 	$(VENV)/bin/pip install -q -e '.[test]' 2>&1 | $(PIP_QUIET)
 
@@ -21,3 +24,6 @@ demo: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q tests
+
+test-0.5.23:
+	$(MAKE) test SGLANG_VERSION=0.5.23

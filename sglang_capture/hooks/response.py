@@ -54,16 +54,27 @@ def _take_ref(out: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return None
 
 
-async def await_capture_file(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> AsyncIterator[Any]:
-    """Around ``TokenizerManager._wait_one_response`` (an async generator)."""
+def await_capture_file(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``TokenizerManager._wait_one_response``, which returns an async generator.
+
+    SGLang 0.5.23 looks the request state up when the generator is *created* (a batch builds every
+    waiter before advancing any), so the original is called right away and only its output is
+    wrapped; requests that do not capture get SGLang's generator untouched.
+    """
     obj = args[0] if args else kwargs.get("obj")
-    capture = _wants_capture(obj)
-    config = CaptureConfig.from_env() if capture else None
-    async for out in wrapped(*args, **kwargs):
-        if capture and isinstance(out, dict):
+    responses = wrapped(*args, **kwargs)
+    if not _wants_capture(obj):
+        return responses
+    config = CaptureConfig.from_env()
+    return _with_capture_refs(responses, config.wait_timeout_s if config else 600.0)
+
+
+async def _with_capture_refs(responses: AsyncIterator[Any], timeout_s: float) -> AsyncIterator[Any]:
+    async for out in responses:
+        if isinstance(out, dict):
             ref = _take_ref(out)
             if ref is not None:
                 if ref.get("status") == "pending":
-                    ref = await wait_for_outcome(ref, config.wait_timeout_s if config else 600.0)
+                    ref = await wait_for_outcome(ref, timeout_s)
                 out["meta_info"]["capture"] = ref
         yield out

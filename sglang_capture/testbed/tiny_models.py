@@ -1,4 +1,4 @@
-"""Tiny random-weight checkpoints (Llama, DeepSeek-V3) with an offline byte-level BPE tokenizer.
+"""Tiny random-weight checkpoints (Llama, DeepSeek-V3, Kimi-K2.5) with an offline byte-level BPE tokenizer.
 
 No hub access: the tokenizer is trained on a few bundled sentences, weights are seeded random.
 The DeepSeek-V3 checkpoint is written by hand in the per-expert layout real DeepSeek-V3 /
@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
     "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-BUILD_VERSION = 2  # bump when the models or tokenizer change, so cached copies are rebuilt
+BUILD_VERSION = 3  # bump when the models or tokenizer change, so cached copies are rebuilt
 
 
 def build_tokenizer():
@@ -67,15 +67,12 @@ def save_llama(path: str, tokenizer, layers: int = 4, hidden: int = 256) -> str:
     return path
 
 
-def save_deepseek_v3(path: str, tokenizer, layers: int = 4, hidden: int = 256, experts: int = 8) -> str:
-    """A DeepSeek-V3 (MLA + MoE, noaux_tc sigmoid router, one shared expert, first layer dense)."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    heads, q_lora, kv_lora, nope, rope, vdim, inter, moe_inter = 4, 64, 64, 32, 16, 32, 2 * hidden, hidden // 2
-    config = {
+def deepseek_v3_config(tokenizer, layers: int = 4, hidden: int = 256, experts: int = 8) -> Dict:
+    """A DeepSeek-V3 config (MLA + MoE, noaux_tc sigmoid router, one shared expert, first layer dense)."""
+    heads, q_lora, kv_lora, nope, rope, vdim = 4, 64, 64, 32, 16, 32
+    return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
-        "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": inter, "moe_intermediate_size": moe_inter,
+        "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": 2 * hidden, "moe_intermediate_size": hidden // 2,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
         "n_shared_experts": 1, "n_routed_experts": experts, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
         "routed_scaling_factor": 2.5, "kv_lora_rank": kv_lora, "q_lora_rank": q_lora, "qk_rope_head_dim": rope,
@@ -89,16 +86,33 @@ def save_deepseek_v3(path: str, tokenizer, layers: int = 4, hidden: int = 256, e
         "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                          "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
     }
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    gen = torch.Generator().manual_seed(0)
 
-    def r(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
 
+class _Random:
+    """Seeded bf16 weights: small normal matrices, unit norms."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def r(self, *shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.gen) * 0.02).to(torch.bfloat16)
+
+    @staticmethod
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=torch.bfloat16)
 
+    @staticmethod
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.bfloat16)
+
+
+def deepseek_v3_weights(config: Dict, rnd: _Random, prefix: str = "") -> Dict[str, torch.Tensor]:
+    """Weights of ``config`` in the per-expert layout of real DeepSeek-V3 checkpoints, names under ``prefix``."""
+    hidden, layers, experts = config["hidden_size"], config["num_hidden_layers"], config["n_routed_experts"]
+    heads, q_lora, kv_lora = config["num_attention_heads"], config["q_lora_rank"], config["kv_lora_rank"]
+    nope, rope, vdim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    inter, moe_inter = config["intermediate_size"], config["moe_intermediate_size"]
+    r, ones = rnd.r, rnd.ones
     w: Dict[str, torch.Tensor] = {"model.embed_tokens.weight": r(VOCAB, hidden), "model.norm.weight": ones(hidden),
                                   "lm_head.weight": r(VOCAB, hidden)}
     for i in range(layers):
@@ -116,23 +130,136 @@ def save_deepseek_v3(path: str, tokenizer, layers: int = 4, hidden: int = 256, e
         m = p + "mlp."
         mlps = {"": inter} if i < config["first_k_dense_replace"] else {
             **{f"experts.{e}.": moe_inter for e in range(experts)}, "shared_experts.": moe_inter}
-        for prefix, width in mlps.items():
-            w[m + prefix + "gate_proj.weight"] = r(width, hidden)
-            w[m + prefix + "up_proj.weight"] = r(width, hidden)
-            w[m + prefix + "down_proj.weight"] = r(hidden, width)
+        for name, width in mlps.items():
+            w[m + name + "gate_proj.weight"] = r(width, hidden)
+            w[m + name + "up_proj.weight"] = r(width, hidden)
+            w[m + name + "down_proj.weight"] = r(hidden, width)
         if i >= config["first_k_dense_replace"]:
             w[m + "gate.weight"] = r(experts, hidden)
             w[m + "gate.e_score_correction_bias"] = torch.zeros(experts, dtype=torch.float32)
-    save_file(w, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return {prefix + k: v for k, v in w.items()}
+
+
+def _finish_checkpoint(path: str, config: Dict, weights: Dict[str, torch.Tensor], tokenizer) -> str:
+    from safetensors.torch import save_file
+
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}, f)
     tokenizer.save_pretrained(path)
     return path
 
 
+def save_deepseek_v3(path: str, tokenizer, layers: int = 4, hidden: int = 256, experts: int = 8) -> str:
+    """A DeepSeek-V3 checkpoint (see ``deepseek_v3_config``)."""
+    os.makedirs(path, exist_ok=True)
+    config = deepseek_v3_config(tokenizer, layers, hidden, experts)
+    return _finish_checkpoint(path, config, deepseek_v3_weights(config, _Random(0)), tokenizer)
+
+
+# Real Kimi-K2.5 checkpoints ship their processor as remote code (``--trust-remote-code``); SGLang's
+# Kimi-K2.5 multimodal processor reads ``processor.media_processor.media_proc_cfg`` and the
+# tokenizer from it. This stand-in has the same surface for text requests (no image pipeline).
+KIMI_PROCESSOR_CODE = '''"""Text-only stand-in for Kimi-K2.5's remote-code processor (tiny test checkpoint)."""
+import json
+import os
+
+from transformers import AutoTokenizer
+
+
+class KimiK25MediaProcessor:
+    def __init__(self, media_proc_cfg):
+        self.media_proc_cfg = media_proc_cfg
+
+
+class KimiK25Processor:
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoProcessor"):
+        pass
+
+    def __init__(self, tokenizer, media_proc_cfg):
+        self.tokenizer = tokenizer
+        self.media_processor = KimiK25MediaProcessor(media_proc_cfg)
+        self.image_processor = self.media_processor
+
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs):
+        with open(os.path.join(path, "preprocessor_config.json")) as f:
+            cfg = json.load(f)["media_proc_cfg"]
+        return cls(AutoTokenizer.from_pretrained(path), cfg)
+
+    def __call__(self, *args, **kwargs):
+        return self.tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name in ("tokenizer", "media_processor", "image_processor"):
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+'''
+
+
+def save_kimi_k25(path: str, tokenizer, layers: int = 8, hidden: int = 256, experts: int = 8) -> str:
+    """A Kimi-K2.5 checkpoint (``KimiK25ForConditionalGeneration``): a MoonViT vision tower and
+    patch-merger projector with small dims plus a DeepSeek-V3 language model, laid out like the
+    real model (config ``text_config`` / ``vision_config``, weights ``language_model.*``,
+    ``vision_tower.*`` with ``wqkv``/``wo``, ``mm_projector.proj.{0,2}``). The vision config
+    carries both the real checkpoint's ``vt_*`` keys and the plain names SGLang's
+    ``KimiK25VisionConfig`` reads, so SGLang builds the small tower.
+    """
+    os.makedirs(path, exist_ok=True)
+    text = deepseek_v3_config(tokenizer, layers, hidden, experts)
+    vh, vinter, vheads, vlayers, patch, pos = 64, 128, 2, 2, 14, 8
+    vision = {
+        "patch_size": patch, "init_pos_emb_height": pos, "init_pos_emb_width": pos, "init_pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed", "merge_kernel_size": [2, 2], "video_attn_type": "spatial_temporal",
+        "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger", "mm_hidden_size": vh,
+        "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5, "text_hidden_size": hidden,
+        "vt_hidden_size": vh, "vt_intermediate_size": vinter, "vt_num_attention_heads": vheads,
+        "vt_num_hidden_layers": vlayers,
+        "hidden_size": vh, "intermediate_size": vinter, "num_attention_heads": vheads, "num_hidden_layers": vlayers,
+    }
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "torch_dtype": "bfloat16",
+        "text_config": text, "vision_config": vision, "ignore_index": -100,
+        "media_placeholder_token_id": tokenizer.pad_token_id, "pad_token_id": tokenizer.pad_token_id,
+        "use_unified_vision_chunk": False, "tie_word_embeddings": False,
+        "auto_map": {"AutoProcessor": "kimi_k25_processor.KimiK25Processor"},
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+    }
+    rnd = _Random(0)
+    w = deepseek_v3_weights(text, rnd, prefix="language_model.")
+    v = "vision_tower."
+    w[v + "patch_embed.proj.weight"] = rnd.r(vh, 3, patch, patch)
+    w[v + "patch_embed.proj.bias"] = rnd.zeros(vh)
+    w[v + "patch_embed.pos_emb.weight"] = rnd.r(pos, pos, vh)
+    for i in range(vlayers):
+        b = f"{v}encoder.blocks.{i}."
+        for norm in ("norm0", "norm1"):
+            w[b + norm + ".weight"], w[b + norm + ".bias"] = rnd.ones(vh), rnd.zeros(vh)
+        w[b + "wqkv.weight"], w[b + "wqkv.bias"] = rnd.r(3 * vh, vh), rnd.zeros(3 * vh)
+        w[b + "wo.weight"], w[b + "wo.bias"] = rnd.r(vh, vh), rnd.zeros(vh)
+        w[b + "mlp.fc0.weight"], w[b + "mlp.fc0.bias"] = rnd.r(vinter, vh), rnd.zeros(vinter)
+        w[b + "mlp.fc1.weight"], w[b + "mlp.fc1.bias"] = rnd.r(vh, vinter), rnd.zeros(vh)
+    w[v + "encoder.final_layernorm.weight"], w[v + "encoder.final_layernorm.bias"] = rnd.ones(vh), rnd.zeros(vh)
+    merged = 4 * vh
+    w["mm_projector.pre_norm.weight"], w["mm_projector.pre_norm.bias"] = rnd.ones(vh), rnd.zeros(vh)
+    w["mm_projector.proj.0.weight"], w["mm_projector.proj.0.bias"] = rnd.r(merged, merged), rnd.zeros(merged)
+    w["mm_projector.proj.2.weight"], w["mm_projector.proj.2.bias"] = rnd.r(hidden, merged), rnd.zeros(hidden)
+    with open(os.path.join(path, "kimi_k25_processor.py"), "w") as f:
+        f.write(KIMI_PROCESSOR_CODE)
+    media = {"patch_size": patch, "merge_kernel_size": 2, "in_patch_limit": 1024, "patch_limit_on_one_side": 64,
+             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump({"auto_map": {"AutoProcessor": "kimi_k25_processor.KimiK25Processor"},
+                   "processor_class": "KimiK25Processor", "media_proc_cfg": media}, f, indent=2)
+    return _finish_checkpoint(path, config, w, tokenizer)
+
+
 def build_all(out_dir: str) -> Dict[str, str]:
     """Build (once) every tiny model under ``out_dir``; returns name -> path."""
-    paths = {"tiny-llama": os.path.join(out_dir, "tiny-llama"), "tiny-dsv3": os.path.join(out_dir, "tiny-dsv3")}
+    paths = {name: os.path.join(out_dir, name) for name in ("tiny-llama", "tiny-dsv3", "tiny-kimi-k25")}
     stamp = os.path.join(out_dir, "build.json")
     try:
         with open(stamp) as f:
@@ -143,6 +270,7 @@ def build_all(out_dir: str) -> Dict[str, str]:
     tok = build_tokenizer()
     save_llama(paths["tiny-llama"], tok)
     save_deepseek_v3(paths["tiny-dsv3"], tok)
+    save_kimi_k25(paths["tiny-kimi-k25"], tok)
     with open(stamp, "w") as f:
         json.dump({"version": BUILD_VERSION}, f)
     return paths
