@@ -36,7 +36,7 @@ class CaptureConfig:
     codec: str = "zstd"
     level: Optional[int] = None
     shuffle: bool = True
-    writer_threads: int = 4
+    writer_threads: int = 0  # 0 = auto, see threads_for_writing
     compress_threads: int = 0
     switch_interval_ms: float = 1.0
     max_pending_mb: int = 8192
@@ -52,8 +52,8 @@ class CaptureConfig:
             self.codec_spec()
         except ValueError as e:
             raise ConfigError(f"--capture-level: {e}") from None
-        if self.writer_threads < 1:
-            raise ConfigError(f"--capture-writer-threads must be at least 1, got {self.writer_threads}")
+        if self.writer_threads < 0:
+            raise ConfigError(f"--capture-writer-threads must be 0 (auto) or a positive count, got {self.writer_threads}")
         if self.compress_threads < -1:
             raise ConfigError("--capture-compress-threads must be -1 (all cores), 0 (inline) or a positive count")
         if self.switch_interval_ms < 0:
@@ -68,6 +68,18 @@ class CaptureConfig:
             if len(set(self.layers)) != len(self.layers):
                 raise ConfigError(f"--capture-layers has duplicates: {self.layers}")
             object.__setattr__(self, "layers", sorted(self.layers))
+
+    def threads_for_writing(self) -> int:
+        """Writer threads to run: the configured count, or for 0 three quarters of the cores this
+        process may use, between 2 and 16 (the H200 sweep in bench/RESULTS.md peaked at 12 of 16
+        cores; beyond that the disk, not the CPU, bounds the writer)."""
+        if self.writer_threads:
+            return self.writer_threads
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 2
+        return max(2, min(16, 3 * cores // 4))
 
     def codec_spec(self) -> Codec:
         """The on-disk codec these options select."""

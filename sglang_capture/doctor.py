@@ -57,6 +57,8 @@ def diagnose(seams: Optional[Sequence] = None) -> Tuple[List[str], bool]:
     else:
         lines.append(f"{ENV_VAR} is set (capture is on in servers started from this environment):")
         shown = {k: v for k, v in asdict(config).items() if k != "model_layers"}
+    if not config.writer_threads:
+        shown["writer_threads"] = f"auto ({config.threads_for_writing()} here)"
     for key, value in shown.items():
         lines.append(f"  {key} = {value if value is not None else 'model default (EAGLE-3 layers)'}")
     return lines, ok

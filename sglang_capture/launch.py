@@ -74,7 +74,8 @@ def check_server_args(server_args) -> None:
         raise ConfigError("capture needs --pp-size 1 (aux layers must all live on one pipeline stage)")
     if getattr(server_args, "enable_two_batch_overlap", False):
         raise ConfigError("capture does not support --enable-two-batch-overlap (it skips the aux capture)")
-    if getattr(server_args, "return_hidden_states_mode", "full") != "full":
+    # 0.5.17 resolves an unset mode to "full" when parsing; 0.5.23 leaves it None until resolution
+    if getattr(server_args, "return_hidden_states_mode", None) not in (None, "full"):
         raise ConfigError("capture needs --return-hidden-states-mode full (or leave it unset)")
     if os.environ.get("SGLANG_USE_PICKLE_IPC", "1") == "0":
         raise ConfigError("capture needs SGLang's default pickle IPC; unset SGLANG_USE_PICKLE_IPC")
@@ -116,7 +117,7 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-codec", type=click.Choice(CODECS), default="zstd", show_default=True)
 @click.option("--capture-level", type=int, default=None, help="zstd level. Default: entropy-first settings tuned for activations (2-3x faster than level 1, same ratio).")
 @click.option("--capture-shuffle/--capture-no-shuffle", default=True, show_default=True, help="Byte-shuffle before zstd (better ratio on bf16).")
-@click.option("--capture-writer-threads", type=int, default=4, show_default=True, help="Background writer threads.")
+@click.option("--capture-writer-threads", type=int, default=0, show_default=True, help="Background writer threads (0 = 3/4 of the cores, 2..16).")
 @click.option("--capture-compress-threads", type=int, default=0, show_default=True, help="zstd threads per file (0 = in the writer thread, -1 = all cores).")
 @click.option("--capture-switch-interval-ms", type=float, default=1.0, show_default=True, help="GIL switch interval of the scheduler process once writers run (0 = leave Python's 5 ms).")
 @click.option("--capture-max-pending-mb", type=int, default=8192, show_default=True, help="Cap on host memory held for pending writes; the server waits beyond it.")

@@ -148,7 +148,7 @@ class CaptureWriter:
             # scheduler thread every re-take waits a full switch interval (5 ms by default), which
             # made writers 2-4x slower under load. A shorter interval only matters while writers run.
             sys.setswitchinterval(self.config.switch_interval_ms / 1000.0)
-        for i in range(self.config.writer_threads):
+        for i in range(self.config.threads_for_writing()):
             t = threading.Thread(target=self._run, name=f"sglang-capture-writer-{i}", daemon=True)
             t.start()
             self._threads.append(t)

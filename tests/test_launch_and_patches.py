@@ -12,6 +12,7 @@ import wrapt
 from click.testing import CliRunner
 
 import sglang_capture.instrumentor as inst
+from sglang_capture.config import CaptureConfig
 from sglang_capture.launch import main
 from sglang_capture.patches import load_table, supported_versions
 
@@ -80,7 +81,7 @@ def test_seam_table_fingerprints_match_installed_sglang():
 
 
 def test_changed_sglang_function_fails_loudly():
-    seam = replace(load_table("0.5.17")[0], fingerprint="sha256:" + "0" * 64)
+    seam = replace(load_table(inst.installed_sglang_version())[0], fingerprint="sha256:" + "0" * 64)
     assert "changed (fingerprint" in inst.check_seam(seam)
     probe = inst.CaptureInstrumentor()
     probe._instrumented = True
@@ -112,10 +113,11 @@ def test_doctor_reports_version_fingerprints_plugin_and_configuration():
 
     r = subprocess.run([sys.executable, "-m", "sglang_capture", "doctor"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "installed SGLang: 0.5.17" in r.stdout
+    assert f"installed SGLang: {inst.installed_sglang_version()}" in r.stdout
+    assert "supported SGLang: 0.5.17, 0.5.23" in r.stdout
     assert r.stdout.count("matches its fingerprint") == 8 and "FAIL" not in r.stdout
     assert "plugin entry point sglang.srt.plugins: sglang_capture" in r.stdout
-    assert "writer_threads = 4" in r.stdout and "max_pending_mb = 8192" in r.stdout
+    assert f"writer_threads = auto ({CaptureConfig(capture_dir='.').threads_for_writing()} here)" in r.stdout and "max_pending_mb = 8192" in r.stdout
 
 
 def test_doctor_fails_on_a_changed_sglang_function():

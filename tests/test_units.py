@@ -58,7 +58,9 @@ def test_config_round_trips_through_the_environment(tmp_path):
     with pytest.raises(ConfigError, match="duplicates"):
         CaptureConfig(capture_dir=str(tmp_path), layers=[3, 3])
     with pytest.raises(ConfigError, match="writer-threads"):
-        CaptureConfig(capture_dir=str(tmp_path), writer_threads=0)
+        CaptureConfig(capture_dir=str(tmp_path), writer_threads=-1)
+    assert CaptureConfig(capture_dir=str(tmp_path), writer_threads=5).threads_for_writing() == 5
+    assert 2 <= CaptureConfig(capture_dir=str(tmp_path)).threads_for_writing() <= 16
 
 
 def test_rows_are_placed_by_position_later_rows_win():
