@@ -4,13 +4,8 @@
 # Run from the repo root on the GPU machine, with the device kit and a wheel of the package in .whl/:
 #   source .devkit/env.sh; bash bench/h200_throughput.sh $OUT
 # Leaves at most 8 files in OUT (the device tool's limit): writer.json, e2e.json, e2e.md, host.txt, logs.tgz.
-set -u
-OUT=${1:?usage: h200_throughput.sh OUT_DIR}
-R=$PWD
 W=/tmp/bench-work
-mkdir -p "$OUT" $W
-pip install -q --no-deps --no-index --target /tmp/sc .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/sc:$PYTHONPATH
+source bench/device_setup.sh "$@"
 { nproc; lscpu | grep -E "Model name|Thread|Core|Socket"; free -g | head -2; df -h /tmp | tail -1; } > "$OUT/host.txt" 2>&1
 cd /tmp
 python "$R/.devkit/mk_tiny_model.py" /tmp/mk deepseek_v3 4 7168 > $W/mk.log 2>&1 &

@@ -1,15 +1,10 @@
 #!/usr/bin/env bash
 # One device call on nvidia-h200-x2: the capture server's GPU check (bench/gpu_e2e.py) with --tp 1
-# and with --tp 2 on the same dense Llama and DeepSeek-V3 models, then the two captures compared
+# and with --tp 2 on the same dense Llama, then the two captures compared
 # file by file (bench/compare_captures.py). Issue 5 item 3.
 #   source .devkit/env.sh; bash bench/h200x2_tp.sh $OUT
-set -u
-OUT=${1:?usage: h200x2_tp.sh OUT_DIR}
-R=$PWD
 W=/tmp/tp-work
-mkdir -p "$OUT" $W
-pip install -q --no-deps --no-index --target /tmp/sc .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/sc:$PYTHONPATH
+source bench/device_setup.sh "$@"
 cd /tmp
 python "$R/.devkit/mk_tiny_model.py" /tmp/ml llama 4 > $W/mk.log 2>&1
 nvidia-smi -L > "$OUT/gpus.txt"
