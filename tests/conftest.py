@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import pytest
 
@@ -26,9 +26,9 @@ def env() -> Dict[str, str]:
 def _server_factory(tmp_path_factory, env) -> Iterator:
     started: List[Server] = []
 
-    def make(cmd: List[str], capture_dir: str = "") -> Server:
+    def make(cmd: List[str], capture_dir: str = "", extra_env: Optional[Dict[str, str]] = None) -> Server:
         log = str(tmp_path_factory.mktemp("logs") / "server.log")
-        server = start_server(cmd, env, log, capture_dir)
+        server = start_server(cmd, {**env, **(extra_env or {})}, log, capture_dir)
         started.append(server)
         return server
 
