@@ -23,7 +23,7 @@ demo: install
 	$(VENV)/bin/sglang-capture demo
 
 test: install
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=12 tests
 
 test-0.5.23:
 	$(MAKE) test SGLANG_VERSION=0.5.23

@@ -43,6 +43,12 @@ def make_server(tmp_path_factory, env) -> Iterator:
     yield from _server_factory(tmp_path_factory, env)
 
 
+@pytest.fixture
+def make_test_server(tmp_path_factory, env) -> Iterator:
+    """Servers stopped as soon as the test ends (heavy servers that must not overlap the next test's)."""
+    yield from _server_factory(tmp_path_factory, env)
+
+
 @pytest.fixture(scope="session")
 def make_session_server(tmp_path_factory, env) -> Iterator:
     """Servers shared by several modules (stopped at the end of the session)."""

@@ -25,14 +25,14 @@ MODES = {"natural": ("KV cache pool is full. Retract requests", {}),
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_retracted_requests_keep_exact_rows(tiny_models, make_server, tmp_path, mode):
+def test_retracted_requests_keep_exact_rows(tiny_models, make_test_server, tmp_path, mode):
     message, extra_env = MODES[mode]
     if mode == "natural" and installed_sglang_version() != "0.5.17":
         pytest.skip("this KV pressure makes only SGLang 0.5.17 retract; 0.5.23 skips a decode step instead")
     capture_dir = str(tmp_path)
     cmd = capture_cmd(tiny_models["tiny-dsv3"], capture_dir, "--capture-layers", ",".join(map(str, LAYERS)),
                       "--dtype", "float32") + ["--max-total-tokens", "1024", "--schedule-conservativeness", "0.05"]  # last wins
-    server = make_server(cmd, capture_dir, extra_env)
+    server = make_test_server(cmd, capture_dir, extra_env)
     texts = [f"Request {i}: the quick brown fox jumps over the lazy dog. " * 4 for i in range(8)]
 
     def send(i):
