@@ -103,11 +103,6 @@ def _compressor(codec: Codec) -> zstandard.ZstdCompressor:
 
 FRAME_BYTES = 64 << 20  # raw bytes per zstd frame: bounds temp memory, keeps bins under 4 GiB
 
-# numpy has no bfloat16: bf16 data is carried as its uint16 bit patterns
-_NUMPY: Dict[str, Any] = {"bfloat16": numpy.uint16, "float16": numpy.float16, "float32": numpy.float32,
-                          "int64": numpy.int64, "int32": numpy.int32, "uint8": numpy.uint8}
-
-
 @dataclass(frozen=True)
 class HostTensor:
     """A host array plus the dtype name the file stores for it.
@@ -136,10 +131,10 @@ def host_tensor(t: Union[torch.Tensor, HostTensor, numpy.ndarray]) -> HostTensor
     if isinstance(t, HostTensor):
         return t
     if isinstance(t, numpy.ndarray):
-        name = next((k for k, v in _NUMPY.items() if k != "bfloat16" and v == t.dtype), None)
-        if name is None:
+        # numpy's dtype names are the file's; numpy has no native bfloat16 (bf16 travels as uint16)
+        if t.dtype.name not in _DTYPES or t.dtype.name == "bfloat16" or not t.dtype.isnative:
             raise ValueError(f"unsupported array dtype {t.dtype}")
-        return HostTensor(name, t)
+        return HostTensor(t.dtype.name, t)
     if t.device.type != "cpu":
         raise ValueError("encode_tensor takes host tensors; copy to the CPU first")
     name = _DTYPE_NAMES.get(t.dtype)

@@ -82,6 +82,11 @@ class ManifestWriter:
         self._f.close()
 
 
+def bytes_checksum(buf: bytes) -> str:
+    """``file_checksum`` of a file's bytes already in memory."""
+    return "sha256:" + hashlib.sha256(buf).hexdigest()
+
+
 def file_checksum(path: str) -> str:
     """``sha256:<hex>`` of a file's bytes, the form capture references and the manifest use."""
     h = hashlib.sha256()

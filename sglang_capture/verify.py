@@ -7,7 +7,6 @@ size and checksum. Problems are one line each; the caller turns "any problem" in
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,7 @@ from typing import Dict, List, Optional
 import torch
 
 from sglang_capture.format import CaptureFileError
-from sglang_capture.manifest import MANIFEST, read_manifest
+from sglang_capture.manifest import MANIFEST, bytes_checksum, read_manifest
 from sglang_capture.naming import FILE_SUFFIX
 from sglang_capture.reader import loads
 
@@ -68,7 +67,7 @@ def check_file(path: str, checksum: Optional[str] = None) -> List[str]:
     except OSError as e:
         return [f"{name}: cannot read ({e.strerror})"]
     problems = []
-    if checksum is not None and "sha256:" + hashlib.sha256(buf).hexdigest() != checksum:
+    if checksum is not None and bytes_checksum(buf) != checksum:
         problems.append(f"{name}: checksum differs from the manifest (the file changed after it was written)")
     try:
         d = loads(buf, path)
