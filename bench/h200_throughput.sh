@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# One device call: host facts, the writer's host-side ceiling (bench/writer.py), then the
+# One device call: host and disk facts, the writer's host-side ceiling (bench/writer.py), then the
 # end-to-end benchmark (bench/e2e.py) with the writer thread count that the sweep found fastest.
 # Run from the repo root on the GPU machine, with the device kit and a wheel of the package in .whl/:
 #   source .devkit/env.sh; bash bench/h200_throughput.sh $OUT
 # Leaves at most 8 files in OUT (the device tool's limit): writer.json, e2e.json, e2e.md, host.txt, logs.tgz.
 W=/tmp/bench-work
 source bench/device_setup.sh "$@"
-{ nproc; lscpu | grep -E "Model name|Thread|Core|Socket"; free -g | head -2; df -h /tmp | tail -1; } > "$OUT/host.txt" 2>&1
+{ nproc; uname -r; lscpu | grep -E "Model name|Thread|Core|Socket"; free -g | head -2; df -h /tmp | tail -1
+  findmnt -T /tmp; for q in rotational write_cache scheduler nr_requests; do echo "$q: $(cat /sys/block/vda/queue/$q 2>/dev/null)"; done
+  sysctl vm.dirty_ratio vm.dirty_background_ratio vm.dirty_expire_centisecs; } > "$OUT/host.txt" 2>&1
 cd /tmp
 python "$R/.devkit/mk_tiny_model.py" /tmp/mk deepseek_v3 4 7168 > $W/mk.log 2>&1 &
 MK=$!
 python "$R/bench/writer.py" $W/writer.json --codecs ${WRITER_CODECS:-zstd+shuffle,zstd1+shuffle,none} \
-  --threads ${WRITER_THREADS:-8,12,16} --gil-hog 1 --dir /tmp/wb 2> $W/writer.log
+  --threads ${WRITER_THREADS:-8,12,16} --durability ${WRITER_DURABILITY:-file,group,none} --files ${WRITER_FILES:-72} --frame-mb ${WRITER_FRAME_MB:-64,16} \
+  --gil-hog 1 --dir /tmp/wb 2> $W/writer.log
 cp $W/writer.json "$OUT/"
-BEST=$(python -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['runs'] if x['codec']==sys.argv[2]]; print(max(r,key=lambda x:x['tok_per_s'])['threads'])" $W/writer.json zstd+shuffle)
+BEST=$(python -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['runs'] if x['codec']==sys.argv[2] and x['durability']==sys.argv[3]]; print(max(r,key=lambda x:x['tok_per_s'])['threads'])" $W/writer.json zstd+shuffle ${E2E_DURABILITY:-file})
 echo "writer threads for e2e: $BEST"
 wait $MK
-python "$R/bench/e2e.py" /tmp/mk $W/e2e --seconds ${E2E_SECONDS:-10} --capture-dir /tmp/caps \
-  --capture-args "--capture-layers 1,2,3 --capture-writer-threads $BEST ${CAPTURE_EXTRA:-}" 2> $W/e2e.log | tee "$OUT/e2e.md"
+python "$R/bench/e2e.py" /tmp/mk $W/e2e --seconds ${E2E_SECONDS:-16} --capture-dir /tmp/caps \
+  --capture-args "--capture-layers 1,2,3 --capture-writer-threads $BEST --capture-durability ${E2E_DURABILITY:-file} ${CAPTURE_EXTRA:-}" 2> $W/e2e.log | tee "$OUT/e2e.md"
 cp $W/e2e/e2e.json "$OUT/" 2>/dev/null
 tail -8 $W/e2e.log
 tar -C $W -czf "$OUT/logs.tgz" --exclude='*.msgpack' . 2>/dev/null

@@ -10,6 +10,7 @@ import sys
 LABELS = [("a_plain", "prefill", "(a) plain SGLang"), ("b_launcher_idle", "prefill", "(b) capture server,\nno capture"),
           ("d_mixed", "mixed-other", "(d) mixed: requests\nnot capturing"),
           ("d_mixed", "mixed-capture", "(d) mixed: capturing\nrequests"), ("d_file_capture", "capture", "(d) every request\ncaptures"),
+          ("d_open_loop", "capture-open", "(d) capture stream\n(open loop)"),
           ("c_json", "json", "(c) SGLang JSON\nreturn_hidden_states")]
 
 
@@ -24,7 +25,7 @@ def main(src: str, dst: str) -> None:
     rows = [(label, res[m][k]["tok_per_s"]) for m, k, label in LABELS if k in res.get(m, {})]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     bars = ax.bar([r[0] for r in rows], [r[1] for r in rows],
-                  color=["#888", "#888", "#4a7", "#27a", "#27a", "#c44"][: len(rows)])
+                  color=["#888", "#888", "#4a7", "#27a", "#27a", "#27a", "#c44"][: len(rows)])
     ax.set_yscale("log")
     ax.set_ylabel("prompt tokens / s (log)")
     ax.set_title(f"One H200, DeepSeek-V3 4 layers at Kimi width (hidden {cfg['hidden']}), "

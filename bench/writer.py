@@ -4,10 +4,11 @@ turn into published files, with no server and no GPU in the way.
     python bench/writer.py OUT.json [--tokens 2048] [--hidden 7168] [--files 24]
                            [--threads 4,8,12,16] [--codecs zstd+shuffle,zstd,none]
                            [--compress-threads 0] [--gil-hog 0,1] [--switch-interval-ms 1]
+                           [--durability group,file,none] [--frame-mb 64,16]
                            [--dir /tmp/writer-bench]
 
 Every configuration drives the package's real ``CaptureWriter`` (assembly, encoding, hashing,
-temp file, fsync, link, outcome record) with ``--files`` jobs of ``--tokens`` rows of
+temp file, flush (``--durability``), link, outcome record) with ``--files`` jobs of ``--tokens`` rows of
 activation-like bf16 (3 aux layers + final = 4 × hidden columns) held in pinned memory when a GPU
 is present, as SGLang's batch buffers are. ``--gil-hog 1`` adds a thread that runs pure Python
 without pause, the way SGLang's scheduler thread does under load, to show what sharing the
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -31,6 +34,7 @@ import torch
 
 from sglang_capture.assembler import RequestCapture
 from sglang_capture.config import CaptureConfig
+from sglang_capture import format as capture_format
 from sglang_capture.format import Codec, _compressor, _raw_bytes, host_tensor
 from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.writer import CaptureJob, CaptureWriter, prepare_capture_dir
@@ -93,12 +97,12 @@ def gil_hog(stop: threading.Event) -> None:
 
 
 def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int, threads: int, codec: str,
-               compress_threads: int, hog: bool, switch_ms: float, base_dir: str) -> Dict:
+               compress_threads: int, hog: bool, switch_ms: float, durability: str, base_dir: str) -> Dict:
     name, shuffle, level = CODEC_PRESETS[codec]
     d = tempfile.mkdtemp(dir=base_dir)
     cfg = CaptureConfig(capture_dir=d, codec=name, shuffle=shuffle, level=level, writer_threads=threads,
                         compress_threads=compress_threads, max_pending_mb=1 << 20,
-                        switch_interval_ms=switch_ms)
+                        switch_interval_ms=switch_ms, durability=durability)
     default_interval = sys.getswitchinterval()
     prepare_capture_dir(d)
     ledger = HostMemoryLedger(cfg.max_pending_bytes)
@@ -108,6 +112,7 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
     hog_thread = threading.Thread(target=gil_hog, args=(stop,), daemon=True) if hog else None
     if hog_thread:
         hog_thread.start()
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.monotonic()
     for i in range(files):
         cap = RequestCapture(rid=f"r{i}", name=f"bench-{i}", ledger=ledger)
@@ -116,17 +121,20 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
     while writer.pending():
         time.sleep(0.005)
     wall = time.monotonic() - t0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     stop.set()
     writer.close()
     sys.setswitchinterval(default_interval)
     stats = dict(writer.stats)
     shutil.rmtree(d)
+    os.sync()  # no dirty pages from this configuration left to slow the next one down
     raw = files * tokens * 4 * hidden * 2
     n = max(stats["written"], 1)
     return {"threads": threads, "codec": codec, "compress_threads": compress_threads, "gil_hog": hog,
+            "durability": writer.durability.name, "flushes": getattr(writer.durability, "flushes", 2 * files if durability == "file" else 0),
             "switch_interval_ms": switch_ms or default_interval * 1000, "files": files, "failed": stats["failed"], "wall_s": round(wall, 3),
             "tok_per_s": round(files * tokens / wall), "raw_gb_per_s": round(raw / wall / 1e9, 3),
-            "ratio": round(stats["raw_bytes"] / max(stats["bytes"], 1), 3),
+            "ratio": round(stats["raw_bytes"] / max(stats["bytes"], 1), 3), "minor_faults_per_file": faults // files,
             "ms_per_file": {k[:-2]: round(stats[k] / n * 1e3) for k in
                             ("queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s")}}
 
@@ -142,6 +150,8 @@ def main(argv: List[str]) -> int:
     p.add_argument("--compress-threads", default="0")
     p.add_argument("--gil-hog", default="0,1")
     p.add_argument("--switch-interval-ms", default="1", help="0 = Python's default (5 ms)")
+    p.add_argument("--durability", default="group", help="comma-separated: group, file, none")
+    p.add_argument("--frame-mb", default=str(capture_format.FRAME_BYTES >> 20), help="raw MB per zstd frame (format.FRAME_BYTES)")
     p.add_argument("--dir", default=None, help="where files are written (default: a temp dir)")
     a = p.parse_args(argv)
     base = a.dir or tempfile.mkdtemp(prefix="writer-bench-")
@@ -151,14 +161,16 @@ def main(argv: List[str]) -> int:
                             "bytes_per_token_raw": 4 * a.hidden * 2},
                  "stage_rates_gb_per_s": stage_rates(sources[0], base), "runs": []}
     print("single-thread stage rates (GB/s of raw bf16):", res["stage_rates_gb_per_s"], file=sys.stderr, flush=True)
-    for hog in (bool(int(h)) for h in a.gil_hog.split(",")):
-        for codec in a.codecs.split(","):
-            for ct in (int(c) for c in a.compress_threads.split(",")):
-                for sw in (float(x) for x in a.switch_interval_ms.split(",")):
-                    for threads in (int(t) for t in a.threads.split(",")):
-                        r = run_config(sources, a.files, a.tokens, a.hidden, threads, codec, ct, hog, sw, base)
-                        res["runs"].append(r)
-                        print(json.dumps(r), file=sys.stderr, flush=True)
+    grid = itertools.product([bool(int(h)) for h in a.gil_hog.split(",")], a.codecs.split(","),
+                             [int(c) for c in a.compress_threads.split(",")],
+                             [float(x) for x in a.switch_interval_ms.split(",")], a.durability.split(","),
+                             [int(m) for m in a.frame_mb.split(",")], [int(t) for t in a.threads.split(",")])
+    for hog, codec, ct, sw, dur, frame_mb, threads in grid:
+        capture_format.FRAME_BYTES = frame_mb << 20
+        r = run_config(sources, a.files, a.tokens, a.hidden, threads, codec, ct, hog, sw, dur, base)
+        r["frame_mb"] = frame_mb
+        res["runs"].append(r)
+        print(json.dumps(r), file=sys.stderr, flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(report(res))
@@ -166,13 +178,13 @@ def main(argv: List[str]) -> int:
 
 
 def report(res: Dict) -> str:
-    rows = ["| codec | writer threads | zstd threads | GIL hog | switch ms | tok/s | raw GB/s | ratio | ms/file: assemble / encode+write / fsync |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| codec | frame MB | durability | flushes | writer threads | zstd threads | GIL hog | switch ms | tok/s | raw GB/s | ratio | ms/file: assemble / encode+write / flush+publish | minor faults/file |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         ms = r["ms_per_file"]
-        rows.append(f"| {r['codec']} | {r['threads']} | {r['compress_threads']} | {'yes' if r['gil_hog'] else 'no'} | {r['switch_interval_ms']:g} | "
+        rows.append(f"| {r['codec']} | {r['frame_mb']} | {r['durability']} | {r['flushes']} | {r['threads']} | {r['compress_threads']} | {'yes' if r['gil_hog'] else 'no'} | {r['switch_interval_ms']:g} | "
                     f"{r['tok_per_s']:,} | {r['raw_gb_per_s']:.2f} | {r['ratio']:.2f} | "
-                    f"{ms['assemble']} / {ms['encode_write']} / {ms['fsync_publish']} |")
+                    f"{ms['assemble']} / {ms['encode_write']} / {ms['fsync_publish']} | {r['minor_faults_per_file']:,} |")
     return "\n".join(rows)
 
 

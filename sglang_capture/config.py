@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
+from sglang_capture.durability import DURABILITY_MODES
 from sglang_capture.format import CODECS, Codec
 
 ENV_VAR = "SGLANG_CAPTURE_CONFIG"
@@ -39,6 +40,7 @@ class CaptureConfig:
     writer_threads: int = 0  # 0 = auto, see threads_for_writing
     compress_threads: int = 0
     switch_interval_ms: float = 1.0
+    durability: str = "file"
     max_pending_mb: int = 8192
     wait_timeout_s: float = 600.0
     model_layers: Optional[int] = field(default=None, compare=False)
@@ -52,6 +54,8 @@ class CaptureConfig:
             self.codec_spec()
         except ValueError as e:
             raise ConfigError(f"--capture-level: {e}") from None
+        if self.durability not in DURABILITY_MODES:
+            raise ConfigError(f"--capture-durability must be one of {', '.join(DURABILITY_MODES)}, got {self.durability!r}")
         if self.writer_threads < 0:
             raise ConfigError(f"--capture-writer-threads must be 0 (auto) or a positive count, got {self.writer_threads}")
         if self.compress_threads < -1:

@@ -1,7 +1,7 @@
 """Writing: background threads that turn finished requests into published capture files.
 
 Each job is assembled (rows by position), encoded (format.py), written to a private temp file,
-fsynced, and published with ``os.link`` into its final name, which never replaces an existing
+made durable (durability.py), and published with ``os.link`` into its final name, which never replaces an existing
 file; a reader therefore sees either no file or a whole one. The outcome of every request
 (ok or error, bytes, checksum) is then recorded in ``.index/<rid>.json``, which is what the
 server's HTTP process waits on before it answers the client.
@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from sglang_capture.assembler import RequestCapture, assemble_rows
 from sglang_capture.config import CaptureConfig
+from sglang_capture.durability import durability_for
 from sglang_capture.format import write_capture
 from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.loss_mask import mask_from_spans
@@ -114,6 +115,23 @@ class _DirFds:
         return cls(top, os.open(TMP_DIR, flags, dir_fd=top), os.open(INDEX_DIR, flags, dir_fd=top))
 
 
+def _pinned_stats() -> Optional[Dict[str, Any]]:
+    """Pinned host allocations by this process (torch's caching host allocator), when torch has
+    initialised CUDA: each new cudaHostAlloc stalls the thread that asks for it, which in the
+    scheduler process is SGLang's scheduler thread."""
+    try:
+        import torch
+
+        if not torch.cuda.is_initialized():
+            return None
+        s = torch.cuda.host_memory_stats()
+    except Exception:  # older torch, no CUDA: the stats are optional
+        return None
+    keys = ("num_host_alloc", "num_host_free", "allocated_bytes.current", "allocated_bytes.peak",
+            "host_alloc_time.total", "host_alloc_time.max", "host_free_time.total")
+    return {k: s[k] for k in keys if k in s}
+
+
 class CaptureWriter:
     """A bounded pool of writer threads; ``submit`` is the only call made on the scheduler thread."""
 
@@ -126,6 +144,7 @@ class CaptureWriter:
         self._lock = threading.Lock()
         self._busy = 0
         self._dirs: Optional[_DirFds] = None
+        self.durability = durability_for(config.durability)
         self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
         self._last_stats = 0.0
         self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
@@ -205,6 +224,8 @@ class CaptureWriter:
             doc = {**self.stats, "queue": self._queued, "busy": self._busy,
                    "held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
                    "cap_bytes": self.ledger.cap_bytes, "back_pressure_waits": self.ledger.waits,
+                   "durability": self.durability.name, "flushes": getattr(self.durability, "flushes", None),
+                   "pinned": _pinned_stats(),
                    "time": time.time()}
         try:
             _write_json_atomic(self.dirs().index, f"writer-{os.getpid()}.json", doc)
@@ -236,13 +257,13 @@ class CaptureWriter:
                 nbytes, checksum = write_capture(f, job.meta, tensors, cfg.codec_spec())
                 f.flush()
                 t_encoded = time.monotonic()
-                os.fsync(f.fileno())
+                self.durability.sync_data(f.fileno())
             try:
                 os.link(tmp, os.path.basename(final), src_dir_fd=dirs.tmp, dst_dir_fd=dirs.capture,
                         follow_symlinks=False)
             except FileExistsError:
                 raise FileExistsError(errno.EEXIST, f"a capture file named {job.capture.name!r} already exists") from None
-            os.fsync(dirs.capture)
+            self.durability.sync_names(dirs.capture)
             raw = sum(t.nbytes for t in tensors.values())
             with self._lock:
                 self.stats["written"] += 1

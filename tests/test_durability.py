@@ -1,0 +1,133 @@
+"""Durability policies: group commit covers every caller, failures reach every caller, and the
+writer publishes readable files under each policy (and none when a flush fails)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_capture.config import CaptureConfig, ConfigError
+from sglang_capture.durability import Durability, GroupSync, NoSync, durability_for
+from tests.test_units import _job
+
+
+class SlowFlush:
+    """A flush that takes ``seconds`` and records when each one started and ended."""
+
+    def __init__(self, seconds: float, fail_first: bool = False) -> None:
+        self.seconds = seconds
+        self.fail_first = fail_first
+        self.spans = []
+        self._lock = threading.Lock()
+
+    def __call__(self, fd: int) -> None:
+        start = time.monotonic()
+        time.sleep(self.seconds)
+        with self._lock:
+            self.spans.append((start, time.monotonic()))
+            fail = self.fail_first and len(self.spans) == 1
+        if fail:
+            raise OSError(errno.EIO, "Input/output error")
+
+
+def _call_concurrently(sync: GroupSync, callers: int):
+    """Start ``callers`` threads a few ms apart; return (arrival, return, error) per caller."""
+    results = [None] * callers
+
+    def call(i: int) -> None:
+        arrived = time.monotonic()
+        try:
+            sync.sync_data(0)
+            results[i] = (arrived, time.monotonic(), None)
+        except OSError as e:
+            results[i] = (arrived, time.monotonic(), e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+    for t in threads:
+        t.start()
+        time.sleep(0.004)
+    for t in threads:
+        t.join(10)
+    return results
+
+
+def test_group_sync_returns_only_after_a_flush_that_began_after_the_caller_arrived():
+    flush = SlowFlush(0.05)
+    sync = GroupSync(flush)
+    results = _call_concurrently(sync, 12)
+    assert all(r is not None and r[2] is None for r in results)
+    for arrived, returned, _ in results:
+        assert any(arrived <= start and end <= returned for start, end in flush.spans), (arrived, flush.spans)
+    # 12 callers over ~48 ms with 50 ms flushes: batching must have shared flushes
+    assert sync.flushes == len(flush.spans) < 12
+    starts = sorted(s for s, _ in flush.spans)
+    ends = sorted(e for _, e in flush.spans)
+    assert all(starts[i + 1] >= ends[i] for i in range(len(starts) - 1)), "flushes must not overlap"
+
+
+def test_a_failed_group_flush_fails_every_caller_of_that_batch_and_not_later_ones():
+    flush = SlowFlush(0.05, fail_first=True)
+    sync = GroupSync(flush)
+    results = _call_concurrently(sync, 6)
+    first_start, first_end = flush.spans[0]
+    failed = [r for r in results if r[2] is not None]
+    assert failed and all(r[2].errno == errno.EIO and "flushing the capture filesystem failed" in str(r[2]) for r in failed)
+    # exactly the callers that the first (failing) flush served: arrived before it began
+    assert {r[0] for r in failed} == {r[0] for r in results if r[0] <= first_start}
+    assert all(r[2] is None for r in results if r[0] > first_start)
+
+
+def test_durability_policies_by_name_and_a_real_syncfs(tmp_path):
+    assert isinstance(durability_for("none"), NoSync)
+    assert type(durability_for("file")) is Durability
+    group = durability_for("group")
+    assert group.name in ("group", "file")  # "file" only where syncfs(2) cannot report errors
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        group.sync_data(fd)
+        group.sync_names(fd)
+    finally:
+        os.close(fd)
+    with pytest.raises(ConfigError, match="--capture-durability must be one of group, file, none"):
+        CaptureConfig(capture_dir=str(tmp_path), durability="sometimes")
+
+
+@pytest.mark.parametrize("mode", ["group", "file", "none"])
+def test_writer_publishes_readable_files_under_each_policy(tmp_path, mode):
+    from sglang_capture import load
+    from sglang_capture.writer import CaptureWriter, index_path
+
+    cfg = CaptureConfig(capture_dir=str(tmp_path), writer_threads=3, durability=mode)
+    jobs = [_job(tmp_path, [(0, torch.full((2, 4), float(i)))], 2, name=f"req-{i}") for i in range(6)]
+    writer = CaptureWriter(cfg, jobs[0][1])
+    for job, _ in jobs:
+        writer.submit(job)
+    writer.close()
+    for i in range(6):
+        outcome = json.load(open(index_path(str(tmp_path), f"req-{i}")))
+        assert outcome["status"] == "ok"
+        assert torch.equal(load(outcome["path"])["aux_hidden_states"], torch.full((2, 2), float(i)))
+    stats = json.load(open(tmp_path / ".index" / f"writer-{os.getpid()}.json"))
+    assert stats["durability"] == writer.durability.name
+    if writer.durability.name == "group":
+        assert 1 <= stats["flushes"] <= 12  # at most one per file and per published name
+
+
+def test_a_failed_flush_publishes_nothing_and_records_the_error(tmp_path):
+    from sglang_capture.writer import CaptureWriter, index_path
+
+    cfg = CaptureConfig(capture_dir=str(tmp_path), writer_threads=1)
+    job, ledger = _job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="unflushed")
+    writer = CaptureWriter(cfg, ledger)
+    writer.durability = GroupSync(SlowFlush(0.0, fail_first=True))
+    writer.submit(job)
+    writer.close()
+    outcome = json.load(open(index_path(str(tmp_path), "unflushed")))
+    assert outcome["status"] == "error" and "flushing the capture filesystem failed" in outcome["error"]
+    assert not os.path.exists(outcome["path"]) and os.listdir(tmp_path / ".tmp") == []
+    assert ledger.held_bytes == 0
