@@ -8,12 +8,14 @@ is prefilled again, so positions repeat: the later rows win).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy
 import torch
 
+from sglang_capture.copier import COPY_MIN_ROWS
 from sglang_capture.format import HostTensor, host_tensor
 from sglang_capture.ledger import HostMemoryLedger
 
@@ -25,6 +27,7 @@ class RowChunk:
     start: int
     rows: torch.Tensor
     ready: Optional[Any] = None  # a torch.cuda.Event for a device-to-host copy not yet waited on
+    released: bool = False  # the request let go of its rows (written, or dropped)
 
 
 def _to_host(rows: torch.Tensor) -> Tuple[torch.Tensor, Any]:
@@ -49,14 +52,34 @@ class RequestCapture:
     # Frees the rows if the Req is dropped unfinished (aborts); detached once the request is
     # sealed, because a finished Req is usually freed before a writer thread gets to its rows.
     finalizer: Optional[Any] = None
+    copier: Optional[Any] = None  # a copier.RowCopier: views of SGLang's batch buffers become copies
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, start: int, rows: torch.Tensor) -> None:
-        """Hot path: keep a reference to the rows (a view, no copy) and account for the host memory."""
+        """Hot path: keep a reference to the rows (a view, no copy), account for the host memory,
+        and have the copier take a private copy of multi-row chunks so SGLang's buffer is freed."""
         ready = None
         if rows.device.type == "cuda":
-            rows, ready = _to_host(rows)
+            rows, ready = _to_host(rows)  # a buffer of the chunk's own size: nothing to free early
         self.ledger.hold(rows)
-        self.chunks.append(RowChunk(start, rows, ready))
+        chunk = RowChunk(start, rows, ready)
+        self.chunks.append(chunk)
+        if self.copier is not None and ready is None and rows.shape[0] >= COPY_MIN_ROWS:
+            self.copier.submit(self, chunk)
+
+    def own_rows(self, chunk: RowChunk) -> bool:
+        """Replace ``chunk``'s view by a private copy (copier thread); False if the request let go
+        of its rows first. The copy is taken outside the lock: it is the long part."""
+        view = chunk.rows
+        if chunk.released:
+            return False
+        copy = view.clone()  # releases the GIL while it copies
+        with self._lock:
+            if chunk.released:
+                return False
+            self.ledger.swap(view, copy)
+            chunk.rows = copy
+        return True
 
     def seal(self) -> None:
         """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""
@@ -66,9 +89,11 @@ class RequestCapture:
 
     def release(self) -> None:
         """Give the rows' host memory back (after writing, or when the request is dropped)."""
-        chunks, self.chunks = self.chunks, []
-        for chunk in chunks:
-            self.ledger.release(chunk.rows)
+        with self._lock:
+            chunks, self.chunks = self.chunks, []
+            for chunk in chunks:
+                chunk.released = True
+                self.ledger.release(chunk.rows)
 
 
 class IncompleteCapture(RuntimeError):

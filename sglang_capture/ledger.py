@@ -56,6 +56,20 @@ class HostMemoryLedger:
                 self.held_bytes -= entry[0]
                 self._cond.notify_all()
 
+    def swap(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` (a private copy) replaces ``old`` (a view of a shared buffer): release one, hold
+        the other, without waiting for back-pressure (the copier frees more than it holds)."""
+        key, nbytes = new.untyped_storage().data_ptr(), new.untyped_storage().nbytes()
+        with self._cond:
+            entry = self._storages.get(key)
+            if entry is not None:
+                entry[1] += 1
+            else:
+                self._storages[key] = [nbytes, 1]
+                self.held_bytes += nbytes
+                self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        self.release(old)
+
     def _wait_locked(self, incoming: int) -> None:
         def over() -> bool:
             return self.held_bytes > 0 and self.held_bytes + incoming > self.cap_bytes and self.draining()

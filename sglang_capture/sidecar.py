@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from sglang_capture.assembler import RequestCapture
 from sglang_capture.config import CaptureConfig
+from sglang_capture.copier import RowCopier
 from sglang_capture.format import SCHEMA
 from sglang_capture.layers import LAYER_CONVENTION, resolve_layers
 from sglang_capture.ledger import HostMemoryLedger
@@ -59,6 +60,8 @@ class Sidecar:
         self.config = config
         self.ledger = HostMemoryLedger(config.max_pending_bytes)
         self.writer = CaptureWriter(config, self.ledger)
+        self.copier = RowCopier()
+        self.writer.extra_stats = lambda: {"copied_chunks": self.copier.copied}
         self.model: Optional[ModelInfo] = None
         self._is_writer: Optional[bool] = None
         from sglang_capture import __version__
@@ -124,7 +127,7 @@ class Sidecar:
 
         req.return_hidden_states = True
         req.return_hidden_states_mode = CaptureHiddenMode.FULL
-        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans)
+        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans, copier=self.copier)
         setattr(req, CAPTURE_ATTR, capture)
         capture.finalizer = weakref.finalize(req, capture.release)  # dropped unfinished: free the rows
 

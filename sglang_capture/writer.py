@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang_capture.assembler import RequestCapture, assemble_rows
 from sglang_capture.config import CaptureConfig
@@ -147,6 +147,7 @@ class CaptureWriter:
         self.durability = durability_for(config.durability)
         self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
         self._last_stats = 0.0
+        self.extra_stats: Callable[[], Dict[str, Any]] = dict  # more counters for the stats file (the sidecar's)
         self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
                                       "queue_wait_s": 0.0, "assemble_s": 0.0, "encode_write_s": 0.0,
                                       "fsync_publish_s": 0.0}
@@ -225,6 +226,7 @@ class CaptureWriter:
                    "held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
                    "cap_bytes": self.ledger.cap_bytes, "back_pressure_waits": self.ledger.waits,
                    "durability": self.durability.name, "flushes": getattr(self.durability, "flushes", None),
+                   **self.extra_stats(),
                    "pinned": _pinned_stats(),
                    "time": time.time()}
         try:

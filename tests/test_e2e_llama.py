@@ -1,6 +1,8 @@
 """End to end on a tiny bf16 Llama: default layers, OpenAI endpoints, and a plain SGLang server beside it."""
 from __future__ import annotations
 
+import glob
+import json
 import os
 
 import pytest
@@ -82,3 +84,20 @@ def test_plain_launch_server_stays_unpatched(plain, tmp_path):
     out = plain.generate(body).json()
     assert "capture" not in out["meta_info"] and "hidden_states" not in out["meta_info"]
     assert "sglang_capture: capturing" not in plain.log()
+
+
+def test_prefill_rows_are_copied_out_of_the_batch_buffer_and_stay_exact(llama, tiny_models):
+    body = _body(" ".join(PROMPTS) * 3)
+    body["sampling_params"]["custom_params"] = {"capture": True, "capture_name": "copied-out"}
+    out = llama.generate(body).json()
+    assert out["meta_info"]["capture"]["status"] == "ok"
+    data = sglang_capture.load(out["meta_info"]["capture"]["path"])
+    assert len(data["input_ids"]) >= 16  # a multi-row prefill chunk: the copier's case
+    stats_files = glob.glob(os.path.join(llama.capture_dir, ".index", "writer-*.json"))
+    assert stats_files and json.load(open(stats_files[0]))["copied_chunks"] >= 1
+    ids = data["input_ids"].tolist() + data["output_ids"].tolist()[:-1]
+    aux, last = reference_states(tiny_models["tiny-llama"], torch.bfloat16, ids, data["layers"])
+    for k in range(len(data["layers"])):
+        block = slice(k * 256, (k + 1) * 256)
+        assert min_row_cosine(data["aux_hidden_states"][:, block], aux[:, block]) >= 0.999
+    assert min_row_cosine(data["last_hidden_states"], last) >= 0.999

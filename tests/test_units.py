@@ -316,3 +316,47 @@ def test_files_are_created_owner_and_group_only(tmp_path):
     outcome = json.load(open(index_path(str(tmp_path), "req-1")))
     assert stat.S_IMODE(os.stat(outcome["path"]).st_mode) & 0o007 == 0
     assert stat.S_IMODE(os.stat(tmp_path / ".tmp").st_mode) == 0o700
+
+
+def _shared_batch(rows=64, cols=8):
+    """A batch buffer as SGLang hands it over: one tensor, several requests' rows as views of it."""
+    return torch.arange(rows * cols, dtype=torch.float32).view(rows, cols)
+
+
+def test_the_copier_frees_a_shared_batch_buffer_while_its_requests_are_pending():
+    from sglang_capture.assembler import RequestCapture
+    from sglang_capture.copier import RowCopier
+
+    ledger, copier, batch = HostMemoryLedger(1 << 30), RowCopier(), _shared_batch()
+    key = batch.untyped_storage().data_ptr()
+    a, b, c = (RequestCapture(rid=r, name=r, ledger=ledger, copier=copier) for r in "abc")
+    a.add(0, batch[:32])
+    b.add(0, batch[32:])
+    c.add(5, batch[63:64])  # a decode step: one row, left as a view
+    assert ledger.held_bytes == batch.numel() * 4
+    assert copier.drain() and copier.copied == 2
+    assert torch.equal(a.chunks[0].rows, batch[:32]) and torch.equal(b.chunks[0].rows, batch[32:])
+    assert key not in {a.chunks[0].rows.untyped_storage().data_ptr(), b.chunks[0].rows.untyped_storage().data_ptr()}
+    assert c.chunks[0].rows.untyped_storage().data_ptr() == key
+    c.release()
+    assert key not in ledger._storages  # a and b still pending, the batch buffer no longer held
+    assert ledger.held_bytes == batch.numel() * 4  # the two private copies
+    a.release()
+    b.release()
+    assert ledger.held_bytes == 0
+
+
+def test_rows_released_before_the_copier_gets_to_them_are_not_copied():
+    from sglang_capture.assembler import RequestCapture
+    from sglang_capture.copier import RowCopier
+
+    ledger, copier, batch = HostMemoryLedger(1 << 30), RowCopier(), _shared_batch()
+    cap = RequestCapture(rid="r", name="r", ledger=ledger)  # no copier yet: nothing queued
+    cap.add(0, batch)
+    chunk = cap.chunks[0]
+    cap.release()
+    assert not cap.own_rows(chunk) and chunk.rows is not None and ledger.held_bytes == 0
+    cap2 = RequestCapture(rid="r2", name="r2", ledger=ledger, copier=copier)
+    cap2.add(0, batch)
+    cap2.release()
+    assert copier.drain() and ledger.held_bytes == 0
