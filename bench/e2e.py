@@ -259,13 +259,20 @@ def main(argv: List[str]) -> int:
               file=sys.stderr, flush=True)
         return r
 
-    # Both servers are up together (each with half the usual GPU memory) so that (a) and (b) can
-    # alternate: the closed-loop rate drifts by several percent between windows minutes apart.
+    def measure_capture(server: Server, cdir: str, name: str, clients: List[dict], **kw) -> Dict:
+        """``measure`` on a capture server, plus its writer's stats; its files are removed after."""
+        r = measure(server, name, clients, a.seconds, **kw)
+        r["_writer"] = writer_stats(cdir)
+        _clean(cdir)
+        return r
+
     def capture_cmd(cdir: str, extra: str = "") -> List[str]:
         os.makedirs(cdir, exist_ok=True)
         return [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", cdir,
                 *shlex.split(a.capture_args), *shlex.split(extra), *sg]
 
+    # All servers are up together so that (a) and (b) can alternate: the closed-loop rate drifts
+    # by several percent between windows minutes apart.
     variant_dirs = [f"{capture_dir}-v{i}" for i in range(len(variants))]
     with ThreadPoolExecutor(2 + len(variants)) as starter:
         plain_f = starter.submit(run_server, [sys.executable, "-m", "sglang.launch_server", *sg], a.out, "plain")
@@ -284,28 +291,20 @@ def main(argv: List[str]) -> int:
             res["a_plain"], res["b_launcher_idle"] = (merge([w[i] for w in windows]) for i in (0, 1))
             res["ab_windows"] = [[w[0]["prefill"]["tok_per_s"], w[1]["prefill"]["tok_per_s"]] for w in windows]
         if "capacity" in phases:
-            res["d_file_capture"] = measure(capture, "d_file_capture", [spec("capture", capture=True)] * C, a.seconds)
-            res["d_file_capture"]["_writer"] = writer_stats(capture_dir)
-            _clean(capture_dir)
+            res["d_file_capture"] = measure_capture(capture, capture_dir, "d_file_capture", [spec("capture", capture=True)] * C)
         if "open" in phases:
-            res["d_open_loop"] = measure(capture, "d_open_loop", [], a.seconds, open_spec=spec("capture-open", capture=True),
-                                         rate=a.capture_rate)
-            res["d_open_loop"]["_writer"] = writer_stats(capture_dir)
-            _clean(capture_dir)
+            res["d_open_loop"] = measure_capture(capture, capture_dir, "d_open_loop", [],
+                                                 open_spec=spec("capture-open", capture=True), rate=a.capture_rate)
         # Mixed: the same open-loop stream of capture-sized requests beside 32 closed-loop
         # decode clients, on each server; only on (d) do the stream's requests capture.
         others = [spec("mixed-other", max_new=16)] * (C // 2)
         if "mixed" in phases:
             res["a_mixed"] = measure(plain, "a_mixed", others, a.seconds, open_spec=spec("mixed-capture"), rate=a.capture_rate)
-            res["d_mixed"] = measure(capture, "d_mixed", others, a.seconds, open_spec=spec("mixed-capture", capture=True),
-                                     rate=a.capture_rate)
-            res["d_mixed"]["_writer"] = writer_stats(capture_dir)
-            _clean(capture_dir)
+            capturing = spec("mixed-capture", capture=True)
+            res["d_mixed"] = measure_capture(capture, capture_dir, "d_mixed", others, open_spec=capturing, rate=a.capture_rate)
             for i, (srv, d) in enumerate(zip(variant_servers, variant_dirs)):
-                res[f"d_mixed_v{i}"] = measure(srv, f"d_mixed_v{i} ({variants[i]})", others, a.seconds,
-                                               open_spec=spec("mixed-capture", capture=True), rate=a.capture_rate)
-                res[f"d_mixed_v{i}"]["_writer"] = writer_stats(d)
-                _clean(d)
+                res[f"d_mixed_v{i}"] = measure_capture(srv, d, f"d_mixed_v{i} ({variants[i]})", others,
+                                                       open_spec=capturing, rate=a.capture_rate)
             if variants:  # plain again, so that drift over the run shows
                 res["a_mixed_again"] = measure(plain, "a_mixed_again", others, a.seconds, open_spec=spec("mixed-capture"),
                                                rate=a.capture_rate)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy
 import torch
@@ -18,6 +18,9 @@ import torch
 from sglang_capture.copier import COPY_MIN_ROWS
 from sglang_capture.format import HostTensor, host_tensor
 from sglang_capture.ledger import HostMemoryLedger
+
+if TYPE_CHECKING:
+    from sglang_capture.copier import RowCopier
 
 
 @dataclass
@@ -52,7 +55,7 @@ class RequestCapture:
     # Frees the rows if the Req is dropped unfinished (aborts); detached once the request is
     # sealed, because a finished Req is usually freed before a writer thread gets to its rows.
     finalizer: Optional[Any] = None
-    copier: Optional[Any] = None  # a copier.RowCopier: views of SGLang's batch buffers become copies
+    copier: Optional["RowCopier"] = None  # views of SGLang's batch buffers become private copies
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, start: int, rows: torch.Tensor) -> None:

@@ -35,14 +35,7 @@ class HostMemoryLedger:
         storage = t.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
         with self._cond:
-            entry = self._storages.get(key)
-            if entry is not None:
-                entry[1] += 1
-                return
-            self._wait_locked(nbytes)
-            self._storages[key] = [nbytes, 1]
-            self.held_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            self._add_locked(key, nbytes, wait=True)
 
     def release(self, t: torch.Tensor) -> None:
         key = t.untyped_storage().data_ptr()
@@ -58,17 +51,24 @@ class HostMemoryLedger:
 
     def swap(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """``new`` (a private copy) replaces ``old`` (a view of a shared buffer): release one, hold
-        the other, without waiting for back-pressure (the copier frees more than it holds)."""
-        key, nbytes = new.untyped_storage().data_ptr(), new.untyped_storage().nbytes()
+        the other, without waiting for back-pressure (the copy is never larger than what it lets go of)."""
+        storage = new.untyped_storage()
         with self._cond:
-            entry = self._storages.get(key)
-            if entry is not None:
-                entry[1] += 1
-            else:
-                self._storages[key] = [nbytes, 1]
-                self.held_bytes += nbytes
-                self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            self._add_locked(storage.data_ptr(), storage.nbytes(), wait=False)
         self.release(old)
+
+    def _add_locked(self, key: int, nbytes: int, wait: bool) -> None:
+        """Count one more holder of storage ``key``; a new storage is counted by its full size,
+        after waiting for back-pressure when ``wait``."""
+        entry = self._storages.get(key)
+        if entry is not None:
+            entry[1] += 1
+            return
+        if wait:
+            self._wait_locked(nbytes)
+        self._storages[key] = [nbytes, 1]
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def _wait_locked(self, incoming: int) -> None:
         def over() -> bool:

@@ -1,8 +1,8 @@
 """Writing: background threads that turn finished requests into published capture files.
 
 Each job is assembled (rows by position), encoded (format.py), written to a private temp file,
-made durable (durability.py), and published with ``os.link`` into its final name, which never replaces an existing
-file; a reader therefore sees either no file or a whole one. The outcome of every request
+made durable (durability.py), and published with ``os.link`` into its final name, which never
+replaces an existing file; a reader therefore sees either no file or a whole one. The outcome of every request
 (ok or error, bytes, checksum) is then recorded in ``.index/<rid>.json``, which is what the
 server's HTTP process waits on before it answers the client.
 """
