@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import numpy
 import torch
 
-from sglang_capture.copier import COPY_MIN_ROWS
 from sglang_capture.format import HostTensor, host_tensor
 from sglang_capture.ledger import HostMemoryLedger
 
 if TYPE_CHECKING:
-    from sglang_capture.copier import RowCopier
+    from sglang_capture.host_pool import HostPool
 
 
 @dataclass
@@ -30,14 +29,16 @@ class RowChunk:
     start: int
     rows: torch.Tensor
     ready: Optional[Any] = None  # a torch.cuda.Event for a device-to-host copy not yet waited on
-    released: bool = False  # the request let go of its rows (written, or dropped)
 
 
-def _to_host(rows: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-    """Queue a copy of device rows into pinned memory on the current stream (stream order keeps a
-    CUDA-graph output buffer from being overwritten before the copy has read it)."""
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    host.copy_(rows, non_blocking=True)
+def _to_host(rows: torch.Tensor, pool: Optional["HostPool"]) -> Tuple[torch.Tensor, Any]:
+    """Queue a copy of device rows to the host on the current stream (stream order keeps a
+    CUDA-graph output buffer from being overwritten before the copy has read it): into the pool,
+    or into pinned memory of its own when the pool is full."""
+    host = pool.take(rows) if pool is not None else None
+    if host is None:
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
     return host, event
@@ -55,34 +56,17 @@ class RequestCapture:
     # Frees the rows if the Req is dropped unfinished (aborts); detached once the request is
     # sealed, because a finished Req is usually freed before a writer thread gets to its rows.
     finalizer: Optional[Any] = None
-    copier: Optional["RowCopier"] = None  # views of SGLang's batch buffers become private copies
+    pool: Optional["HostPool"] = None  # for rows that arrive still on the device
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, start: int, rows: torch.Tensor) -> None:
-        """Hot path: keep a reference to the rows (a view, no copy), account for the host memory,
-        and have the copier take a private copy of multi-row chunks so SGLang's buffer is freed."""
+        """Hot path: keep a reference to the rows (a view of the batch's host buffer, no copy)
+        and account for the host memory it keeps."""
         ready = None
         if rows.device.type == "cuda":
-            rows, ready = _to_host(rows)  # a buffer of the chunk's own size: nothing to free early
+            rows, ready = _to_host(rows, self.pool)
         self.ledger.hold(rows)
-        chunk = RowChunk(start, rows, ready)
-        self.chunks.append(chunk)
-        if self.copier is not None and ready is None and rows.shape[0] >= COPY_MIN_ROWS:
-            self.copier.submit(self, chunk)
-
-    def own_rows(self, chunk: RowChunk) -> bool:
-        """Replace ``chunk``'s view by a private copy (copier thread); False if the request let go
-        of its rows first. The copy is taken outside the lock: it is the long part."""
-        view = chunk.rows
-        if chunk.released:
-            return False
-        copy = view.clone()  # releases the GIL while it copies
-        with self._lock:
-            if chunk.released:
-                return False
-            self.ledger.swap(view, copy)
-            chunk.rows = copy
-        return True
+        self.chunks.append(RowChunk(start, rows, ready))
 
     def seal(self) -> None:
         """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""
@@ -95,7 +79,6 @@ class RequestCapture:
         with self._lock:
             chunks, self.chunks = self.chunks, []
             for chunk in chunks:
-                chunk.released = True
                 self.ledger.release(chunk.rows)
 
 

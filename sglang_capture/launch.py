@@ -121,7 +121,7 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-compress-threads", type=int, default=0, show_default=True, help="zstd threads per file (0 = in the writer thread, -1 = all cores).")
 @click.option("--capture-switch-interval-ms", type=float, default=1.0, show_default=True, help="GIL switch interval of the scheduler process once writers run (0 = leave Python's 5 ms).")
 @click.option("--capture-durability", type=click.Choice(DURABILITY_MODES), default="file", show_default=True, help="How files reach the disk before a response says ok: file (fsync each file and its name), group (one shared syncfs(2) per batch of files), none (no flush: a power loss can lose the last files).")
-@click.option("--capture-max-pending-mb", type=int, default=8192, show_default=True, help="Cap on host memory held for pending writes; the server waits beyond it.")
+@click.option("--capture-max-pending-mb", type=int, default=8192, show_default=True, help="Host memory for pending writes, allocated (on a GPU: pinned) once at start-up; the server waits beyond it.")
 @click.option("--capture-wait-timeout", type=float, default=600.0, show_default=True, help="Seconds a response waits for its file.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: bool, capture_codec: str,

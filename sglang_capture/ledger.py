@@ -1,8 +1,9 @@
 """Accounting of host memory held for pending writes, and the back-pressure that bounds it.
 
-Captured rows are views into SGLang's per-batch host buffers (pinned on a GPU), so holding one
-request's rows keeps its whole batch buffer alive. The ledger therefore counts each underlying
-storage once, by its full size, for as long as any held view uses it.
+Captured rows are views into their batch's host buffer (a block of ``host_pool``, or SGLang's
+own pinned buffer when the pool was full), so holding one request's rows keeps the whole buffer
+alive. The ledger therefore counts each underlying storage once, by its full size, for as long
+as any held view uses it.
 """
 from __future__ import annotations
 
@@ -35,7 +36,14 @@ class HostMemoryLedger:
         storage = t.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
         with self._cond:
-            self._add_locked(key, nbytes, wait=True)
+            entry = self._storages.get(key)
+            if entry is not None:
+                entry[1] += 1
+                return
+            self._wait_locked(nbytes)
+            self._storages[key] = [nbytes, 1]
+            self.held_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def release(self, t: torch.Tensor) -> None:
         key = t.untyped_storage().data_ptr()
@@ -48,27 +56,6 @@ class HostMemoryLedger:
                 del self._storages[key]
                 self.held_bytes -= entry[0]
                 self._cond.notify_all()
-
-    def swap(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        """``new`` (a private copy) replaces ``old`` (a view of a shared buffer): release one, hold
-        the other, without waiting for back-pressure (the copy is never larger than what it lets go of)."""
-        storage = new.untyped_storage()
-        with self._cond:
-            self._add_locked(storage.data_ptr(), storage.nbytes(), wait=False)
-        self.release(old)
-
-    def _add_locked(self, key: int, nbytes: int, wait: bool) -> None:
-        """Count one more holder of storage ``key``; a new storage is counted by its full size,
-        after waiting for back-pressure when ``wait``."""
-        entry = self._storages.get(key)
-        if entry is not None:
-            entry[1] += 1
-            return
-        if wait:
-            self._wait_locked(nbytes)
-        self._storages[key] = [nbytes, 1]
-        self.held_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def _wait_locked(self, incoming: int) -> None:
         def over() -> bool:

@@ -5,6 +5,7 @@ scheduler thread is bookkeeping only; tensors go to the writer threads untouched
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
@@ -14,8 +15,8 @@ from typing import Any, Dict, Optional, Tuple
 
 from sglang_capture.assembler import RequestCapture
 from sglang_capture.config import CaptureConfig
-from sglang_capture.copier import RowCopier
 from sglang_capture.format import SCHEMA
+from sglang_capture.host_pool import HostPool
 from sglang_capture.layers import LAYER_CONVENTION, resolve_layers
 from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.loss_mask import BadLossMask, parse_spans
@@ -60,8 +61,8 @@ class Sidecar:
         self.config = config
         self.ledger = HostMemoryLedger(config.max_pending_bytes)
         self.writer = CaptureWriter(config, self.ledger)
-        self.copier = RowCopier()
-        self.writer.extra_stats = lambda: {"copied_chunks": self.copier.copied}
+        self.pool: Optional[HostPool] = None  # set up with the model, on the writer rank
+        self.writer.extra_stats = lambda: {"host_pool": self.pool.stats() if self.pool else None}
         self.model: Optional[ModelInfo] = None
         self._is_writer: Optional[bool] = None
         from sglang_capture import __version__
@@ -102,6 +103,21 @@ class Sidecar:
         )
         logger.info("sglang_capture: capturing layers %s of %s (%s), final hidden state %s",
                     layers, arch, type(model).__name__, "kept" if self.config.keep_last_hidden else "dropped")
+        if self.is_writer and self.pool is None:
+            self._make_pool(pin=str(runner.device).startswith("cuda"))
+
+    def _make_pool(self, pin: bool) -> None:
+        """The host pool for capture batches, before the first request; without one (no memory to
+        pin) capture still works, on SGLang's per-batch pinned buffers, only slower under load."""
+        try:
+            self.pool = HostPool(self.config.max_pending_bytes, pin=pin)
+        except (RuntimeError, MemoryError) as e:
+            logger.warning("sglang_capture: no host pool for pending rows (%s); capture goes on with SGLang's own "
+                           "buffers. Lower --capture-max-pending-mb to get one", e)
+            return
+        atexit.register(self.pool.close)
+        logger.info("sglang_capture: %d MiB of host memory for pending rows (%s, %.1f s)", self.pool.size_bytes >> 20,
+                    "pinned" if self.pool.pinned else "not pinned", self.pool.setup_s)
 
     def begin(self, req: Any) -> None:
         """Mark a new request for capture when its custom_params ask for it (all ranks alike)."""
@@ -127,7 +143,7 @@ class Sidecar:
 
         req.return_hidden_states = True
         req.return_hidden_states_mode = CaptureHiddenMode.FULL
-        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans, copier=self.copier)
+        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans, pool=self.pool)
         setattr(req, CAPTURE_ATTR, capture)
         capture.finalizer = weakref.finalize(req, capture.release)  # dropped unfinished: free the rows
 

@@ -318,45 +318,98 @@ def test_files_are_created_owner_and_group_only(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / ".tmp").st_mode) == 0o700
 
 
-def _shared_batch(rows=64, cols=8):
-    """A batch buffer as SGLang hands it over: one tensor, several requests' rows as views of it."""
-    return torch.arange(rows * cols, dtype=torch.float32).view(rows, cols)
+def test_the_pool_copies_rows_into_a_block_and_takes_it_back_only_when_nothing_uses_it():
+    from sglang_capture.host_pool import ALIGN, HostPool
+
+    pool = HostPool(1 << 20, pin=False)
+    src = torch.randn(100, 64).to(torch.bfloat16)
+    block = pool.take(src)
+    assert torch.equal(block, src) and block.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+    rows = block[10:20]
+    as_numpy = rows.view(torch.int16).numpy()  # how the writer reads bf16 rows
+    del block, rows
+    assert pool.free_segments() == [(ALIGN * 4, 1 << 20)]  # 12,800 bytes round up to 4 pages
+    assert pool.stats()["used_bytes"] == ALIGN * 4
+    del as_numpy
+    assert pool.free_segments() == [(0, 1 << 20)] and pool.stats()["used_bytes"] == 0
 
 
-def test_the_copier_frees_a_shared_batch_buffer_while_its_requests_are_pending():
+def test_pool_blocks_freed_out_of_order_coalesce_and_a_full_pool_says_so():
+    from sglang_capture.host_pool import ALIGN, HostPool
+
+    pool = HostPool(8 * ALIGN, pin=False)
+    page = torch.zeros(ALIGN // 4)  # one page of float32
+    a, b, c = pool.take(page), pool.take(page), pool.take(page)
+    big = pool.take(torch.zeros(5 * ALIGN // 4))
+    assert big is not None and pool.take(page) is None and pool.stats()["fallbacks"] == 1
+    del b
+    assert pool.free_segments() == [(ALIGN, 2 * ALIGN)]
+    del a, c
+    assert pool.free_segments() == [(0, 3 * ALIGN)]
+    assert pool.take(torch.zeros(3 * ALIGN // 4)) is not None  # the three freed pages join into one
+    assert pool.take(torch.zeros(0)) is None  # nothing to copy: left to SGLang
+
+
+def test_pool_blocks_freed_on_other_threads_while_the_scheduler_takes_more():
+    import threading
+    import time
+
+    from sglang_capture.host_pool import HostPool
+
+    pool = HostPool(64 << 10, pin=False)
+    src = torch.arange(1024, dtype=torch.float32)  # 4 KiB
+    held, overwritten = [], []
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set() or held:
+            if not held:
+                time.sleep(0.0005)
+                continue
+            t = held.pop(0)
+            overwritten.append(not torch.equal(t, src))  # a block still in use was handed out again
+            del t
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    taken, deadline = 0, time.monotonic() + 30
+    while taken < 200:  # 16 blocks fit at once: only blocks the other thread gave back make 200
+        assert time.monotonic() < deadline, f"only {taken} blocks in 30 s"
+        block = pool.take(src)
+        if block is None:
+            time.sleep(0.001)  # full: let the writer thread run
+            continue
+        taken += 1
+        held.append(block)
+        del block
+    stop.set()
+    thread.join()
+    assert len(overwritten) == 200 and not any(overwritten)
+    assert pool.free_segments() == [(0, 64 << 10)]
+
+
+def test_the_ledger_counts_each_pool_block_once_by_its_size():
     from sglang_capture.assembler import RequestCapture
-    from sglang_capture.copier import RowCopier
+    from sglang_capture.host_pool import HostPool
 
-    ledger, copier, batch = HostMemoryLedger(1 << 30), RowCopier(), _shared_batch()
-    key = batch.untyped_storage().data_ptr()
-    a, b, c = (RequestCapture(rid=r, name=r, ledger=ledger, copier=copier) for r in "abc")
+    ledger, pool = HostMemoryLedger(1 << 30), HostPool(1 << 20, pin=False)
+    batch = pool.take(torch.zeros(64, 8))
+    a, b = (RequestCapture(rid=r, name=r, ledger=ledger) for r in "ab")
     a.add(0, batch[:32])
     b.add(0, batch[32:])
-    c.add(5, batch[63:64])  # a decode step: one row, left as a view
-    assert ledger.held_bytes == batch.numel() * 4
-    assert copier.drain() and copier.copied == 2
-    assert torch.equal(a.chunks[0].rows, batch[:32]) and torch.equal(b.chunks[0].rows, batch[32:])
-    assert key not in {a.chunks[0].rows.untyped_storage().data_ptr(), b.chunks[0].rows.untyped_storage().data_ptr()}
-    assert c.chunks[0].rows.untyped_storage().data_ptr() == key
-    c.release()
-    assert key not in ledger._storages  # a and b still pending, the batch buffer no longer held
-    assert ledger.held_bytes == batch.numel() * 4  # the two private copies
+    assert ledger.held_bytes == 64 * 8 * 4
     a.release()
+    assert ledger.held_bytes == 64 * 8 * 4
     b.release()
     assert ledger.held_bytes == 0
 
 
-def test_rows_released_before_the_copier_gets_to_them_are_not_copied():
-    from sglang_capture.assembler import RequestCapture
-    from sglang_capture.copier import RowCopier
+def test_without_memory_for_the_pool_capture_goes_on_and_says_how_to_get_one(tmp_path, caplog):
+    from sglang_capture.sidecar import Sidecar
 
-    ledger, copier, batch = HostMemoryLedger(1 << 30), RowCopier(), _shared_batch()
-    cap = RequestCapture(rid="r", name="r", ledger=ledger)  # no copier yet: nothing queued
-    cap.add(0, batch)
-    chunk = cap.chunks[0]
-    cap.release()
-    assert not cap.own_rows(chunk) and chunk.rows is not None and ledger.held_bytes == 0
-    cap2 = RequestCapture(rid="r2", name="r2", ledger=ledger, copier=copier)
-    cap2.add(0, batch)
-    cap2.release()
-    assert copier.drain() and ledger.held_bytes == 0
+    sidecar = Sidecar(CaptureConfig(capture_dir=str(tmp_path), max_pending_mb=1 << 32))  # 4 PiB
+    with caplog.at_level("WARNING", logger="sglang_capture.sidecar"):
+        sidecar._make_pool(pin=False)
+    assert sidecar.pool is None
+    assert "Lower --capture-max-pending-mb" in caplog.text
+    sidecar.writer.close()

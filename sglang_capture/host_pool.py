@@ -1,0 +1,150 @@
+"""Host memory for the hidden states of capture batches: one region, pinned once at start-up.
+
+Without it, SGLang copies each such batch into a fresh pinned buffer from torch's caching host
+allocator, and captured rows keep that buffer until a writer thread has written them. Under
+capture the allocator therefore keeps pinning more memory, on the scheduler thread (on the H200:
+76 ``cudaHostAlloc`` calls taking 9.9 s in one 14 s window, bench/RESULTS.md), and never gives it
+back (13 GB pinned against an 8 GiB cap). The pool pins ``--capture-max-pending-mb`` once,
+before the server takes requests, and hands out blocks of it first-fit.
+
+A block goes back to the pool only when the last tensor that can read it is gone: its tensor is
+built on a numpy view of the block, and a ``weakref.finalize`` on that view fires when torch
+frees the storage that holds it. So a block can never be handed out again while anything (a
+writer thread, SGLang's result buffers) still uses it. When no block fits, the caller falls back
+to SGLang's own copy and nothing is lost.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096  # block starts on a page boundary
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class HostPool:
+    """A fixed host region handing out blocks that return when nothing references them.
+
+    ``take`` runs on the scheduler thread; blocks are freed on whichever thread drops the last
+    reference (often a writer thread). A free only queues the block (``_returned``, an atomic
+    deque append: a finalizer may run inside any allocation, even one made while the lock is
+    held); the next ``take`` folds the queue into the free list.
+    """
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.size_bytes = _round_up(max(nbytes, ALIGN))
+        t0 = time.monotonic()
+        self._base = torch.empty(self.size_bytes, dtype=torch.uint8)
+        self._array = self._base.numpy()
+        self.pinned = False
+        if pin:
+            cudart = torch.cuda.cudart()
+            rc = cudart.cudaHostRegister(self._base.data_ptr(), self.size_bytes, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of {self.size_bytes >> 20} MiB failed: {cudart.cudaGetErrorString(rc)}")
+            self.pinned = True
+        self.setup_s = time.monotonic() - t0
+        self._free: List[List[int]] = [[0, self.size_bytes]]  # sorted, disjoint [start, end)
+        self._returned: Deque[Tuple[int, int, Any]] = collections.deque()
+        self._waiting: List[Tuple[int, int, Any]] = []  # freed, but a device copy into it may still run
+        self._lock = threading.Lock()
+        self.used_bytes = 0
+        self.peak_used_bytes = 0
+        self.blocks = 0
+        self.fallbacks = 0
+
+    def take(self, src: torch.Tensor) -> Optional[torch.Tensor]:
+        """A copy of ``src`` in a block of the pool, or None when no block fits.
+
+        A device tensor is copied asynchronously on the current stream, as SGLang's own
+        ``_async_d2h`` does (the caller waits on its copy-done event before reading), and the
+        source is kept alive for that stream.
+        """
+        nbytes = src.numel() * src.element_size()
+        if nbytes == 0:
+            return None
+        size = _round_up(nbytes)
+        with self._lock:
+            self._reclaim_locked()
+            start = self._alloc_locked(size)
+            if start is None:
+                self.fallbacks += 1
+                return None
+            self.blocks += 1
+            self.used_bytes += size
+            self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+        view = self._array[start:start + nbytes]
+        out = torch.from_numpy(view).view(src.dtype).view(src.shape)
+        event = None
+        if src.is_cuda:
+            out.copy_(src, non_blocking=True)
+            src.record_stream(torch.cuda.current_stream(src.device))
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            out.copy_(src)
+        weakref.finalize(view, self._returned.append, (start, size, event)).atexit = False
+        return out
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters for the writer's stats file."""
+        return {"size_bytes": self.size_bytes, "pinned": self.pinned, "setup_s": round(self.setup_s, 3),
+                "used_bytes": self.used_bytes, "peak_used_bytes": self.peak_used_bytes,
+                "blocks": self.blocks, "fallbacks": self.fallbacks}
+
+    def _reclaim_locked(self) -> None:
+        while self._returned:
+            self._waiting.append(self._returned.popleft())
+        still = []
+        for start, size, event in self._waiting:
+            if event is not None and not event.query():
+                still.append((start, size, event))
+                continue
+            self._insert_locked(start, start + size)
+            self.used_bytes -= size
+        self._waiting = still
+
+    def _alloc_locked(self, size: int) -> Optional[int]:
+        for seg in self._free:
+            if seg[1] - seg[0] >= size:
+                start = seg[0]
+                seg[0] += size
+                if seg[0] == seg[1]:
+                    self._free.remove(seg)
+                return start
+        return None
+
+    def _insert_locked(self, start: int, end: int) -> None:
+        i = bisect.bisect_left(self._free, [start, end])
+        if i > 0 and self._free[i - 1][1] == start:  # joins the segment before
+            i -= 1
+            self._free[i][1] = end
+        else:
+            self._free.insert(i, [start, end])
+        if i + 1 < len(self._free) and self._free[i + 1][0] == self._free[i][1]:  # and the one after
+            self._free[i][1] = self._free.pop(i + 1)[1]
+
+    def free_segments(self) -> List[Tuple[int, int]]:
+        """The free list after folding in returned blocks (tests, diagnostics)."""
+        with self._lock:
+            self._reclaim_locked()
+            return [tuple(seg) for seg in self._free]
+
+    def close(self) -> None:
+        """Unpin the region (a large registered region left to the kernel slows process exit)."""
+        if self.pinned:
+            self.pinned = False
+            torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
+
