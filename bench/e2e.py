@@ -259,6 +259,7 @@ def main(argv: List[str]) -> int:
         print(f"{name}: " + ", ".join(f"{k} {v['tok_per_s']:,.0f} tok/s" for k, v in r.items() if isinstance(v, dict) and "tok_per_s" in v)
               + f"; cpu {r['_cpu']}",
               file=sys.stderr, flush=True)
+        save(res, a.out, {name: r})  # so that a run cut short (device time limit) keeps what it measured
         return r
 
     def measure_capture(server: Server, cdir: str, name: str, clients: List[dict], **kw) -> Dict:
@@ -333,9 +334,16 @@ def main(argv: List[str]) -> int:
     return finish(res, a.out)
 
 
+def save(res: Dict, out: str, latest: Optional[Dict] = None) -> None:
+    """Write OUT/e2e.json: the results so far, plus the measurement just taken (not yet merged)."""
+    tmp = os.path.join(out, "e2e.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump({**res, "_latest": latest} if latest else res, f, indent=1)
+    os.replace(tmp, os.path.join(out, "e2e.json"))
+
+
 def finish(res: Dict, out: str) -> int:
-    with open(os.path.join(out, "e2e.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    save(res, out)
     print(report(res))
     return 0
 

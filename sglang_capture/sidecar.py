@@ -127,6 +127,13 @@ class Sidecar:
         if params["capture"] is not True:
             req.set_finish_with_abort(f"custom_params.capture must be true or false, got {params['capture']!r}")
             return
+        samples = getattr(req.sampling_params, "n", 1) or 1
+        if samples > 1 and "capture_name" in params:
+            req.set_finish_with_abort("custom_params.capture_name names one file but n > 1 asks for several samples; "
+                                      "leave capture_name out and each sample's file is named by its request id")
+            return
+        if samples > 1 and req.sampling_params.max_new_tokens == 0:
+            return  # SGLang's prefix-caching pass before parallel samples: not a sample, no file
         try:
             name = check_capture_name(params["capture_name"]) if "capture_name" in params else name_for_rid(req.rid)
             spans = (parse_spans(params["capture_loss_mask"], len(req.origin_input_ids))

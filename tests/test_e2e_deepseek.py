@@ -1,6 +1,7 @@
 """End to end on a tiny DeepSeek-V3 (MLA + MoE, Kimi-K2.5's architecture), float32, real SGLang on CPU."""
 from __future__ import annotations
 
+import glob
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -190,6 +191,7 @@ def test_streaming_request_gets_its_reference_in_the_last_chunk(dsv3, tiny_model
 def test_parallel_samples_each_get_their_own_file(dsv3, tiny_models):
     body = {"text": "The quick brown fox", "sampling_params": {
         "n": 2, "max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True, "custom_params": {"capture": True}}}
+    before = set(glob.glob(os.path.join(dsv3.capture_dir, "*.capture.msgpack")))
     r = dsv3.generate(body)
     assert r.status_code == 200, r.text
     outs = r.json()
@@ -203,6 +205,16 @@ def test_parallel_samples_each_get_their_own_file(dsv3, tiny_models):
         assert data["output_ids"].tolist() == out["output_ids"]
         check_against_transformers(tiny_models["tiny-dsv3"], data)
     assert len(paths) == 2
+    # SGLang's prefix-caching pass (max_new_tokens 0) before the samples leaves no third file
+    assert set(glob.glob(os.path.join(dsv3.capture_dir, "*.capture.msgpack"))) - before == paths
+
+
+def test_parallel_samples_with_one_capture_name_are_refused(dsv3):
+    before = set(os.listdir(dsv3.capture_dir))
+    r = dsv3.generate({"text": "The quick brown fox", "sampling_params": {
+        "n": 2, "max_new_tokens": 2, "custom_params": {"capture": True, "capture_name": "shared"}}})
+    assert r.status_code == 400 and "leave capture_name out" in r.text
+    assert set(os.listdir(dsv3.capture_dir)) == before
 
 
 def test_client_disconnect_aborts_without_a_file(dsv3):

@@ -49,5 +49,7 @@ def server_env(cache_dir: str, base: Dict[str, str] = None) -> Dict[str, str]:
 
 
 # Server flags every CPU launch needs; without --max-total-tokens the KV pool takes most of RAM.
+# --sleep-on-idle: an idle scheduler otherwise spins a core, and the suite keeps several servers
+# up at once on a 2-core machine.
 CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096",
-                   "--skip-server-warmup"]
+                   "--skip-server-warmup", "--sleep-on-idle"]
