@@ -41,6 +41,9 @@ def index_path(capture_dir: str, rid: str) -> str:
     return os.path.join(capture_dir, INDEX_DIR, name_for_rid(rid) + ".json")
 
 
+UNRECORDED_SUFFIX = ".unrecorded"  # empty marker next to an outcome record that could not be written
+
+
 def prepare_capture_dir(capture_dir: str) -> None:
     """Create the private temp and index folders, refusing ones that are symlinks or not folders."""
     for sub in (TMP_DIR, INDEX_DIR):
@@ -294,7 +297,14 @@ class CaptureWriter:
 
     def record_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
         """Write ``.index/<rid>.json`` (also called on the scheduler thread for aborts, which are rare)."""
+        name = os.path.basename(index_path(self.config.capture_dir, rid))
         try:
-            _write_json_atomic(self.dirs().index, os.path.basename(index_path(self.config.capture_dir, rid)), outcome)
+            _write_json_atomic(self.dirs().index, name, outcome)
         except OSError as e:
             logger.error("sglang_capture: cannot record the outcome of %s: %s", rid, e)
+            # On a full filesystem an empty file may still fit where the record did not: it tells the
+            # waiting response to stop waiting (it would otherwise wait --capture-wait-timeout).
+            try:
+                os.close(os.open(name + UNRECORDED_SUFFIX, _CREATE, 0o640, dir_fd=self.dirs().index))
+            except OSError:
+                pass

@@ -1,6 +1,7 @@
 """Faults on a real CPU capture server: a kill -9 in the middle of heavy capture."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -80,3 +81,27 @@ def test_full_disk_fails_captures_clearly_keeps_serving_and_recovers(tiny_models
     assert plain.status_code == 200 and "capture" not in plain.json()["meta_info"]
     os.unlink(filler)
     assert capture("after")["status"] == "ok"
+
+
+def test_a_disk_too_full_for_the_outcome_record_ends_the_wait_with_an_error(tiny_models, make_server, small_disk):
+    server = make_server(capture_cmd(tiny_models["tiny-dsv3"], str(small_disk), "--capture-wait-timeout", "300"),
+                         str(small_disk))
+    fd = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:  # fill every byte: not even the small outcome record fits
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    body = {"text": "The quick brown fox", "sampling_params": {
+        "max_new_tokens": 2, "custom_params": {"capture": True, "capture_name": "no-room"}}}
+    r = server.generate(body)
+    assert r.status_code == 200, r.text
+    ref = r.json()["meta_info"]["capture"]
+    # without the empty marker the response would wait the whole --capture-wait-timeout and say "pending"
+    assert ref["status"] == "error" and "could not record this capture's outcome" in ref["error"]
+    assert not (small_disk / "no-room.capture.msgpack").exists()
+    os.unlink(small_disk / "filler")
+    assert server.generate({"text": "hello", "sampling_params": {"max_new_tokens": 2, "custom_params": {
+        "capture": True, "capture_name": "room-again"}}}).json()["meta_info"]["capture"]["status"] == "ok"

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Any, AsyncIterator, Dict, Optional
 
 from sglang_capture.config import CaptureConfig
+from sglang_capture.writer import UNRECORDED_SUFFIX
 
 
 def _wants_capture(obj: Any) -> bool:
@@ -32,6 +34,9 @@ async def wait_for_outcome(ref: Dict[str, Any], timeout_s: float) -> Dict[str, A
                 outcome = json.load(f)
             break
         except (FileNotFoundError, json.JSONDecodeError):
+            if os.path.exists(ref["index"] + UNRECORDED_SUFFIX):
+                return {**ref, "status": "error", "error": "the writer could not record this capture's outcome "
+                        "(capture dir's filesystem full or unwritable): check whether 'path' exists"}
             if time.monotonic() >= deadline:
                 return {**ref, "status": "pending",
                         "error": f"not written after {timeout_s:g} s; the file appears at 'path' when done"}
