@@ -3,7 +3,8 @@
 # end-to-end benchmark (bench/e2e.py) with the writer thread count that the sweep found fastest.
 # Run from the repo root on the GPU machine, with the device kit and a wheel of the package in .whl/:
 #   source .devkit/env.sh; bash bench/h200_throughput.sh $OUT
-# Leaves at most 8 files in OUT (the device tool's limit): writer.json, e2e.json, e2e.md, host.txt, logs.tgz.
+# Leaves at most 8 files in OUT (the device tool's limit): writer.json, e2e.md, host.txt, logs.tgz and
+# e2e/ (e2e.json, rewritten after every window so a call cut short keeps it, and the two server logs).
 W=/tmp/bench-work
 source bench/device_setup.sh "$@"
 { nproc; uname -r; lscpu | grep -E "Model name|Thread|Core|Socket"; free -g | head -2; df -h /tmp | tail -1
@@ -19,8 +20,7 @@ cp $W/writer.json "$OUT/"
 BEST=$(python -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['runs'] if x['codec']==sys.argv[2] and x['durability']==sys.argv[3]]; print(max(r,key=lambda x:x['tok_per_s'])['threads'])" $W/writer.json zstd+shuffle ${E2E_DURABILITY:-file})
 echo "writer threads for e2e: $BEST"
 wait $MK
-python "$R/bench/e2e.py" /tmp/mk $W/e2e --seconds ${E2E_SECONDS:-16} --capture-dir /tmp/caps \
+python "$R/bench/e2e.py" /tmp/mk $OUT/e2e --seconds ${E2E_SECONDS:-16} --capture-dir /tmp/caps \
   --capture-args "--capture-layers 1,2,3 --capture-writer-threads $BEST --capture-durability ${E2E_DURABILITY:-file} ${CAPTURE_EXTRA:-}" 2> $W/e2e.log | tee "$OUT/e2e.md"
-cp $W/e2e/e2e.json "$OUT/" 2>/dev/null
 tail -8 $W/e2e.log
 tar -C $W -czf "$OUT/logs.tgz" --exclude='*.msgpack' . 2>/dev/null
