@@ -411,12 +411,11 @@ def report(res: Dict) -> str:
         per = ", ".join(f"{w[1] / w[0]:.3f}" for w in res.get("ab_windows", []))
         checks.append(f"(b)/(a) = {b / a_:.3f} over alternating windows ({per}) (>= 0.97): {'PASS' if b / a_ >= 0.97 else 'MISS'}")
     for m in [x for x in modes if x.startswith("d_mixed")]:
-        tag = m[m.index("@"):] if "@" in m else ""
-        am, dm = tok("a_mixed" + tag, "mixed-other"), tok(m, "mixed-other")
+        base, _, rate_tag = m.partition("@")
+        am, dm = tok("a_mixed" + (f"@{rate_tag}" if rate_tag else ""), "mixed-other"), tok(m, "mixed-other")
         if am and dm:
-            base = m.split("@")[0]
             label = f" [{cfg['variants'][int(base.split('_v')[1])]}]" if "_v" in base else ""
-            rate = float(tag[1:]) if tag else cfg["capture_rate"]
+            rate = float(rate_tag) if rate_tag else cfg["capture_rate"]
             checks.append(f"mixed load{label}, capture stream {rate * cfg['tokens']:,.0f} tok/s, requests not capturing, "
                           f"(d)/(a) = {dm / am:.3f} (>= 0.95): {'PASS' if dm / am >= 0.95 else 'MISS'}")
     w = (res.get("d_file_capture") or {}).get("_writer") or {}

@@ -8,7 +8,6 @@ is prefilled again, so positions repeat: the later rows win).
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -57,7 +56,6 @@ class RequestCapture:
     # sealed, because a finished Req is usually freed before a writer thread gets to its rows.
     finalizer: Optional[Any] = None
     pool: Optional["HostPool"] = None  # for rows that arrive still on the device
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, start: int, rows: torch.Tensor) -> None:
         """Hot path: keep a reference to the rows (a view of the batch's host buffer, no copy)
@@ -76,10 +74,9 @@ class RequestCapture:
 
     def release(self) -> None:
         """Give the rows' host memory back (after writing, or when the request is dropped)."""
-        with self._lock:
-            chunks, self.chunks = self.chunks, []
-            for chunk in chunks:
-                self.ledger.release(chunk.rows)
+        chunks, self.chunks = self.chunks, []
+        for chunk in chunks:
+            self.ledger.release(chunk.rows)
 
 
 class IncompleteCapture(RuntimeError):

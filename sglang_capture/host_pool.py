@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import bisect
 import collections
-import logging
 import threading
 import time
 import weakref
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 ALIGN = 4096  # block starts on a page boundary
 
@@ -147,4 +144,3 @@ class HostPool:
         if self.pinned:
             self.pinned = False
             torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
-
