@@ -62,6 +62,7 @@ class RssSampler(threading.Thread):
         self.cpu_last: Dict[int, float] = {}
         self.sched_first: Dict[int, float] = {}
         self.sched_last: Dict[int, float] = {}
+        self.writer_pids: Dict[int, bool] = {}  # pid -> is it one of the package's writer processes
         psutil.cpu_percent(None)
         self.t0 = time.monotonic()
 
@@ -74,6 +75,8 @@ class RssSampler(threading.Thread):
                     t = p.cpu_times()
                     self.cpu_first.setdefault(p.pid, t.user + t.system)
                     self.cpu_last[p.pid] = t.user + t.system
+                    if p.pid not in self.writer_pids:
+                        self.writer_pids[p.pid] = "sglang_capture.writer_process" in p.cmdline()
                     if "scheduler" in p.name():  # SGLang names it sglang::scheduler
                         for th in p.threads():
                             self.sched_first.setdefault(th.id, th.user_time + th.system_time)
@@ -87,7 +90,9 @@ class RssSampler(threading.Thread):
         wall = max(time.monotonic() - self.t0, 1e-9)
         used = sum(last - self.cpu_first[pid] for pid, last in self.cpu_last.items())
         threads = sorted((last - self.sched_first[tid] for tid, last in self.sched_last.items()), reverse=True)
+        writers = sum(last - self.cpu_first[pid] for pid, last in self.cpu_last.items() if self.writer_pids.get(pid))
         return {"server_cores": round(used / wall, 2), "host_busy_pct": psutil.cpu_percent(None),
+                "writer_processes_cores": round(writers / wall, 2),
                 # the busiest threads of the scheduler process (the first is usually SGLang's own)
                 "scheduler_top_threads_cores": [round(t / wall, 2) for t in threads[:4]],
                 "scheduler_threads_cores": round(sum(threads) / wall, 2)}

@@ -1,18 +1,19 @@
-"""Host-side ceiling of the capture writer: how many captured tokens/s the writer threads can
+"""Host-side ceiling of the capture writer: how many captured tokens/s the writer processes can
 turn into published files, with no server and no GPU in the way.
 
     python bench/writer.py OUT.json [--tokens 2048] [--hidden 7168] [--files 24]
                            [--threads 4,8,12,16] [--codecs zstd+shuffle,zstd,none]
                            [--compress-threads 0] [--gil-hog 0,1] [--switch-interval-ms 1]
-                           [--durability group,file,none] [--frame-mb 64,16]
+                           [--durability group,file,none]
                            [--dir /tmp/writer-bench]
 
-Every configuration drives the package's real ``CaptureWriter`` (assembly, encoding, hashing,
-temp file, flush (``--durability``), link, outcome record) with ``--files`` jobs of ``--tokens`` rows of
-activation-like bf16 (3 aux layers + final = 4 × hidden columns) held in pinned memory when a GPU
-is present, as SGLang's batch buffers are. ``--gil-hog 1`` adds a thread that runs pure Python
-without pause, the way SGLang's scheduler thread does under load, to show what sharing the
-interpreter with it costs. Single-thread rates of each stage (shuffle, zstd, sha256, write+fsync)
+Every configuration drives the package's real ``CaptureWriter`` (hand-off, assembly in a writer
+process, encoding, hashing, temp file, flush (``--durability``), link, outcome record) with
+``--files`` jobs of ``--tokens`` rows of activation-like bf16 (3 aux layers + final = 4 × hidden
+columns), each first copied into the package's host pool (pinned when a GPU is present), as the
+server's result copy does. ``--gil-hog 1`` adds a thread that runs pure Python without pause, the
+way SGLang's scheduler thread does under load, to show what sharing the interpreter with it
+costs. Single-thread rates of each stage (shuffle, zstd, sha256, write+fsync)
 are measured first, so a configuration's rate can be read as a fraction of them.
 """
 from __future__ import annotations
@@ -36,8 +37,10 @@ from sglang_capture.assembler import RequestCapture
 from sglang_capture.config import CaptureConfig
 from sglang_capture import format as capture_format
 from sglang_capture.format import Codec, _compressor, _raw_bytes, host_tensor
+from sglang_capture.host_pool import HostPool
 from sglang_capture.ledger import HostMemoryLedger
-from sglang_capture.writer import CaptureJob, CaptureWriter, prepare_capture_dir
+from sglang_capture.publish import prepare_capture_dir
+from sglang_capture.writer import CaptureJob, CaptureWriter
 
 # name -> (codec, shuffle, zstd level); level None is the package's default activation preset
 CODEC_PRESETS = {"zstd+shuffle": ("zstd", True, None), "zstd": ("zstd", False, None),
@@ -106,32 +109,41 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
     default_interval = sys.getswitchinterval()
     prepare_capture_dir(d)
     ledger = HostMemoryLedger(cfg.max_pending_bytes)
-    writer = CaptureWriter(cfg, ledger)
+    per_file = tokens * 4 * hidden * 2
+    pool = HostPool(min(files, 2 * threads) * (per_file + (1 << 20)), pin=torch.cuda.is_available())
+    writer = CaptureWriter(cfg, ledger, pool)
+    writer.start()
     splits = {"aux_hidden_states": (0, 3 * hidden), "hidden_states": (3 * hidden, 4 * hidden)}
     stop = threading.Event()
     hog_thread = threading.Thread(target=gil_hog, args=(stop,), daemon=True) if hog else None
     if hog_thread:
         hog_thread.start()
-    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    faults0 = sum(resource.getrusage(who).ru_minflt for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     t0 = time.monotonic()
     for i in range(files):
         cap = RequestCapture(rid=f"r{i}", name=f"bench-{i}", ledger=ledger)
-        cap.add(0, sources[i % len(sources)])
+        while (rows := pool.take(sources[i % len(sources)])) is None:
+            time.sleep(0.001)  # the pool is full: wait for the writers, as the server does
+        cap.add(0, rows)
+        del rows
         writer.submit(CaptureJob(cap, tokens, splits, list(range(tokens)), [0], {"rid": f"r{i}"}))
     while writer.pending():
         time.sleep(0.005)
     wall = time.monotonic() - t0
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     stop.set()
     writer.close()
+    faults = sum(resource.getrusage(who).ru_minflt for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) - faults0
+    pool.close()
     sys.setswitchinterval(default_interval)
     stats = dict(writer.stats)
+    with open(os.path.join(d, ".index", f"writer-{os.getpid()}.json")) as f:
+        flushes = json.load(f)["flushes"]
     shutil.rmtree(d)
     os.sync()  # no dirty pages from this configuration left to slow the next one down
     raw = files * tokens * 4 * hidden * 2
     n = max(stats["written"], 1)
     return {"threads": threads, "codec": codec, "compress_threads": compress_threads, "gil_hog": hog,
-            "durability": writer.durability.name, "flushes": getattr(writer.durability, "flushes", 2 * files if durability == "file" else 0),
+            "durability": durability, "flushes": flushes if flushes is not None else (2 * files if durability == "file" else 0),
             "switch_interval_ms": switch_ms or default_interval * 1000, "files": files, "failed": stats["failed"], "wall_s": round(wall, 3),
             "tok_per_s": round(files * tokens / wall), "raw_gb_per_s": round(raw / wall / 1e9, 3),
             "ratio": round(stats["raw_bytes"] / max(stats["bytes"], 1), 3), "minor_faults_per_file": faults // files,
@@ -151,7 +163,6 @@ def main(argv: List[str]) -> int:
     p.add_argument("--gil-hog", default="0,1")
     p.add_argument("--switch-interval-ms", default="1", help="0 = Python's default (5 ms)")
     p.add_argument("--durability", default="group", help="comma-separated: group, file, none")
-    p.add_argument("--frame-mb", default=str(capture_format.FRAME_BYTES >> 20), help="raw MB per zstd frame (format.FRAME_BYTES)")
     p.add_argument("--dir", default=None, help="where files are written (default: a temp dir)")
     a = p.parse_args(argv)
     base = a.dir or tempfile.mkdtemp(prefix="writer-bench-")
@@ -164,11 +175,10 @@ def main(argv: List[str]) -> int:
     grid = itertools.product([bool(int(h)) for h in a.gil_hog.split(",")], a.codecs.split(","),
                              [int(c) for c in a.compress_threads.split(",")],
                              [float(x) for x in a.switch_interval_ms.split(",")], a.durability.split(","),
-                             [int(m) for m in a.frame_mb.split(",")], [int(t) for t in a.threads.split(",")])
-    for hog, codec, ct, sw, dur, frame_mb, threads in grid:
-        capture_format.FRAME_BYTES = frame_mb << 20
+                             [int(t) for t in a.threads.split(",")])
+    for hog, codec, ct, sw, dur, threads in grid:
         r = run_config(sources, a.files, a.tokens, a.hidden, threads, codec, ct, hog, sw, dur, base)
-        r["frame_mb"] = frame_mb
+        r["frame_mb"] = capture_format.FRAME_BYTES >> 20
         res["runs"].append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
     with open(a.out, "w") as f:
@@ -178,7 +188,7 @@ def main(argv: List[str]) -> int:
 
 
 def report(res: Dict) -> str:
-    rows = ["| codec | frame MB | durability | flushes | writer threads | zstd threads | GIL hog | switch ms | tok/s | raw GB/s | ratio | ms/file: assemble / encode+write / flush+publish | minor faults/file |",
+    rows = ["| codec | frame MB | durability | flushes | writers | zstd threads | GIL hog | switch ms | tok/s | raw GB/s | ratio | ms/file: assemble / encode+write / flush+publish | minor faults/file |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         ms = r["ms_per_file"]

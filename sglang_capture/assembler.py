@@ -1,8 +1,8 @@
 """Per-request assembly: hidden-state rows keyed by absolute token position.
 
 The scheduler thread only appends ``(position, rows)`` pairs (``RequestCapture.add``); ordering,
-overlap resolution and the completeness check happen later on a writer thread
-(``assemble_rows``). Rows arrive out of the plain prompt-then-decode order on several SGLang
+overlap resolution and the completeness check happen later in a writer process
+(``assemble_rows``, which needs numpy only). Rows arrive out of the plain prompt-then-decode order on several SGLang
 paths: chunked prefill (one pair per chunk), mixed batches, and retraction (a retracted request
 is prefilled again, so positions repeat: the later rows win).
 """
@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy
-import torch
 
-from sglang_capture.format import HostTensor, host_tensor
-from sglang_capture.ledger import HostMemoryLedger
+from sglang_capture.format import HostTensor
 
 if TYPE_CHECKING:
+    import torch
+
     from sglang_capture.host_pool import HostPool
+    from sglang_capture.ledger import HostMemoryLedger
 
 
 @dataclass
@@ -26,14 +27,16 @@ class RowChunk:
     """Rows for positions ``start .. start+len(rows)``; ``ready`` is set when they are still in flight."""
 
     start: int
-    rows: torch.Tensor
+    rows: "torch.Tensor"
     ready: Optional[Any] = None  # a torch.cuda.Event for a device-to-host copy not yet waited on
 
 
-def _to_host(rows: torch.Tensor, pool: Optional["HostPool"]) -> Tuple[torch.Tensor, Any]:
+def _to_host(rows: "torch.Tensor", pool: Optional["HostPool"]) -> Tuple["torch.Tensor", Any]:
     """Queue a copy of device rows to the host on the current stream (stream order keeps a
     CUDA-graph output buffer from being overwritten before the copy has read it): into the pool,
     or into pinned memory of its own when the pool is full."""
+    import torch
+
     host = pool.take(rows) if pool is not None else None
     if host is None:
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
@@ -49,15 +52,15 @@ class RequestCapture:
 
     rid: str
     name: str
-    ledger: HostMemoryLedger
+    ledger: "HostMemoryLedger"
     chunks: List[RowChunk] = field(default_factory=list)
     loss_spans: Optional[List[Tuple[int, int]]] = None  # from custom_params.capture_loss_mask
     # Frees the rows if the Req is dropped unfinished (aborts); detached once the request is
-    # sealed, because a finished Req is usually freed before a writer thread gets to its rows.
+    # sealed, because a finished Req is usually freed before a writer gets to its rows.
     finalizer: Optional[Any] = None
     pool: Optional["HostPool"] = None  # for rows that arrive still on the device
 
-    def add(self, start: int, rows: torch.Tensor) -> None:
+    def add(self, start: int, rows: "torch.Tensor") -> None:
         """Hot path: keep a reference to the rows (a view of the batch's host buffer, no copy)
         and account for the host memory it keeps."""
         ready = None
@@ -96,33 +99,32 @@ def _gaps(spans: List[Tuple[int, int]], n_rows: int) -> List[Tuple[int, int]]:
     return gaps
 
 
-def assemble_rows(chunks: List[RowChunk], n_rows: int, splits: Dict[str, Tuple[int, int]]) -> Dict[str, HostTensor]:
-    """Place every chunk by position into fresh arrays, one per column range in ``splits``.
+def assemble_rows(pieces: List[Tuple[int, HostTensor]], n_rows: int,
+                  splits: Dict[str, Tuple[int, int]]) -> Dict[str, HostTensor]:
+    """Place every ``(start, rows)`` piece by position into fresh arrays, one per column range
+    in ``splits``.
 
-    Later chunks overwrite earlier ones (re-prefill after retraction), rows past ``n_rows`` are
+    Later pieces overwrite earlier ones (re-prefill after retraction), rows past ``n_rows`` are
     dropped (the step that sampled the last token also computed rows nobody fed back), and a
-    position left uncovered raises IncompleteCapture. Runs on a writer thread, in numpy: one
-    GIL-releasing copy per chunk and column range (see ``format.HostTensor``).
+    position left uncovered raises IncompleteCapture. One copy per piece and column range; once
+    this returns, nothing reads the pieces' memory any more.
     """
-    if not chunks:
+    if not pieces:
         if n_rows:
             raise IncompleteCapture(f"no rows were captured for {n_rows} positions")
-        return {name: host_tensor(numpy.empty((0, hi - lo), dtype=numpy.float32)) for name, (lo, hi) in splits.items()}
-    for chunk in chunks:
-        if chunk.ready is not None:
-            chunk.ready.synchronize()
-    sources = [host_tensor(chunk.rows) for chunk in chunks]
-    dtype = sources[0].dtype
-    out = {name: numpy.empty((n_rows, hi - lo), dtype=sources[0].array.dtype) for name, (lo, hi) in splits.items()}
+        return {name: HostTensor("float32", numpy.empty((0, hi - lo), dtype=numpy.float32))
+                for name, (lo, hi) in splits.items()}
+    dtype = pieces[0][1].dtype
+    out = {name: numpy.empty((n_rows, hi - lo), dtype=pieces[0][1].array.dtype) for name, (lo, hi) in splits.items()}
     spans: List[Tuple[int, int]] = []
-    for chunk, src in zip(chunks, sources):
-        end = min(chunk.start + src.array.shape[0], n_rows)
-        if end <= chunk.start:
+    for start, src in pieces:
+        end = min(start + src.array.shape[0], n_rows)
+        if end <= start:
             continue
-        part = src.array[: end - chunk.start]
+        part = src.array[: end - start]
         for name, (lo, hi) in splits.items():
-            out[name][chunk.start:end] = part[:, lo:hi]
-        spans.append((chunk.start, end))
+            out[name][start:end] = part[:, lo:hi]
+        spans.append((start, end))
     gaps = _gaps(spans, n_rows)
     if gaps:
         where = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:8])

@@ -37,7 +37,7 @@ class CaptureConfig:
     codec: str = "zstd"
     level: Optional[int] = None
     shuffle: bool = True
-    writer_threads: int = 0  # 0 = auto, see threads_for_writing
+    writer_threads: int = 0  # writer processes (the name predates them); 0 = auto, see threads_for_writing
     compress_threads: int = 0
     switch_interval_ms: float = 1.0
     durability: str = "file"
@@ -57,7 +57,7 @@ class CaptureConfig:
         if self.durability not in DURABILITY_MODES:
             raise ConfigError(f"--capture-durability must be one of {', '.join(DURABILITY_MODES)}, got {self.durability!r}")
         if self.writer_threads < 0:
-            raise ConfigError(f"--capture-writer-threads must be 0 (auto) or a positive count, got {self.writer_threads}")
+            raise ConfigError(f"--capture-writers must be 0 (auto) or a positive count, got {self.writer_threads}")
         if self.compress_threads < -1:
             raise ConfigError("--capture-compress-threads must be -1 (all cores), 0 (inline) or a positive count")
         if self.switch_interval_ms < 0:
@@ -103,9 +103,14 @@ class CaptureConfig:
         if not raw:
             return None
         try:
-            return cls(**json.loads(raw))
+            return cls.from_json(raw)
         except (TypeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{ENV_VAR} is not a valid capture configuration: {e}") from None
+
+    @classmethod
+    def from_json(cls, raw: str) -> "CaptureConfig":
+        """The inverse of ``to_env`` (raises TypeError or JSONDecodeError on a bad document)."""
+        return cls(**json.loads(raw))
 
 
 def parse_layers(text: str) -> List[int]:

@@ -27,7 +27,7 @@ from sglang_capture.manifest import Entry, ManifestWriter, file_checksum, read_m
 from sglang_capture.naming import FILE_SUFFIX
 from sglang_capture.reader import load
 from sglang_capture.templating import ChatEncoder, Encoded, TemplateError, load_tokenizer
-from sglang_capture.writer import fsync_dir
+from sglang_capture.publish import fsync_dir
 
 ATTEMPT_TAG = ".try-"
 LOCK_FILE = ".extract.lock"

@@ -24,25 +24,21 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass
-from typing import IO, Any, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
+from typing import IO, TYPE_CHECKING, Any, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
 
 import msgpack
 import numpy
-import torch
 import zstandard
+
+if TYPE_CHECKING:
+    import torch
 
 SCHEMA = "sglang_capture/v1"
 CODECS = ("zstd", "none")
 
-_DTYPES: Dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+# Stored dtype names, which are also torch's attribute names. torch itself is imported only where a
+# torch tensor is made or read: the writer processes encode numpy arrays and never load it.
+DTYPES = ("bfloat16", "float16", "float32", "int64", "int32", "uint8")
 _TENSOR_KEYS = {"dtype", "shape", "byteorder", "codec", "shuffle", "nbytes", "frame_rows", "data"}
 
 if sys.byteorder != "little":  # pragma: no cover - every platform SGLang runs on is little-endian
@@ -120,28 +116,32 @@ class HostTensor:
     def nbytes(self) -> int:
         return int(self.array.nbytes)
 
-    def to_torch(self) -> torch.Tensor:
+    def to_torch(self) -> "torch.Tensor":
         """The same bytes as a torch tensor of the stored dtype (a copy)."""
+        import torch
+
         t = torch.from_numpy(numpy.ascontiguousarray(self.array).copy())
         return t.view(torch.int16).view(torch.bfloat16) if self.dtype == "bfloat16" else t
 
 
-def host_tensor(t: Union[torch.Tensor, HostTensor, numpy.ndarray]) -> HostTensor:
+def host_tensor(t: Union["torch.Tensor", HostTensor, numpy.ndarray]) -> HostTensor:
     """A HostTensor sharing ``t``'s memory (no copy; strides kept)."""
     if isinstance(t, HostTensor):
         return t
     if isinstance(t, numpy.ndarray):
         # numpy's dtype names are the file's; numpy has no native bfloat16 (bf16 travels as uint16)
-        if t.dtype.name not in _DTYPES or t.dtype.name == "bfloat16" or not t.dtype.isnative:
+        if t.dtype.name not in DTYPES or t.dtype.name == "bfloat16" or not t.dtype.isnative:
             raise ValueError(f"unsupported array dtype {t.dtype}")
         return HostTensor(t.dtype.name, t)
     if t.device.type != "cpu":
         raise ValueError("encode_tensor takes host tensors; copy to the CPU first")
-    name = _DTYPE_NAMES.get(t.dtype)
-    if name is None:
+    name = str(t.dtype).replace("torch.", "")
+    if name not in DTYPES:
         raise ValueError(f"unsupported tensor dtype {t.dtype}")
     t = t.detach()
     if name == "bfloat16":
+        import torch
+
         return HostTensor(name, t.view(torch.int16).numpy().view(numpy.uint16))
     return HostTensor(name, t.numpy())
 
@@ -164,7 +164,7 @@ def _raw_bytes(block: numpy.ndarray, shuffle: int) -> memoryview:
     return memoryview(flat)
 
 
-def encode_tensor(tensor: Union[torch.Tensor, HostTensor], codec: Codec
+def encode_tensor(tensor: Union["torch.Tensor", HostTensor], codec: Codec
                   ) -> Tuple[Dict[str, Any], Iterator[memoryview], int]:
     """Return the tensor's header fields, a lazy iterator over its frames' payloads, and their count.
 
@@ -250,11 +250,13 @@ def _fail(path: str, why: str) -> CaptureFileError:
     return CaptureFileError(f"{path}: {why}")
 
 
-def decode_tensor(name: str, rec: Any, path: str = "<capture>") -> torch.Tensor:
+def decode_tensor(name: str, rec: Any, path: str = "<capture>") -> "torch.Tensor":
     """Validate one tensor record against schema v1 and rebuild the tensor (dtype kept as stored)."""
+    import torch
+
     if not isinstance(rec, dict) or set(rec) != _TENSOR_KEYS:
         raise _fail(path, f"tensor {name!r} is not a schema v1 tensor record")
-    dtype = _DTYPES.get(rec["dtype"]) if isinstance(rec["dtype"], str) else None
+    dtype = getattr(torch, rec["dtype"]) if rec["dtype"] in DTYPES else None
     shape = rec["shape"]
     if dtype is None:
         raise _fail(path, f"tensor {name!r} has unknown dtype {rec['dtype']!r}")

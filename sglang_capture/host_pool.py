@@ -7,6 +7,10 @@ capture the allocator therefore keeps pinning more memory, on the scheduler thre
 back (13 GB pinned against an 8 GiB cap). The pool pins ``--capture-max-pending-mb`` once,
 before the server takes requests, and hands out blocks of it first-fit.
 
+The region is a shared-memory file (``memfd``): the writer processes map it read-only and read
+each request's rows where they lie, so a job crossing to a writer process carries block offsets,
+not bytes (writer.py, handoff.py). Its pages are only backed once touched (or pinned).
+
 A block goes back to the pool only when the last tensor that can read it is gone: its tensor is
 built on a numpy view of the block, and a ``weakref.finalize`` on that view fires when torch
 frees the storage that holds it. So a block can never be handed out again while anything (a
@@ -17,11 +21,14 @@ from __future__ import annotations
 
 import bisect
 import collections
+import mmap
+import os
 import threading
 import time
 import weakref
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+import numpy
 import torch
 
 ALIGN = 4096  # block starts on a page boundary
@@ -43,8 +50,17 @@ class HostPool:
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.size_bytes = _round_up(max(nbytes, ALIGN))
         t0 = time.monotonic()
-        self._base = torch.empty(self.size_bytes, dtype=torch.uint8)
-        self._array = self._base.numpy()
+        self.fd = os.memfd_create("sglang-capture-pool", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size_bytes)
+            self._map = mmap.mmap(self.fd, self.size_bytes, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            os.close(self.fd)
+            raise MemoryError(f"cannot map {self.size_bytes >> 20} MiB of shared memory: {e.strerror}") from None
+        self._array = numpy.frombuffer(self._map, dtype=numpy.uint8)
+        self._base = torch.from_numpy(self._array)
+        self.base_ptr = self._base.data_ptr()
         self.pinned = False
         if pin:
             cudart = torch.cuda.cudart()
@@ -94,6 +110,14 @@ class HostPool:
             out.copy_(src)
         weakref.finalize(view, self._returned.append, (start, size, event)).atexit = False
         return out
+
+    def offset_of(self, t: torch.Tensor) -> Optional[int]:
+        """Where a contiguous host tensor lies in the region, or None when it is not in it."""
+        off = t.data_ptr() - self.base_ptr
+        if t.device.type != "cpu" or not t.is_contiguous() or off < 0 \
+                or off + t.numel() * t.element_size() > self.size_bytes:
+            return None
+        return off
 
     def stats(self) -> Dict[str, Any]:
         """Counters for the writer's stats file."""

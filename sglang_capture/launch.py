@@ -20,7 +20,7 @@ from sglang_capture.format import CODECS
 from sglang_capture.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
 from sglang_capture.layers import LayerError, resolve_layers
 from sglang_capture.server_info import add_route, describe
-from sglang_capture.writer import prepare_capture_dir
+from sglang_capture.publish import prepare_capture_dir
 
 if __name__ == "__mp_main__":  # spawn re-runs the launcher module in every child: patch there too
     from sglang_capture.plugin import register
@@ -117,8 +117,9 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-codec", type=click.Choice(CODECS), default="zstd", show_default=True)
 @click.option("--capture-level", type=int, default=None, help="zstd level. Default: entropy-first settings tuned for activations (2-3x faster than level 1, same ratio).")
 @click.option("--capture-shuffle/--capture-no-shuffle", default=True, show_default=True, help="Byte-shuffle before zstd (better ratio on bf16).")
-@click.option("--capture-writer-threads", type=int, default=0, show_default=True, help="Background writer threads (0 = 3/4 of the cores, 2..16).")
-@click.option("--capture-compress-threads", type=int, default=0, show_default=True, help="zstd threads per file (0 = in the writer thread, -1 = all cores).")
+@click.option("--capture-writers", "--capture-writer-threads", "capture_writer_threads", type=int, default=0, show_default=True,
+              help="Writer processes (0 = 3/4 of the cores, 2..16). --capture-writer-threads is the old name.")
+@click.option("--capture-compress-threads", type=int, default=0, show_default=True, help="zstd threads per file (0 = in the writer process, -1 = all cores).")
 @click.option("--capture-switch-interval-ms", type=float, default=1.0, show_default=True, help="GIL switch interval of the scheduler process once writers run (0 = leave Python's 5 ms).")
 @click.option("--capture-durability", type=click.Choice(DURABILITY_MODES), default="file", show_default=True, help="How files reach the disk before a response says ok: file (fsync each file and its name), group (one shared syncfs(2) per batch of files), none (no flush: a power loss can lose the last files).")
 @click.option("--capture-max-pending-mb", type=int, default=8192, show_default=True, help="Host memory for pending writes, allocated (on a GPU: pinned) once at start-up; the server waits beyond it.")

@@ -1,7 +1,7 @@
 """The capture sidecar of one scheduler process: model facts, per-request state, the writer.
 
 The hooks call into the one ``Sidecar`` of their process. Everything here that runs on the
-scheduler thread is bookkeeping only; tensors go to the writer threads untouched.
+scheduler thread is bookkeeping only; rows go to the writer processes by reference.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from sglang_capture.layers import LAYER_CONVENTION, resolve_layers
 from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.loss_mask import BadLossMask, parse_spans
 from sglang_capture.naming import FILE_SUFFIX, BadCaptureName, check_capture_name, name_for_rid
-from sglang_capture.writer import CaptureJob, CaptureWriter, index_path
+from sglang_capture.publish import index_path
+from sglang_capture.writer import CaptureJob, CaptureWriter
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +106,15 @@ class Sidecar:
                     layers, arch, type(model).__name__, "kept" if self.config.keep_last_hidden else "dropped")
         if self.is_writer and self.pool is None:
             self._make_pool(pin=str(runner.device).startswith("cuda"))
+            self.writer.pool = self.pool
+            self.writer.start()
 
     def _make_pool(self, pin: bool) -> None:
         """The host pool for capture batches, before the first request; without one (no memory to
         pin) capture still works, on SGLang's per-batch pinned buffers, only slower under load."""
         try:
             self.pool = HostPool(self.config.max_pending_bytes, pin=pin)
-        except (RuntimeError, MemoryError) as e:
+        except (RuntimeError, MemoryError, OSError) as e:
             logger.warning("sglang_capture: no host pool for pending rows (%s); capture goes on with SGLang's own "
                            "buffers. Lower --capture-max-pending-mb to get one", e)
             return

@@ -1,59 +1,40 @@
-"""Writing: background threads that turn finished requests into published capture files.
+"""Writing, scheduler side: hand finished requests to writer processes.
 
-Each job is assembled (rows by position), encoded (format.py), written to a private temp file,
-made durable (durability.py), and published with ``os.link`` into its final name, which never
-replaces an existing file; a reader therefore sees either no file or a whole one. The outcome of every request
-(ok or error, bytes, checksum) is then recorded in ``.index/<rid>.json``, which is what the
-server's HTTP process waits on before it answers the client.
+``submit`` (the only call made on SGLang's scheduler thread) queues a job. Each writer process
+(writer_process.py) has one hand-off thread here, which sends it the job's description (where
+the rows lie in the shared host pool, see handoff.py), frees the rows' pool blocks once the
+process has read them, and records the request's outcome in ``.index/<rid>.json`` when the
+file is published (publish.py). In this process a job costs a few small messages; the
+compression, hashing and file I/O run in the writer processes' own interpreters.
+
+A writer process that dies fails only the job in hand (status ``error``) and is restarted.
 """
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from sglang_capture.assembler import RequestCapture, assemble_rows
+from sglang_capture.assembler import RequestCapture
 from sglang_capture.config import CaptureConfig
-from sglang_capture.durability import durability_for
-from sglang_capture.format import write_capture
+from sglang_capture.handoff import describe_chunks, ids_bytes, recv, send
 from sglang_capture.ledger import HostMemoryLedger
-from sglang_capture.loss_mask import mask_from_spans
-from sglang_capture.naming import FILE_SUFFIX, name_for_rid
+from sglang_capture.naming import FILE_SUFFIX
+from sglang_capture.publish import (UNRECORDED_SUFFIX, DirFds, error_text, fsync_dir, index_path, prepare_capture_dir,
+                                    record_outcome, write_json_atomic)
 
-import numpy
+if TYPE_CHECKING:
+    from sglang_capture.host_pool import HostPool
 
 logger = logging.getLogger(__name__)
 
-TMP_DIR = ".tmp"
-INDEX_DIR = ".index"
-
-
-def index_path(capture_dir: str, rid: str) -> str:
-    """Where the outcome of request ``rid`` is recorded."""
-    return os.path.join(capture_dir, INDEX_DIR, name_for_rid(rid) + ".json")
-
-
-UNRECORDED_SUFFIX = ".unrecorded"  # empty marker next to an outcome record that could not be written
-
-
-def prepare_capture_dir(capture_dir: str) -> None:
-    """Create the private temp and index folders, refusing ones that are symlinks or not folders."""
-    for sub in (TMP_DIR, INDEX_DIR):
-        path = os.path.join(capture_dir, sub)
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        if os.path.islink(path) or not os.path.isdir(path):
-            raise OSError(f"{path} must be a real directory (found a symlink or a file)")
+__all__ = ["CaptureJob", "CaptureWriter", "UNRECORDED_SUFFIX", "fsync_dir", "index_path", "prepare_capture_dir"]
 
 
 @dataclass
@@ -67,55 +48,64 @@ class CaptureJob:
     output_ids: List[int]
     meta: Dict[str, Any]
     enqueued: float = field(default_factory=time.monotonic)
+    submitted: float = field(default_factory=time.time)
+    outcome: Optional[Dict[str, Any]] = None
+    done: threading.Event = field(default_factory=threading.Event)
 
 
-def fsync_dir(path: str) -> None:
-    """Make a rename or link inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class WriterProcessDied(RuntimeError):
+    """The writer process exited before answering (killed, out of memory)."""
 
 
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+class _Child:
+    """One writer process and the pipes to it."""
 
+    def __init__(self, config: CaptureConfig, pool: Optional["HostPool"]) -> None:
+        pass_fds = (pool.fd,) if pool is not None else ()
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang_capture.writer_process"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, pass_fds=pass_fds, env=env)
+        self.flushes: Optional[int] = None
+        self.send({"op": "hello", "config": config.to_env(), "pool_fd": pool.fd if pool is not None else None,
+                   "pool_size": pool.size_bytes if pool is not None else 0})
 
-def _write_json_atomic(dir_fd: int, name: str, doc: Dict[str, Any]) -> None:
-    tmp = f"{name}.{uuid.uuid4().hex}.part"
-    fd = os.open(tmp, _CREATE, 0o640, dir_fd=dir_fd)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        _unlink_quietly(tmp, dir_fd)
-        raise
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
-def _unlink_quietly(name: str, dir_fd: Optional[int] = None) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
+    def send(self, message: Dict[str, Any]) -> None:
+        try:
+            send(self.proc.stdin.fileno(), message)
+        except OSError:
+            raise self._died() from None
 
+    def recv(self) -> Dict[str, Any]:
+        reply = recv(self.proc.stdout.fileno())
+        if reply is None:
+            raise self._died()
+        return reply
 
-@dataclass(frozen=True)
-class _DirFds:
-    """The capture dir and its private folders, opened once: every later create, link and
-    rename goes through these descriptors, so a symlink planted in the capture dir after start
-    cannot redirect a write (and ``O_NOFOLLOW`` refuses one planted before)."""
+    def _died(self) -> WriterProcessDied:
+        try:
+            code = self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        return WriterProcessDied(f"writer process {self.pid} exited (code {code}) before finishing the file")
 
-    capture: int
-    tmp: int
-    index: int
-
-    @classmethod
-    def open(cls, capture_dir: str) -> "_DirFds":
-        prepare_capture_dir(capture_dir)
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-        top = os.open(capture_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        return cls(top, os.open(TMP_DIR, flags, dir_fd=top), os.open(INDEX_DIR, flags, dir_fd=top))
+    def stop(self, timeout: float) -> None:
+        """EOF tells the process to finish and exit; kill it if it does not in time."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self.proc.stdout.close()
 
 
 def _pinned_stats() -> Optional[Dict[str, Any]]:
@@ -136,45 +126,50 @@ def _pinned_stats() -> Optional[Dict[str, Any]]:
 
 
 class CaptureWriter:
-    """A bounded pool of writer threads; ``submit`` is the only call made on the scheduler thread."""
+    """Hand-off threads, one writer process each; ``submit`` is the only call made on the scheduler thread."""
 
-    def __init__(self, config: CaptureConfig, ledger: HostMemoryLedger) -> None:
+    def __init__(self, config: CaptureConfig, ledger: HostMemoryLedger, pool: Optional["HostPool"] = None) -> None:
         self.config = config
         self.ledger = ledger
+        self.pool = pool  # rows in it travel by offset; set before the first job
         ledger.draining = lambda: self.pending() > 0
         self._queue: "queue.Queue[Optional[CaptureJob]]" = queue.Queue()
         self._threads: List[threading.Thread] = []
+        self._children: Dict[int, _Child] = {}
         self._lock = threading.Lock()
         self._busy = 0
-        self._dirs: Optional[_DirFds] = None
-        self.durability = durability_for(config.durability)
+        self._dirs: Optional[DirFds] = None
         self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
         self._last_stats = 0.0
         self.extra_stats: Callable[[], Dict[str, Any]] = dict  # more counters for the stats file (the sidecar's)
         self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
                                       "queue_wait_s": 0.0, "assemble_s": 0.0, "encode_write_s": 0.0,
-                                      "fsync_publish_s": 0.0}
+                                      "fsync_publish_s": 0.0, "inline_bytes": 0, "restarts": 0}
 
-    def dirs(self) -> _DirFds:
+    def dirs(self) -> DirFds:
         """The capture dir's descriptors, opened on first use (raises OSError if unusable)."""
         if self._dirs is None:
-            self._dirs = _DirFds.open(self.config.capture_dir)
+            self._dirs = DirFds.open(self.config.capture_dir)
         return self._dirs
 
-    def _start(self) -> None:
-        try:
-            self.dirs()  # opened once here, before several threads could race to open them
-        except OSError as e:  # each job will then fail with this reason; the server keeps serving
-            logger.error("sglang_capture: capture dir %s is unusable: %s", self.config.capture_dir, e)
-        if self.config.switch_interval_ms > 0:
-            # Writer threads re-take the GIL after each compress/hash/write call; behind SGLang's busy
-            # scheduler thread every re-take waits a full switch interval (5 ms by default), which
-            # made writers 2-4x slower under load. A shorter interval only matters while writers run.
-            sys.setswitchinterval(self.config.switch_interval_ms / 1000.0)
-        for i in range(self.config.threads_for_writing()):
-            t = threading.Thread(target=self._run, name=f"sglang-capture-writer-{i}", daemon=True)
-            t.start()
-            self._threads.append(t)
+    def start(self) -> None:
+        """Start the hand-off threads and their writer processes (idempotent): at model load on
+        the server, so that the first capture does not wait for them."""
+        with self._lock:
+            if self._threads:
+                return
+            try:
+                self.dirs()  # opened once here, before several threads could race to open them
+            except OSError as e:  # each job will then fail with this reason; the server keeps serving
+                logger.error("sglang_capture: capture dir %s is unusable: %s", self.config.capture_dir, e)
+            if self.config.switch_interval_ms > 0:
+                # Hand-off threads wake on pipe replies; behind SGLang's busy scheduler thread each
+                # wake-up waits up to a whole switch interval (5 ms by default) for the GIL.
+                sys.setswitchinterval(self.config.switch_interval_ms / 1000.0)
+            for i in range(self.config.threads_for_writing()):
+                t = threading.Thread(target=self._run, args=(i,), name=f"sglang-capture-handoff-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
 
     def pending(self) -> int:
         """Jobs queued or being written: memory that waiting will free."""
@@ -183,39 +178,121 @@ class CaptureWriter:
 
     def submit(self, job: CaptureJob) -> None:
         """Queue a job (never blocks; back-pressure happens in ``HostMemoryLedger.hold``)."""
+        if not self._threads:
+            self.start()
         with self._lock:
-            if not self._threads:
-                self._start()
             self._queued += 1
             self.stats["max_queue"] = max(self.stats["max_queue"], self._queued)
         self._queue.put(job)
 
+    def write(self, job: CaptureJob, timeout: float = 600.0) -> Dict[str, Any]:
+        """Queue ``job`` and wait for its outcome (tools and tests; the server only submits)."""
+        self.submit(job)
+        if not job.done.wait(timeout):
+            raise TimeoutError(f"the writer did not finish {job.meta.get('rid')} in {timeout:.0f} s")
+        return job.outcome
+
     def close(self, timeout: float = 60.0) -> None:
-        """Finish queued jobs and stop the threads (used on graceful shutdown and in tests)."""
-        for _ in self._threads:
+        """Finish queued jobs, stop the threads and their writer processes (shutdown, tests)."""
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for _ in threads:
             self._queue.put(None)
         deadline = time.monotonic() + timeout
-        for t in self._threads:
+        for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        self._threads = []
 
-    def _run(self) -> None:
+    def writer_pids(self) -> List[int]:
+        """Process ids of the running writer processes (monitoring, tests)."""
+        with self._lock:
+            return sorted(c.pid for c in self._children.values() if c.alive())
+
+    def _run(self, slot: int) -> None:
+        child = self._spawn(slot, restart=False)
         while True:
-            job = self._queue.get()
+            if child is not None and not child.alive():  # a dead writer is replaced within a second, even idle
+                child = self._spawn(slot, restart=True)
+            try:
+                job = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                continue
             if job is None:
+                if child is not None:
+                    child.stop(30.0)
                 return
             with self._lock:
                 self._queued -= 1
                 self._busy += 1
+                self.stats["queue_wait_s"] += time.monotonic() - job.enqueued
             try:
-                self._record(job, self.write(job))
-            except Exception:  # never let one request kill the writer thread
-                logger.exception("sglang_capture: failed to record the outcome of %s", job.meta.get("rid"))
+                if child is None or not child.alive():
+                    child = self._spawn(slot, restart=child is not None)
+                if child is None:
+                    raise WriterProcessDied("no writer process could be started (see the server log)")
+                outcome = self._hand_off(child, job)
+            except Exception as e:  # a dead writer process fails only this job
+                outcome = self._failed(job, e)
             finally:
                 job.capture.release()
                 with self._lock:
                     self._busy -= 1
-                self._dump_stats()
+            self.record_outcome(job.meta["rid"], outcome)
+            job.outcome = outcome
+            job.done.set()
+            self._dump_stats()
+
+    def _spawn(self, slot: int, restart: bool) -> Optional[_Child]:
+        try:
+            child = _Child(self.config, self.pool)
+        except (OSError, WriterProcessDied) as e:
+            logger.error("sglang_capture: cannot start a writer process: %s", e)
+            return None
+        with self._lock:
+            self._children[slot] = child
+            self.stats["restarts"] += int(restart)
+        return child
+
+    def _hand_off(self, child: _Child, job: CaptureJob) -> Dict[str, Any]:
+        """Have ``child`` write ``job``; returns its outcome (raises WriterProcessDied)."""
+        chunks, inline = describe_chunks(job.capture.chunks, self.pool)
+        spans = job.capture.loss_spans
+        child.send({"op": "write", "name": job.capture.name, "meta": job.meta, "chunks": chunks, "n_rows": job.n_rows,
+                    "splits": {k: list(v) for k, v in job.splits.items()}, "input_ids": ids_bytes(job.input_ids),
+                    "output_ids": ids_bytes(job.output_ids),
+                    "loss_spans": [list(s) for s in spans] if spans is not None else None})
+        child.recv()  # "copied": the process holds the rows now
+        job.capture.release()
+        reply = child.recv()
+        result, timings = reply["result"], reply["timings"]
+        outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job), **result}
+        raw = outcome.pop("raw_bytes", 0)
+        with self._lock:
+            child.flushes = reply.get("flushes")
+            self.stats["inline_bytes"] += inline
+            for k, v in timings.items():  # seconds per stage, summed over processes: which stage bounds throughput
+                self.stats[k] += v
+            if outcome["status"] == "ok":
+                self.stats["written"] += 1
+                self.stats["bytes"] += outcome["bytes"]
+                self.stats["raw_bytes"] += raw
+            else:
+                self.stats["failed"] += 1
+        if outcome["status"] == "ok":
+            outcome["write_s"] = round(time.monotonic() - job.enqueued, 6)
+        else:
+            logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
+        return outcome
+
+    def _path(self, job: CaptureJob) -> str:
+        return os.path.join(self.config.capture_dir, job.capture.name + FILE_SUFFIX)
+
+    def _failed(self, job: CaptureJob, e: Exception) -> Dict[str, Any]:
+        with self._lock:
+            self.stats["failed"] += 1
+        outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job), "status": "error",
+                   "error": error_text(e)}
+        logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
+        return outcome
 
     def _dump_stats(self, min_interval_s: float = 1.0) -> None:
         """Write ``.index/writer-<pid>.json`` (counters, queue depth, held and peak host memory)
@@ -225,86 +302,23 @@ class CaptureWriter:
             if now - self._last_stats < min_interval_s and self._queued:
                 return
             self._last_stats = now
+            flushes = [c.flushes for c in self._children.values() if c.flushes is not None]
             doc = {**self.stats, "queue": self._queued, "busy": self._busy,
                    "held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
                    "cap_bytes": self.ledger.cap_bytes, "back_pressure_waits": self.ledger.waits,
-                   "durability": self.durability.name, "flushes": getattr(self.durability, "flushes", None),
+                   "durability": self.config.durability, "flushes": sum(flushes) if flushes else None,
+                   "writer_pids": sorted(c.pid for c in self._children.values() if c.alive()),
                    **self.extra_stats(),
                    "pinned": _pinned_stats(),
                    "time": time.time()}
         try:
-            _write_json_atomic(self.dirs().index, f"writer-{os.getpid()}.json", doc)
+            write_json_atomic(self.dirs().index, f"writer-{os.getpid()}.json", doc)
         except OSError as e:
             logger.warning("sglang_capture: cannot write writer stats: %s", e)
 
-    def write(self, job: CaptureJob) -> Dict[str, Any]:
-        """Assemble, encode and publish one job; returns its outcome (never raises)."""
-        cfg = self.config
-        final = os.path.join(cfg.capture_dir, job.capture.name + FILE_SUFFIX)
-        outcome: Dict[str, Any] = {"rid": job.meta["rid"], "name": job.capture.name, "path": final}
-        tmp = f"{job.capture.name}.{os.getpid()}.{uuid.uuid4().hex}.part"
-        t_start = time.monotonic()
-        dirs: Optional[_DirFds] = None
-        try:
-            dirs = self.dirs()
-            tensors = assemble_rows(job.capture.chunks, job.n_rows, job.splits)
-            job.capture.release()
-            t_assembled = time.monotonic()
-            tensors = {
-                "input_ids": numpy.asarray(job.input_ids, dtype=numpy.int64),
-                "output_ids": numpy.asarray(job.output_ids, dtype=numpy.int64),
-                **tensors,
-            }
-            if job.capture.loss_spans is not None:
-                tensors["loss_mask"] = mask_from_spans(job.capture.loss_spans, len(job.input_ids))
-            fd = os.open(tmp, _CREATE, 0o640, dir_fd=dirs.tmp)
-            with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-                nbytes, checksum = write_capture(f, job.meta, tensors, cfg.codec_spec())
-                f.flush()
-                t_encoded = time.monotonic()
-                self.durability.sync_data(f.fileno())
-            try:
-                os.link(tmp, os.path.basename(final), src_dir_fd=dirs.tmp, dst_dir_fd=dirs.capture,
-                        follow_symlinks=False)
-            except FileExistsError:
-                raise FileExistsError(errno.EEXIST, f"a capture file named {job.capture.name!r} already exists") from None
-            self.durability.sync_names(dirs.capture)
-            raw = sum(t.nbytes for t in tensors.values())
-            with self._lock:
-                self.stats["written"] += 1
-                self.stats["bytes"] += nbytes
-                self.stats["raw_bytes"] += raw
-                # seconds spent per stage, summed over threads: which stage bounds throughput
-                self.stats["queue_wait_s"] += t_start - job.enqueued
-                self.stats["assemble_s"] += t_assembled - t_start
-                self.stats["encode_write_s"] += t_encoded - t_assembled
-                self.stats["fsync_publish_s"] += time.monotonic() - t_encoded
-            outcome.update(status="ok", bytes=nbytes, checksum=checksum,
-                           write_s=round(time.monotonic() - job.enqueued, 6))
-        except Exception as e:
-            with self._lock:
-                self.stats["failed"] += 1
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            outcome.update(status="error", error=f"{type(e).__name__}: {reason}")
-            logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
-        finally:
-            if dirs is not None:
-                _unlink_quietly(tmp, dirs.tmp)
-        return outcome
-
-    def _record(self, job: CaptureJob, outcome: Dict[str, Any]) -> None:
-        self.record_outcome(job.meta["rid"], outcome)
-
     def record_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
         """Write ``.index/<rid>.json`` (also called on the scheduler thread for aborts, which are rare)."""
-        name = os.path.basename(index_path(self.config.capture_dir, rid))
         try:
-            _write_json_atomic(self.dirs().index, name, outcome)
+            record_outcome(self.dirs(), rid, outcome)
         except OSError as e:
             logger.error("sglang_capture: cannot record the outcome of %s: %s", rid, e)
-            # On a full filesystem an empty file may still fit where the record did not: it tells the
-            # waiting response to stop waiting (it would otherwise wait --capture-wait-timeout).
-            try:
-                os.close(os.open(name + UNRECORDED_SUFFIX, _CREATE, 0o640, dir_fd=self.dirs().index))
-            except OSError:
-                pass

@@ -1,7 +1,10 @@
-"""Faults on a real CPU capture server: a kill -9 in the middle of heavy capture."""
+"""Faults on a real CPU capture server: a kill -9 in the middle of heavy capture, full disks,
+writer processes killed."""
 from __future__ import annotations
 
 import errno
+import glob
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+import sglang_capture
 from sglang_capture.testbed.server import capture_cmd
 
 
@@ -105,3 +109,34 @@ def test_a_disk_too_full_for_the_outcome_record_ends_the_wait_with_an_error(tiny
     os.unlink(small_disk / "filler")
     assert server.generate({"text": "hello", "sampling_params": {"max_new_tokens": 2, "custom_params": {
         "capture": True, "capture_name": "room-again"}}}).json()["meta_info"]["capture"]["status"] == "ok"
+
+
+def test_killed_writer_processes_are_replaced_and_capture_goes_on(tiny_models, make_server, tmp_path):
+    capture_dir = str(tmp_path / "caps")
+    os.makedirs(capture_dir)
+    server = make_server(capture_cmd(tiny_models["tiny-dsv3"], capture_dir), capture_dir)
+
+    def capture(name):
+        body = {"text": "Writer processes compress and publish the files. " * 4, "sampling_params": {
+            "max_new_tokens": 3, "temperature": 0, "custom_params": {"capture": True, "capture_name": name}}}
+        r = server.generate(body)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["capture"]
+
+    def writer_stats():
+        [path] = glob.glob(os.path.join(capture_dir, ".index", "writer-*.json"))
+        return json.load(open(path))
+
+    assert capture("before")["status"] == "ok"
+    killed = writer_stats()["writer_pids"]
+    assert killed and server.proc.pid not in killed
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    after = capture("after")
+    assert after["status"] == "ok", after
+    assert sglang_capture.load(after["path"])["aux_hidden_states"].shape[0] == after["rows"]
+    deadline = time.monotonic() + 10
+    while not (stats := writer_stats())["restarts"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+    assert stats["writer_pids"] and not set(stats["writer_pids"]) & set(killed) and stats["failed"] == 0

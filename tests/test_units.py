@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from sglang_capture.assembler import IncompleteCapture, RowChunk, assemble_rows
+from sglang_capture.assembler import IncompleteCapture, assemble_rows
+from sglang_capture.format import host_tensor
 from sglang_capture.config import CaptureConfig, ConfigError, parse_layers
 from sglang_capture.layers import LayerError, default_layers, resolve_layers
 from sglang_capture.ledger import HostMemoryLedger
@@ -57,7 +58,7 @@ def test_config_round_trips_through_the_environment(tmp_path):
     assert CaptureConfig.from_env({}) is None
     with pytest.raises(ConfigError, match="duplicates"):
         CaptureConfig(capture_dir=str(tmp_path), layers=[3, 3])
-    with pytest.raises(ConfigError, match="writer-threads"):
+    with pytest.raises(ConfigError, match="capture-writers"):
         CaptureConfig(capture_dir=str(tmp_path), writer_threads=-1)
     assert CaptureConfig(capture_dir=str(tmp_path), writer_threads=5).threads_for_writing() == 5
     assert 2 <= CaptureConfig(capture_dir=str(tmp_path)).threads_for_writing() <= 16
@@ -68,14 +69,14 @@ def test_rows_are_placed_by_position_later_rows_win():
     b = torch.full((3, 3), -1.0)                                    # positions 2..4 (re-prefill)
     c = torch.full((2, 3), 7.0)                                     # positions 5..6, one past the end
     out = {k: v.to_torch() for k, v in
-           assemble_rows([RowChunk(0, a), RowChunk(2, b), RowChunk(5, c)], 6, {"x": (0, 2), "y": (2, 3)}).items()}
+           assemble_rows([(0, host_tensor(a)), (2, host_tensor(b)), (5, host_tensor(c))], 6, {"x": (0, 2), "y": (2, 3)}).items()}
     assert out["x"].shape == (6, 2) and out["y"].shape == (6, 1)
     assert torch.equal(out["x"][:2], a[:2, :2]) and (out["x"][2:5] == -1).all() and (out["x"][5] == 7).all()
 
 
 def test_bf16_rows_keep_their_exact_bits_through_assembly():
     rows = torch.randn(5, 6).to(torch.bfloat16)
-    out = assemble_rows([RowChunk(0, rows)], 5, {"aux": (0, 4), "final": (4, 6)})
+    out = assemble_rows([(0, host_tensor(rows))], 5, {"aux": (0, 4), "final": (4, 6)})
     assert out["aux"].dtype == "bfloat16" and out["aux"].to_torch().dtype == torch.bfloat16
     assert torch.equal(out["aux"].to_torch().view(torch.int16), rows[:, :4].view(torch.int16))
     assert torch.equal(out["final"].to_torch().view(torch.int16), rows[:, 4:].view(torch.int16))
@@ -83,7 +84,7 @@ def test_bf16_rows_keep_their_exact_bits_through_assembly():
 
 def test_missing_rows_fail_the_capture():
     with pytest.raises(IncompleteCapture, match="positions 2-3"):
-        assemble_rows([RowChunk(0, torch.zeros(2, 3)), RowChunk(4, torch.zeros(1, 3))], 5, {"x": (0, 3)})
+        assemble_rows([(0, host_tensor(torch.zeros(2, 3))), (4, host_tensor(torch.zeros(1, 3)))], 5, {"x": (0, 3)})
 
 
 def test_ledger_counts_a_shared_batch_buffer_once():
@@ -158,6 +159,7 @@ def test_writer_publishes_whole_files_and_records_the_outcome(tmp_path):
     assert ledger.held_bytes == 0 and os.listdir(tmp_path / ".tmp") == []
     stats = json.load(open(tmp_path / ".index" / f"writer-{os.getpid()}.json"))
     assert stats["written"] == 1 and stats["queue"] == 0 and stats["peak_held_bytes"] == rows.numel() * 4
+    assert stats["inline_bytes"] == rows.numel() * 4  # not in a host pool: the rows went down the pipe
     assert stats["cap_bytes"] == ledger.cap_bytes
 
 
@@ -243,7 +245,7 @@ def test_rows_survive_the_finished_req_being_freed_before_the_writer_runs(tmp_pa
     import types
 
     from sglang_capture.sidecar import CAPTURE_ATTR, ModelInfo, Sidecar
-    from sglang_capture.writer import prepare_capture_dir
+    from sglang_capture.publish import prepare_capture_dir
 
     prepare_capture_dir(str(tmp_path))
     sidecar = Sidecar(CaptureConfig(capture_dir=str(tmp_path), writer_threads=1))
@@ -265,7 +267,8 @@ def test_rows_survive_the_finished_req_being_freed_before_the_writer_runs(tmp_pa
     sidecar.finish(req, capture)
     del req, capture
     gc.collect()
-    outcome = sidecar.writer.write(jobs[0])
+    del sidecar.writer.submit  # the writer gets to the job now
+    outcome = sidecar.writer.write(jobs[0], timeout=60)
     assert outcome["status"] == "ok", outcome
     data = __import__("sglang_capture").load(outcome["path"])
     assert torch.equal(data["aux_hidden_states"], rows[:, :2]) and torch.equal(data["last_hidden_states"], rows[:, 2:])
@@ -413,3 +416,63 @@ def test_without_memory_for_the_pool_capture_goes_on_and_says_how_to_get_one(tmp
     assert sidecar.pool is None
     assert "Lower --capture-max-pending-mb" in caplog.text
     sidecar.writer.close()
+
+
+def test_writer_processes_read_pool_rows_in_place_and_free_the_block_once_read(tmp_path):
+    import os
+
+    from sglang_capture import load
+    from sglang_capture.host_pool import HostPool
+    from sglang_capture.writer import CaptureWriter
+
+    pool = HostPool(1 << 20, pin=False)
+    rows = torch.randn(6, 4).to(torch.bfloat16)
+    block = pool.take(rows)
+    job, ledger = _job(tmp_path, [(0, block[:4]), (4, block[4:])], 6)  # two chunks of one batch block
+    del block
+    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=2), ledger, pool)
+    try:
+        outcome = writer.write(job, timeout=60)
+        assert outcome["status"] == "ok", outcome
+        data = load(outcome["path"])
+        assert torch.equal(data["aux_hidden_states"].view(torch.int16), rows[:, :2].view(torch.int16))
+        assert torch.equal(data["last_hidden_states"].view(torch.int16), rows[:, 2:].view(torch.int16))
+        assert writer.stats["inline_bytes"] == 0  # only offsets crossed the pipe
+        assert pool.free_segments() == [(0, 1 << 20)] and ledger.held_bytes == 0
+        pids = writer.writer_pids()
+        assert len(pids) == 2 and os.getpid() not in pids
+        for pid in pids:  # the writer processes never load torch
+            assert "libtorch" not in open(f"/proc/{pid}/maps").read()
+    finally:
+        writer.close()
+    assert writer.writer_pids() == []
+
+
+def test_a_writer_process_that_dies_fails_only_its_job_and_is_replaced(tmp_path):
+    import os
+    import signal
+
+    from sglang_capture.writer import CaptureWriter
+
+    first, ledger = _job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="lost")
+    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=1), ledger)
+    try:
+        writer.start()
+        deadline = time.monotonic() + 30
+        while not writer.writer_pids():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        [pid] = writer.writer_pids()
+        os.kill(pid, signal.SIGSTOP)  # the job waits in its pipe ...
+        writer.submit(first)
+        while writer.pending() and writer._busy == 0:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)  # ... and the process dies holding it
+        assert first.done.wait(30)
+        assert first.outcome["status"] == "error" and f"writer process {pid} exited" in first.outcome["error"]
+        second, _ = _job(tmp_path, [(0, torch.ones(2, 4))], 2, name="kept")
+        assert writer.write(second, timeout=60)["status"] == "ok"
+        assert writer.stats["restarts"] == 1 and writer.writer_pids() != [pid]
+        assert ledger.held_bytes == 0
+    finally:
+        writer.close()

@@ -15,7 +15,7 @@ import time
 from typing import Any, AsyncIterator, Dict, Optional
 
 from sglang_capture.config import CaptureConfig
-from sglang_capture.writer import UNRECORDED_SUFFIX
+from sglang_capture.publish import UNRECORDED_SUFFIX
 
 
 def _wants_capture(obj: Any) -> bool:
