@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -112,6 +113,25 @@ def test_concurrent_mixed_requests_keep_their_own_rows(dsv3, tiny_models, tokeni
                 assert max_abs_diff(rows, last[-rows.shape[0]:]) <= TOL
             else:
                 assert "hidden_states" not in out["meta_info"] or not out["meta_info"]["hidden_states"]
+
+
+def _result_copy(server):
+    files = glob.glob(os.path.join(server.capture_dir, ".index", "writer-*.json"))
+    return json.load(open(files[0]))["result_copy"] if files else {"batch_rows": 0, "copied_rows": 0}
+
+
+def test_batches_shared_with_plain_requests_copy_only_the_captured_rows(dsv3, tiny_models):
+    before = _result_copy(dsv3)
+    text = "Only the rows of requests that capture leave the GPU, even in shared batches. " * 2
+    with ThreadPoolExecutor(8) as pool:
+        plain = [pool.submit(dsv3.generate, {"text": f"{i} {text}", "sampling_params": {
+            "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}) for i in range(6)]
+        out = pool.submit(capture, dsv3, text, 8, capture_name="shared-batches").result()
+        assert all(f.result().status_code == 200 for f in plain)
+    data = sglang_capture.load(out["meta_info"]["capture"]["path"])
+    check_against_transformers(tiny_models["tiny-dsv3"], data)
+    after = _result_copy(dsv3)
+    assert after["copied_rows"] - before["copied_rows"] < after["batch_rows"] - before["batch_rows"]
 
 
 BAD_NAMES = ["../escape", "/etc/passwd", "a\x00b", "x" * 300, ".hidden", "a/b", 7]

@@ -115,7 +115,7 @@ def test_doctor_reports_version_fingerprints_plugin_and_configuration():
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"installed SGLang: {inst.installed_sglang_version()}" in r.stdout
     assert "supported SGLang: 0.5.17, 0.5.23" in r.stdout
-    assert r.stdout.count("matches its fingerprint") == 9 and "FAIL" not in r.stdout
+    assert r.stdout.count("matches its fingerprint") == 10 and "FAIL" not in r.stdout
     assert "plugin entry point sglang.srt.plugins: sglang_capture" in r.stdout
     assert f"writer_threads = auto ({CaptureConfig(capture_dir='.').threads_for_writing()} here)" in r.stdout and "max_pending_mb = 8192" in r.stdout
 

@@ -476,3 +476,34 @@ def test_a_writer_process_that_dies_fails_only_its_job_and_is_replaced(tmp_path)
         assert ledger.held_bytes == 0
     finally:
         writer.close()
+
+
+def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
+    import types
+
+    from sglang_capture.hooks.transfer import capture_rows
+    from sglang_capture.sidecar import CAPTURE_ATTR
+
+    def req(capture=False, json_hidden=False):
+        r = types.SimpleNamespace(return_hidden_states=json_hidden or capture, extend_range=None)
+        if capture:
+            setattr(r, CAPTURE_ATTR, object())
+        return r
+
+    def batch(mode, reqs, lens=None):
+        modes = {"decode": (True, False, False), "extend": (False, True, False), "mixed": (False, True, True)}
+        dec, ext, mix = modes[mode]
+        fm = types.SimpleNamespace(is_decode=lambda: dec, is_extend=lambda: ext, is_mixed=lambda: mix)
+        for r, n in zip(reqs, lens or []):
+            r.extend_range = types.SimpleNamespace(length=n)
+        return types.SimpleNamespace(reqs=reqs, forward_mode=fm, extend_lens=lens)
+
+    # prefill: plain (5 rows), capture (3), capture (2), plain (4), capture (1)
+    b = batch("extend", [req(), req(True), req(True), req(), req(True)], [5, 3, 2, 4, 1])
+    assert capture_rows(b, 15) == ([(5, 10), (14, 15)], {5: 0, 8: 3, 14: 5})
+    assert capture_rows(batch("decode", [req(True), req(), req(True)]), 3) == ([(0, 1), (2, 3)], {0: 0, 2: 1})
+    assert capture_rows(b, 16) is None  # rows that do not add up: copy everything
+    assert capture_rows(batch("extend", [req(True), req(True)], [2, 2]), 4) is None  # all captured
+    assert capture_rows(batch("extend", [req(True), req(json_hidden=True)], [2, 2]), 4) is None  # SGLang's JSON too
+    assert capture_rows(batch("mixed", [req(True), req()], [2, 1]), 3) is None
+    assert capture_rows(None, 3) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, Optional
 
+from sglang_capture.hooks.transfer import block_row
 from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
 
 _batch: Dict[str, Any] = {"batch": None, "index": None}
@@ -50,12 +51,14 @@ def take_prefill_rows(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
             kwargs = {**kwargs, "logits_output": out}
         return wrapped(*args, **kwargs)
     start = kwargs["hidden_state_offset"]
-    end = start + kwargs["extend_input_len"]
+    n = kwargs["extend_input_len"]
     if not kwargs["capture_hidden_mode"].is_full():
         raise RuntimeError("sglang_capture needs full hidden-state capture; start the server through sglang_capture.launch")
     if not req.finished() and not req.is_retracted:
-        capture.add(_chunk_start(req), kwargs["logits_output"].hidden_states[start:end])
-    return end
+        hidden = kwargs["logits_output"].hidden_states
+        row = block_row(hidden, start)
+        capture.add(_chunk_start(req), hidden[row:row + n])
+    return start + n
 
 
 def take_decode_rows(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Optional[Any]:
@@ -69,5 +72,7 @@ def take_decode_rows(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
         start = kwargs["start"]
         # output_ids already holds this step's tokens; the rows belong to the tokens fed in.
         position = len(req.origin_input_ids) + len(req.output_ids) - 1 - accept
-        capture.add(position, kwargs["hidden_states"][start:start + accept])
+        hidden = kwargs["hidden_states"]
+        row = block_row(hidden, start)
+        capture.add(position, hidden[row:row + accept])
     return None

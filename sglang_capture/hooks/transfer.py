@@ -1,15 +1,77 @@
-"""Result-copy seam: a capture batch's hidden states go to the package's host pool.
+"""Result-copy seams: only capture requests' rows go to the host, into the package's host pool.
 
-SGLang's ``copy_to_cpu`` would copy them into a fresh pinned buffer per batch (``host_pool``
-says why that stalls the scheduler under capture). Here the hidden states are queued into a pool
-block on the same stream instead, and SGLang copies the rest of the result (token ids,
-logprobs) as usual. When the pool is full, or in a process without one, SGLang's copy runs.
+SGLang's ``copy_to_cpu`` copies a batch's hidden states whole into a fresh pinned buffer
+(``host_pool`` says why that stalls the scheduler under capture). In full-capture mode that is
+every token of the batch, including those of requests that capture nothing: beside live traffic
+a capture request shares its prefill batch with several others, and the copy then moved ~8x the
+captured bytes while the scheduler thread waited for it (bench/RESULTS.md, fifth round). Here the
+rows of the batch's capture requests are gathered on the device and queued into a pool block on
+the same stream; SGLang then copies the rest of the result (token ids, logprobs) as usual. The
+block's tensor carries the map from each request's row offset in the batch to its offset in the
+block, which the row seams (results.py) read. When no compaction is safe (another request wants
+SGLang's own hidden states) the whole batch is copied; when the pool is full, or in a process
+without one, SGLang's copy runs.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, List, Optional, Tuple
 
-from sglang_capture.sidecar import get_sidecar
+from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
+
+ROW_MAP_ATTR = "_sglang_capture_rows"  # on a pool block's tensor: batch row offset -> block row offset
+
+_running: Dict[str, Any] = {"batch": None}
+
+
+def running_batch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``Scheduler.run_batch``: the batch whose result ``copy_to_cpu`` is about to copy."""
+    _running["batch"] = args[0] if args else kwargs["batch"]
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _running["batch"] = None
+
+
+def capture_rows(batch: Any, n_rows: int) -> Optional[Tuple[List[Tuple[int, int]], Dict[int, int]]]:
+    """The row ranges of the batch's capture requests and each one's offset among them, or None
+    when the whole batch must be copied: every row is captured, another request wants SGLang's
+    hidden states, or the batch's row layout is not the one the result processor assumes."""
+    if batch is None:
+        return None
+    reqs, mode = batch.reqs, batch.forward_mode
+    if mode.is_decode():
+        lens: List[int] = [1] * len(reqs)
+    elif mode.is_extend() and not mode.is_mixed():
+        lens = _extend_lens(batch)
+    else:
+        return None
+    if len(lens) != len(reqs) or sum(lens) != n_rows:
+        return None
+    runs: List[Tuple[int, int]] = []
+    offsets: Dict[int, int] = {}
+    pos = kept = 0
+    for req, n in zip(reqs, lens):
+        if getattr(req, CAPTURE_ATTR, None) is not None:
+            offsets[pos] = kept
+            kept += n
+            if runs and runs[-1][1] == pos:
+                runs[-1] = (runs[-1][0], pos + n)
+            else:
+                runs.append((pos, pos + n))
+        elif req.return_hidden_states:
+            return None
+        pos += n
+    if kept == n_rows or not runs:
+        return None
+    return runs, offsets
+
+
+def _extend_lens(batch: Any) -> List[int]:
+    """Rows per request of an extend batch, computed as SGLang computes the offsets it later
+    hands to the row seams (0.5.17 from each Req's extend range, 0.5.23 from the batch)."""
+    if batch.reqs and hasattr(batch.reqs[0], "extend_range"):
+        return [r.extend_range.length if r.extend_range is not None else 0 for r in batch.reqs]
+    return list(batch.extend_lens)
 
 
 def _bind(return_logprob: bool, return_hidden_states: bool = True) -> tuple:
@@ -20,11 +82,30 @@ def copy_hidden_to_pool(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     """Around ``GenerationBatchResult.copy_to_cpu`` (scheduler thread, on SGLang's copy stream)."""
     return_logprob, return_hidden = _bind(*args, **kwargs)
     out = instance.logits_output
-    pool = get_sidecar().pool
+    sidecar = get_sidecar()
+    pool = sidecar.pool
     if not return_hidden or pool is None or out is None or out.hidden_states is None:
         return wrapped(*args, **kwargs)
-    host = pool.take(out.hidden_states)
+    hidden = out.hidden_states
+    selected = capture_rows(_running["batch"], hidden.shape[0])
+    src = hidden
+    if selected is not None:
+        import torch
+
+        runs, offsets = selected
+        parts = [hidden[a:b] for a, b in runs]
+        src = parts[0] if len(parts) == 1 else torch.cat(parts)
+    host = pool.take(src)
     if host is None:
         return wrapped(*args, **kwargs)
+    if selected is not None:
+        setattr(host, ROW_MAP_ATTR, offsets)
+    sidecar.count_copy(hidden.shape[0], src.shape[0])
     out.hidden_states = host
     return wrapped(return_logprob, return_hidden_states=False)
+
+
+def block_row(hidden: Any, offset: int) -> int:
+    """Where the rows at batch offset ``offset`` lie in ``hidden`` (a compacted block, or not)."""
+    rows = getattr(hidden, ROW_MAP_ATTR, None)
+    return offset if rows is None else rows[offset]
