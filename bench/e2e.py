@@ -26,6 +26,7 @@ Writes OUT_DIR/e2e.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import json
 import os
@@ -201,13 +202,12 @@ def summarize(results: List[dict], t0: float, t1: float) -> Dict:
 
 
 def writer_stats(capture_dir: str) -> Dict:
-    idx = os.path.join(capture_dir, ".index")
-    stats: Dict = {}
-    for f in os.listdir(idx) if os.path.isdir(idx) else []:
-        if f.startswith("writer-"):
-            with open(os.path.join(idx, f)) as fh:
-                stats = json.load(fh)
-    return stats
+    """The newest writer stats file in the capture dir (an earlier server's may still lie there)."""
+    files = glob.glob(os.path.join(capture_dir, ".index", "writer-*.json"))
+    if not files:
+        return {}
+    with open(max(files, key=os.path.getmtime)) as fh:
+        return json.load(fh)
 
 
 def run_server(cmd: List[str], out: str, name: str, capture_dir: str = "") -> Server:

@@ -7,6 +7,7 @@
 # Variants (';'-separated capture args, each one more server) via MIXED_VARIANTS. Results and
 # server logs go to $OUT/e2e (e2e.json rewritten after every window: a call cut short keeps them).
 W=/tmp/bench-work
+rm -rf /tmp/caps /tmp/caps-v*  # a warm machine still holds the last call's capture dirs
 source bench/device_setup.sh "$@"
 cd /tmp
 python "$R/.devkit/mk_tiny_model.py" /tmp/mk deepseek_v3 4 7168 > $W/mk.log 2>&1

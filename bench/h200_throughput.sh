@@ -6,6 +6,7 @@
 # Leaves at most 8 files in OUT (the device tool's limit): writer.json, e2e.md, host.txt, logs.tgz and
 # e2e/ (e2e.json, rewritten after every window so a call cut short keeps it, and the two server logs).
 W=/tmp/bench-work
+rm -rf /tmp/caps /tmp/caps-v*  # a warm machine still holds the last call's capture dirs
 source bench/device_setup.sh "$@"
 { nproc; uname -r; lscpu | grep -E "Model name|Thread|Core|Socket"; free -g | head -2; df -h /tmp | tail -1
   findmnt -T /tmp; for q in rotational write_cache scheduler nr_requests; do echo "$q: $(cat /sys/block/vda/queue/$q 2>/dev/null)"; done

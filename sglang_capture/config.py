@@ -74,9 +74,9 @@ class CaptureConfig:
             object.__setattr__(self, "layers", sorted(self.layers))
 
     def threads_for_writing(self) -> int:
-        """Writer threads to run: the configured count, or for 0 three quarters of the cores this
-        process may use, between 2 and 16 (the H200 sweep in bench/RESULTS.md peaked at 12 of 16
-        cores; beyond that the disk, not the CPU, bounds the writer)."""
+        """Writer processes to run: the configured count, or for 0 three quarters of the cores this
+        process may use, between 2 and 16 (on the 16-core H200 host 16 writers used ~8 cores at
+        full capture, bench/RESULTS.md; beyond that the disk, not the CPU, bounds the writer)."""
         if self.writer_threads:
             return self.writer_threads
         try:

@@ -61,11 +61,9 @@ class _Child:
     """One writer process and the pipes to it."""
 
     def __init__(self, config: CaptureConfig, pool: Optional["HostPool"]) -> None:
-        pass_fds = (pool.fd,) if pool is not None else ()
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+        pass_fds = (pool.fd,) if pool is not None else ()  # the pool's memfd, mapped read-only there
         self.proc = subprocess.Popen([sys.executable, "-m", "sglang_capture.writer_process"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, pass_fds=pass_fds, env=env)
+                                     stdout=subprocess.PIPE, pass_fds=pass_fds)
         self.flushes: Optional[int] = None
         self.send({"op": "hello", "config": config.to_env(), "pool_fd": pool.fd if pool is not None else None,
                    "pool_size": pool.size_bytes if pool is not None else 0})
