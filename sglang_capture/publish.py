@@ -61,10 +61,42 @@ def unlink_quietly(name: str, dir_fd: Optional[int] = None) -> None:
         pass
 
 
+def _temp_name(name: str) -> str:
+    """``<name>.<pid>.<random>.part``: the pid tells ``remove_orphans`` whose file it is."""
+    return f"{name}.{os.getpid()}.{uuid.uuid4().hex}.part"
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_orphans(dirs: DirFds) -> int:
+    """Remove temp files left in ``.tmp/`` and ``.index/`` by processes that no longer run (a
+    server killed mid-write); returns how many. Another live server's files are kept."""
+    removed = 0
+    for dir_fd in (dirs.tmp, dirs.index):
+        for entry in os.listdir(dir_fd):
+            parts = entry.split(".")
+            if len(parts) < 4 or parts[-1] != "part" or not parts[-3].isdigit() or _pid_running(int(parts[-3])):
+                continue
+            try:
+                os.unlink(entry, dir_fd=dir_fd)
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 def write_json_atomic(dir_fd: int, name: str, doc: Dict[str, Any], replace: bool = True) -> None:
     """Write ``doc`` as ``name`` in ``dir_fd`` so that no reader sees a partial document; with
     ``replace=False`` an existing ``name`` is kept (raises FileExistsError)."""
-    tmp = f"{name}.{uuid.uuid4().hex}.part"
+    tmp = _temp_name(name)
     fd = os.open(tmp, _CREATE, 0o640, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "w") as f:
@@ -123,7 +155,7 @@ def publish(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors: Mapping[s
             durability: Durability) -> Tuple[int, str, Dict[str, float]]:
     """Encode ``tensors`` into ``<name>.capture.msgpack`` and publish it; returns its size,
     checksum and stage timings. Raises on failure, leaving no file behind."""
-    tmp = f"{name}.{os.getpid()}.{uuid.uuid4().hex}.part"
+    tmp = _temp_name(name)
     t0 = time.monotonic()
     try:
         fd = os.open(tmp, _CREATE, 0o640, dir_fd=dirs.tmp)

@@ -27,7 +27,7 @@ from sglang_capture.handoff import describe_chunks, ids_bytes, recv, send
 from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.naming import FILE_SUFFIX
 from sglang_capture.publish import (UNRECORDED_SUFFIX, DirFds, error_text, fsync_dir, index_path, prepare_capture_dir,
-                                    record_outcome, write_json_atomic)
+                                    record_outcome, remove_orphans, write_json_atomic)
 
 if TYPE_CHECKING:
     from sglang_capture.host_pool import HostPool
@@ -157,7 +157,10 @@ class CaptureWriter:
             if self._threads:
                 return
             try:
-                self.dirs()  # opened once here, before several threads could race to open them
+                dirs = self.dirs()  # opened once here, before several threads could race to open them
+                removed = remove_orphans(dirs)
+                if removed:
+                    logger.info("sglang_capture: removed %d temp files left by a stopped server", removed)
             except OSError as e:  # each job will then fail with this reason; the server keeps serving
                 logger.error("sglang_capture: capture dir %s is unusable: %s", self.config.capture_dir, e)
             if self.config.switch_interval_ms > 0:

@@ -507,3 +507,26 @@ def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
     assert capture_rows(batch("extend", [req(True), req(json_hidden=True)], [2, 2]), 4) is None  # SGLang's JSON too
     assert capture_rows(batch("mixed", [req(True), req()], [2, 1]), 3) is None
     assert capture_rows(None, 3) is None
+
+
+def test_temp_files_of_a_killed_server_are_removed_at_start_and_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from sglang_capture.publish import prepare_capture_dir
+    from sglang_capture.writer import CaptureWriter
+
+    prepare_capture_dir(str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # a process that has exited
+    orphans = [tmp_path / ".tmp" / f"req.7.{dead_pid}.{'a' * 32}.part", tmp_path / ".index" / f"x.json.{dead_pid}.{'b' * 32}.part"]
+    live = [tmp_path / ".tmp" / f"other.{os.getpid()}.{'c' * 32}.part", tmp_path / ".tmp" / "notes.part"]
+    for path in orphans + live:
+        path.write_bytes(b"half a file")
+    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=1), HostMemoryLedger(1 << 20))
+    try:
+        writer.start()
+        assert not any(p.exists() for p in orphans) and all(p.exists() for p in live)
+    finally:
+        writer.close()
