@@ -1,19 +1,20 @@
 """Durability: how a written capture file, and then its published name, reach stable storage.
 
-The writer calls ``sync_data(fd)`` after a file's bytes are written and before its final name
-appears, and ``sync_names(dir_fd)`` after the name appears and before the request's outcome says
-``ok``. Three policies:
+A writer process calls ``sync_data(fd)`` after a file's bytes are written and before its final
+name appears, and ``sync_names(dir_fd)`` after the name appears and before the request's outcome
+says ``ok``. Three policies:
 
-- ``file`` (default): ``fsync`` the file, then the capture directory, in each writer thread:
-  two flushes per file, each waiting on the disk.
-- ``group``: the same guarantees, but one ``syncfs(2)`` is shared by every writer thread that
-  is waiting when it starts (group commit, as databases do for their logs): a flush is paid
-  once per batch instead of twice per file. It helps where each flush is slow (network block
-  devices); it also flushes whatever else is dirty on that filesystem, which is why it is not
-  the default.
+- ``file`` (default): ``fsync`` the file, then the capture directory: two flushes per file, each
+  waiting on the disk.
+- ``group``: the same guarantees through ``syncfs(2)``, one flush shared by every caller waiting
+  when it starts (group commit, as databases do for their logs). Callers are the threads of one
+  process, and a writer process writes one file at a time, so since the writers became
+  processes each file pays its own ``syncfs``; it still helps where ``fsync`` itself is slow.
+  It also flushes whatever else is dirty on that filesystem, which is why it is not the default.
 - ``none``: no flush. Files are still whole when they appear and survive the server being
-  killed, but a power loss or kernel crash can lose or truncate the last files written. For
-  tmpfs or data that is cheap to re-capture.
+  killed, but a power loss or kernel crash can lose or truncate the last files written, and
+  under live traffic the kernel's writeback bursts stalled other requests (bench/RESULTS.md,
+  fifth round). For tmpfs or data that is cheap to re-capture.
 """
 from __future__ import annotations
 

@@ -103,10 +103,9 @@ FRAME_BYTES = 64 << 20  # raw bytes per zstd frame: bounds temp memory, keeps bi
 class HostTensor:
     """A host array plus the dtype name the file stores for it.
 
-    The writer works on numpy arrays rather than torch tensors because every torch call releases
-    and re-takes the GIL, and in the scheduler process each re-take can wait a whole switch
-    interval (5 ms) behind SGLang's busy scheduler thread: dozens of small torch calls per file
-    made a writer thread 3-5x slower under load. numpy only drops the GIL inside the big copies.
+    The writer works on numpy arrays rather than torch tensors: writer processes never load torch
+    (its import costs seconds and hundreds of MB per process), and numpy views can map the shared
+    host pool in place.
     """
 
     dtype: str

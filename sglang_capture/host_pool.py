@@ -1,8 +1,8 @@
 """Host memory for the hidden states of capture batches: one region, pinned once at start-up.
 
 Without it, SGLang copies each such batch into a fresh pinned buffer from torch's caching host
-allocator, and captured rows keep that buffer until a writer thread has written them. Under
-capture the allocator therefore keeps pinning more memory, on the scheduler thread (on the H200:
+allocator, and captured rows keep that buffer until a writer has read them. Under capture the
+allocator therefore keeps pinning more memory, on the scheduler thread (on the H200:
 76 ``cudaHostAlloc`` calls taking 9.9 s in one 14 s window, bench/RESULTS.md), and never gives it
 back (13 GB pinned against an 8 GiB cap). The pool pins ``--capture-max-pending-mb`` once,
 before the server takes requests, and hands out blocks of it first-fit.
@@ -14,8 +14,8 @@ not bytes (writer.py, handoff.py). Its pages are only backed once touched (or pi
 A block goes back to the pool only when the last tensor that can read it is gone: its tensor is
 built on a numpy view of the block, and a ``weakref.finalize`` on that view fires when torch
 frees the storage that holds it. So a block can never be handed out again while anything (a
-writer thread, SGLang's result buffers) still uses it. When no block fits, the caller falls back
-to SGLang's own copy and nothing is lost.
+job whose writer process has not read its rows yet, SGLang's result buffers) still uses it. When
+no block fits, the caller falls back to SGLang's own copy and nothing is lost.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class HostPool:
     """A fixed host region handing out blocks that return when nothing references them.
 
     ``take`` runs on the scheduler thread; blocks are freed on whichever thread drops the last
-    reference (often a writer thread). A free only queues the block (``_returned``, an atomic
+    reference (often a hand-off thread, once its writer process has read the rows). A free only queues the block (``_returned``, an atomic
     deque append: a finalizer may run inside any allocation, even one made while the lock is
     held); the next ``take`` folds the queue into the free list.
     """

@@ -18,7 +18,7 @@ class HostMemoryLedger:
 
     ``hold`` is called on the scheduler thread as rows arrive. When holding a new batch buffer
     would go over the cap, it waits (back-pressure: the scheduler schedules nothing meanwhile)
-    until writer threads free enough, as long as ``draining()`` says writes are pending. When
+    until writers free enough, as long as ``draining()`` says writes are pending. When
     nothing is pending, waiting cannot free memory (it is held by requests still running), so it
     goes on over the cap instead of deadlocking; so does a single buffer larger than the cap.
     """

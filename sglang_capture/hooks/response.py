@@ -1,6 +1,6 @@
 """Response seam (HTTP process): answer only once the capture file is published.
 
-The scheduler's reference says ``pending`` while a writer thread is still at work. Wrapping the
+The scheduler's reference says ``pending`` while a writer process is still at work. Wrapping the
 tokenizer manager's per-request response generator, this waits (asynchronously, without
 blocking other requests) for the writer's outcome record, then moves the completed reference
 from ``meta_info["hidden_states"]`` to ``meta_info["capture"]``. OpenAI endpoints go through
