@@ -57,6 +57,10 @@ class WriterProcessDied(RuntimeError):
     """The writer process exited before answering (killed, out of memory)."""
 
 
+class NotTaken(WriterProcessDied):
+    """The writer process was gone before it could take the job: another one may write it."""
+
+
 class _Child:
     """One writer process and the pipes to it."""
 
@@ -65,8 +69,12 @@ class _Child:
         self.proc = subprocess.Popen([sys.executable, "-m", "sglang_capture.writer_process"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, pass_fds=pass_fds)
         self.flushes: Optional[int] = None
-        self.send({"op": "hello", "config": config.to_env(), "pool_fd": pool.fd if pool is not None else None,
-                   "pool_size": pool.size_bytes if pool is not None else 0})
+        try:
+            self.send({"op": "hello", "config": config.to_env(), "pool_fd": pool.fd if pool is not None else None,
+                       "pool_size": pool.size_bytes if pool is not None else 0})
+        except WriterProcessDied:
+            self.stop(1.0)
+            raise
 
     @property
     def pid(self) -> int:
@@ -79,7 +87,7 @@ class _Child:
         try:
             send(self.proc.stdin.fileno(), message)
         except OSError:
-            raise self._died() from None
+            raise NotTaken(str(self._died())) from None
 
     def recv(self) -> Dict[str, Any]:
         reply = recv(self.proc.stdout.fileno())
@@ -95,11 +103,15 @@ class _Child:
         return WriterProcessDied(f"writer process {self.pid} exited (code {code}) before finishing the file")
 
     def stop(self, timeout: float) -> None:
-        """EOF tells the process to finish and exit; kill it if it does not in time."""
+        """EOF tells the process to finish and exit; kill it if it does not in time. Closes the
+        pipes either way (a server replacing writers for days must not leak descriptors)."""
         try:
             self.proc.stdin.close()
+        except OSError:  # a dead reader: the close flushes nothing
+            pass
+        try:
             self.proc.wait(timeout)
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         finally:
@@ -209,15 +221,18 @@ class CaptureWriter:
             return sorted(c.pid for c in self._children.values() if c.alive())
 
     def _run(self, slot: int) -> None:
-        child = self._spawn(slot, restart=False)
+        self._replace_quietly(slot)
         while True:
+            child = self._children.get(slot)
             if child is not None and not child.alive():  # a dead writer is replaced within a second, even idle
-                child = self._spawn(slot, restart=True)
+                self._replace_quietly(slot)
             try:
                 job = self._queue.get(timeout=1.0)
             except queue.Empty:
                 continue
             if job is None:
+                with self._lock:
+                    child = self._children.pop(slot, None)
                 if child is not None:
                     child.stop(30.0)
                 return
@@ -226,11 +241,7 @@ class CaptureWriter:
                 self._busy += 1
                 self.stats["queue_wait_s"] += time.monotonic() - job.enqueued
             try:
-                if child is None or not child.alive():
-                    child = self._spawn(slot, restart=child is not None)
-                if child is None:
-                    raise WriterProcessDied("no writer process could be started (see the server log)")
-                outcome = self._hand_off(child, job)
+                outcome = self._write(slot, job)
             except Exception as e:  # a dead writer process fails only this job
                 outcome = self._failed(job, e)
             finally:
@@ -242,16 +253,40 @@ class CaptureWriter:
             job.done.set()
             self._dump_stats()
 
-    def _spawn(self, slot: int, restart: bool) -> Optional[_Child]:
+    def _write(self, slot: int, job: CaptureJob) -> Dict[str, Any]:
+        """Have the slot's writer process write ``job``; a process found gone before it took the
+        job is replaced and the job handed to the new one (once)."""
+        for attempt in (0, 1):
+            child = self._children.get(slot)
+            if attempt or child is None or not child.alive():
+                child = self._replace(slot)
+            try:
+                return self._hand_off(child, job)
+            except NotTaken:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _replace(self, slot: int) -> _Child:
+        """Start the slot's writer process, stopping the one it replaces (raises WriterProcessDied)."""
+        with self._lock:
+            old = self._children.pop(slot, None)
+        if old is not None:
+            old.stop(1.0)
         try:
             child = _Child(self.config, self.pool)
-        except (OSError, WriterProcessDied) as e:
-            logger.error("sglang_capture: cannot start a writer process: %s", e)
-            return None
+        except OSError as e:
+            raise WriterProcessDied(f"cannot start a writer process: {e}") from None
         with self._lock:
             self._children[slot] = child
-            self.stats["restarts"] += int(restart)
+            self.stats["restarts"] += int(old is not None)
         return child
+
+    def _replace_quietly(self, slot: int) -> None:
+        try:
+            self._replace(slot)
+        except WriterProcessDied as e:  # each job will retry, and fail with this reason
+            logger.error("sglang_capture: %s", e)
 
     def _hand_off(self, child: _Child, job: CaptureJob) -> Dict[str, Any]:
         """Have ``child`` write ``job``; returns its outcome (raises WriterProcessDied)."""

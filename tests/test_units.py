@@ -530,3 +530,32 @@ def test_temp_files_of_a_killed_server_are_removed_at_start_and_live_ones_kept(t
         assert not any(p.exists() for p in orphans) and all(p.exists() for p in live)
     finally:
         writer.close()
+
+
+def test_a_writer_process_gone_before_it_took_the_job_is_replaced_and_the_job_written(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from sglang_capture import writer as writer_module
+    from sglang_capture.writer import CaptureWriter
+
+    job, ledger = _job(tmp_path, [(0, torch.ones(2, 4))], 2, name="handed-on")
+    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=1), ledger)
+    try:
+        writer.start()
+        deadline = time.monotonic() + 30
+        while not writer.writer_pids():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        [pid] = writer.writer_pids()
+        # the process dies between the hand-off thread's liveness check and its send
+        monkeypatch.setattr(writer_module._Child, "alive", lambda self: True)
+        os.kill(pid, signal.SIGKILL)
+        while open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        outcome = writer.write(job, timeout=60)
+        assert outcome["status"] == "ok", outcome
+        assert writer.stats["restarts"] == 1 and writer.writer_pids() != [pid] and ledger.held_bytes == 0
+    finally:
+        writer.close()
