@@ -448,21 +448,26 @@ def test_writer_processes_read_pool_rows_in_place_and_free_the_block_once_read(t
     assert writer.writer_pids() == []
 
 
+def _one_writer(tmp_path, ledger):
+    """A started writer with one writer process, and that process's pid."""
+    from sglang_capture.writer import CaptureWriter
+
+    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=1), ledger)
+    writer.start()
+    deadline = time.monotonic() + 30
+    while not writer.writer_pids():
+        assert time.monotonic() < deadline, "no writer process started"
+        time.sleep(0.01)
+    return writer, writer.writer_pids()[0]
+
+
 def test_a_writer_process_that_dies_fails_only_its_job_and_is_replaced(tmp_path):
     import os
     import signal
 
-    from sglang_capture.writer import CaptureWriter
-
     first, ledger = _job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="lost")
-    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=1), ledger)
+    writer, pid = _one_writer(tmp_path, ledger)
     try:
-        writer.start()
-        deadline = time.monotonic() + 30
-        while not writer.writer_pids():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        [pid] = writer.writer_pids()
         os.kill(pid, signal.SIGSTOP)  # the job waits in its pipe ...
         writer.submit(first)
         while writer.pending() and writer._busy == 0:
@@ -537,17 +542,11 @@ def test_a_writer_process_gone_before_it_took_the_job_is_replaced_and_the_job_wr
     import signal
 
     from sglang_capture import writer as writer_module
-    from sglang_capture.writer import CaptureWriter
 
     job, ledger = _job(tmp_path, [(0, torch.ones(2, 4))], 2, name="handed-on")
-    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=1), ledger)
+    writer, pid = _one_writer(tmp_path, ledger)
+    deadline = time.monotonic() + 30
     try:
-        writer.start()
-        deadline = time.monotonic() + 30
-        while not writer.writer_pids():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        [pid] = writer.writer_pids()
         # the process dies between the hand-off thread's liveness check and its send
         monkeypatch.setattr(writer_module._Child, "alive", lambda self: True)
         os.kill(pid, signal.SIGKILL)
