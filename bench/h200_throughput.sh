@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: host and disk facts, the writer's host-side ceiling (bench/writer.py), then the
-# end-to-end benchmark (bench/e2e.py) with the writer thread count that the sweep found fastest.
+# end-to-end benchmark (bench/e2e.py) with the writer count that the sweep found fastest.
 # Run from the repo root on the GPU machine, with the device kit and a wheel of the package in .whl/:
 #   source .devkit/env.sh; bash bench/h200_throughput.sh $OUT
 # Leaves at most 8 files in OUT (the device tool's limit): writer.json, e2e.md, host.txt, logs.tgz and
@@ -15,13 +15,13 @@ cd /tmp
 python "$R/.devkit/mk_tiny_model.py" /tmp/mk deepseek_v3 4 7168 > $W/mk.log 2>&1 &
 MK=$!
 python "$R/bench/writer.py" $W/writer.json --codecs ${WRITER_CODECS:-zstd+shuffle,zstd1+shuffle,none} \
-  --threads ${WRITER_THREADS:-8,12,16} --durability ${WRITER_DURABILITY:-file,group,none} --files ${WRITER_FILES:-72} --frame-mb ${WRITER_FRAME_MB:-64,16} \
+  --threads ${WRITER_THREADS:-8,12,16} --durability ${WRITER_DURABILITY:-file,group,none} --files ${WRITER_FILES:-72} \
   --gil-hog 1 --dir /tmp/wb 2> $W/writer.log
 cp $W/writer.json "$OUT/"
 BEST=$(python -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['runs'] if x['codec']==sys.argv[2] and x['durability']==sys.argv[3]]; print(max(r,key=lambda x:x['tok_per_s'])['threads'])" $W/writer.json zstd+shuffle ${E2E_DURABILITY:-file})
-echo "writer threads for e2e: $BEST"
+echo "writers for e2e: $BEST"
 wait $MK
 python "$R/bench/e2e.py" /tmp/mk $OUT/e2e --seconds ${E2E_SECONDS:-16} --capture-dir /tmp/caps \
-  --capture-args "--capture-layers 1,2,3 --capture-writer-threads $BEST --capture-durability ${E2E_DURABILITY:-file} ${CAPTURE_EXTRA:-}" 2> $W/e2e.log | tee "$OUT/e2e.md"
+  --capture-args "--capture-layers 1,2,3 --capture-writers $BEST --capture-durability ${E2E_DURABILITY:-file} ${CAPTURE_EXTRA:-}" 2> $W/e2e.log | tee "$OUT/e2e.md"
 tail -8 $W/e2e.log
 tar -C $W -czf "$OUT/logs.tgz" --exclude='*.msgpack' . 2>/dev/null
