@@ -32,6 +32,7 @@ import numpy
 import torch
 
 ALIGN = 4096  # block starts on a page boundary
+SMALL_BLOCK = 16 << 20  # decode steps' blocks (one row per capture request) are far below this
 
 
 def _round_up(n: int) -> int:
@@ -47,8 +48,9 @@ class HostPool:
     held); the next ``take`` folds the queue into the free list.
     """
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
+    def __init__(self, nbytes: int, pin: bool, small_block: int = SMALL_BLOCK) -> None:
         self.size_bytes = _round_up(max(nbytes, ALIGN))
+        self.small_block = small_block
         t0 = time.monotonic()
         self.fd = os.memfd_create("sglang-capture-pool", os.MFD_CLOEXEC)
         try:
@@ -138,6 +140,21 @@ class HostPool:
         self._waiting = still
 
     def _alloc_locked(self, size: int) -> Optional[int]:
+        """First fit from the bottom for large blocks (prefill), from the top for small ones.
+
+        A decode step's block stays until every request with a row in it is written, which for
+        long generations is much longer than a prefill block lives; placed among prefill blocks,
+        such blocks would cut the freed space into holes too small for the next large batch.
+        """
+        if size <= self.small_block:
+            for seg in reversed(self._free):
+                if seg[1] - seg[0] >= size:
+                    seg[1] -= size
+                    start = seg[1]
+                    if seg[0] == seg[1]:
+                        self._free.remove(seg)
+                    return start
+            return None
         for seg in self._free:
             if seg[1] - seg[0] >= size:
                 start = seg[0]
