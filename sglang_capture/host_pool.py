@@ -5,7 +5,8 @@ allocator, and captured rows keep that buffer until a writer has read them. Unde
 allocator therefore keeps pinning more memory, on the scheduler thread (on the H200:
 76 ``cudaHostAlloc`` calls taking 9.9 s in one 14 s window, bench/RESULTS.md), and never gives it
 back (13 GB pinned against an 8 GiB cap). The pool pins ``--capture-max-pending-mb`` once,
-before the server takes requests, and hands out blocks of it first-fit.
+before the server takes requests, and hands out blocks of it (large ones first-fit from the
+bottom, small ones from the top: see ``_alloc_locked``).
 
 The region is a shared-memory file (``memfd``): the writer processes map it read-only and read
 each request's rows where they lie, so a job crossing to a writer process carries block offsets,
