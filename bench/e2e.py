@@ -26,7 +26,6 @@ Writes OUT_DIR/e2e.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import glob
 import itertools
 import json
 import os
@@ -44,6 +43,7 @@ import requests
 
 from sglang_capture.testbed.cpu import server_env
 from sglang_capture.testbed.server import Server, start_server, stop_server
+from sglang_capture.writer import read_stats
 
 _NAMES = itertools.count()  # capture names and seeds, unique over the whole run
 BASE_ARGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--sleep-on-idle", "--mem-fraction-static", "0.3",
@@ -201,15 +201,6 @@ def summarize(results: List[dict], t0: float, t1: float) -> Dict:
     return out
 
 
-def writer_stats(capture_dir: str) -> Dict:
-    """The newest writer stats file in the capture dir (an earlier server's may still lie there)."""
-    files = glob.glob(os.path.join(capture_dir, ".index", "writer-*.json"))
-    if not files:
-        return {}
-    with open(max(files, key=os.path.getmtime)) as fh:
-        return json.load(fh)
-
-
 def run_server(cmd: List[str], out: str, name: str, capture_dir: str = "") -> Server:
     t0 = time.time()
     env = server_env(os.path.expanduser("~/.cache/sglang-capture-tests"))  # unchanged on a GPU machine
@@ -270,7 +261,7 @@ def main(argv: List[str]) -> int:
     def measure_capture(server: Server, cdir: str, name: str, clients: List[dict], **kw) -> Dict:
         """``measure`` on a capture server, plus its writer's stats; its files are removed after."""
         r = measure(server, name, clients, a.seconds, **kw)
-        r["_writer"] = writer_stats(cdir)
+        r["_writer"] = read_stats(cdir)
         _clean(cdir)
         return r
 
@@ -332,7 +323,7 @@ def main(argv: List[str]) -> int:
         res["c_json"] = Load(capture, prompts).run(json_clients, 1e9, max_requests=len(json_clients))
         print(f"c_json: {res['c_json']['json']['tok_per_s']:,.0f} tok/s ({time.monotonic() - t0:.0f} s)",
               file=sys.stderr, flush=True)
-        res["_writer_final"] = writer_stats(capture_dir)
+        res["_writer_final"] = read_stats(capture_dir)
     finally:
         for srv in [plain, capture, *variant_servers]:
             stop_server(srv)

@@ -31,11 +31,12 @@ _HEADER = struct.Struct(">Q")
 def send(fd: int, message: Dict[str, Any]) -> None:
     """Write one message (raises BrokenPipeError when the other side is gone)."""
     body = msgpack.packb(message, use_bin_type=True)
-    data = memoryview(_HEADER.pack(len(body)) + body) if len(body) < (1 << 16) else None
-    if data is None:  # a large inline chunk: do not copy it once more to prepend the header
-        _write_all(fd, memoryview(_HEADER.pack(len(body))))
-        data = memoryview(body)
-    _write_all(fd, data)
+    header = _HEADER.pack(len(body))
+    if len(body) < (1 << 16):  # one write
+        _write_all(fd, memoryview(header + body))
+    else:  # a large inline chunk: not copied once more to prepend the header
+        _write_all(fd, memoryview(header))
+        _write_all(fd, memoryview(body))
 
 
 def _write_all(fd: int, data: memoryview) -> None:

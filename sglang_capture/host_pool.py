@@ -44,9 +44,10 @@ class HostPool:
     """A fixed host region handing out blocks that return when nothing references them.
 
     ``take`` runs on the scheduler thread; blocks are freed on whichever thread drops the last
-    reference (often a hand-off thread, once its writer process has read the rows). A free only queues the block (``_returned``, an atomic
-    deque append: a finalizer may run inside any allocation, even one made while the lock is
-    held); the next ``take`` folds the queue into the free list.
+    reference (often a hand-off thread, once its writer process has read the rows). A free only
+    queues the block (``_returned``, an atomic deque append: a finalizer may run inside any
+    allocation, even one made while the lock is held); the next ``take`` folds the queue into
+    the free list.
     """
 
     def __init__(self, nbytes: int, pin: bool, small_block: int = SMALL_BLOCK) -> None:
@@ -147,19 +148,15 @@ class HostPool:
         long generations is much longer than a prefill block lives; placed among prefill blocks,
         such blocks would cut the freed space into holes too small for the next large batch.
         """
-        if size <= self.small_block:
-            for seg in reversed(self._free):
-                if seg[1] - seg[0] >= size:
+        small = size <= self.small_block
+        for seg in reversed(self._free) if small else self._free:
+            if seg[1] - seg[0] >= size:
+                if small:
                     seg[1] -= size
                     start = seg[1]
-                    if seg[0] == seg[1]:
-                        self._free.remove(seg)
-                    return start
-            return None
-        for seg in self._free:
-            if seg[1] - seg[0] >= size:
-                start = seg[0]
-                seg[0] += size
+                else:
+                    start = seg[0]
+                    seg[0] += size
                 if seg[0] == seg[1]:
                     self._free.remove(seg)
                 return start

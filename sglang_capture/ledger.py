@@ -8,9 +8,10 @@ as any held view uses it.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List
+from typing import TYPE_CHECKING, Callable, Dict, List
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class HostMemoryLedger:
@@ -32,7 +33,7 @@ class HostMemoryLedger:
         self.peak_bytes = 0
         self.waits = 0
 
-    def hold(self, t: torch.Tensor) -> None:
+    def hold(self, t: "torch.Tensor") -> None:
         storage = t.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
         with self._cond:
@@ -45,7 +46,7 @@ class HostMemoryLedger:
             self.held_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
-    def release(self, t: torch.Tensor) -> None:
+    def release(self, t: "torch.Tensor") -> None:
         key = t.untyped_storage().data_ptr()
         with self._cond:
             entry = self._storages.get(key)

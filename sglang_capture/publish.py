@@ -93,18 +93,14 @@ def remove_orphans(dirs: DirFds) -> int:
     return removed
 
 
-def write_json_atomic(dir_fd: int, name: str, doc: Dict[str, Any], replace: bool = True) -> None:
-    """Write ``doc`` as ``name`` in ``dir_fd`` so that no reader sees a partial document; with
-    ``replace=False`` an existing ``name`` is kept (raises FileExistsError)."""
+def write_json_atomic(dir_fd: int, name: str, doc: Dict[str, Any]) -> None:
+    """Write ``doc`` as ``name`` in ``dir_fd`` so that no reader sees a partial document."""
     tmp = _temp_name(name)
     fd = os.open(tmp, _CREATE, 0o640, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f)
-        if replace:
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        else:
-            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     finally:
         unlink_quietly(tmp, dir_fd)  # already gone after a replace; the name is unique, so no race
 
@@ -127,16 +123,13 @@ class DirFds:
         return cls(top, os.open(TMP_DIR, flags, dir_fd=top), os.open(INDEX_DIR, flags, dir_fd=top))
 
 
-def record_outcome(dirs: DirFds, rid: str, outcome: Dict[str, Any], replace: bool = True) -> None:
+def record_outcome(dirs: DirFds, rid: str, outcome: Dict[str, Any]) -> None:
     """Write ``.index/<rid>.json``. When even that fails (a full filesystem), leave an empty
     ``.unrecorded`` marker, which may still fit: it ends the waiting response's wait at once
     (it would otherwise wait --capture-wait-timeout). Raises the record's OSError."""
     name = name_for_rid(rid) + ".json"
     try:
-        write_json_atomic(dirs.index, name, outcome, replace=replace)
-    except FileExistsError:
-        if replace:
-            raise
+        write_json_atomic(dirs.index, name, outcome)
     except OSError:
         try:
             os.close(os.open(name + UNRECORDED_SUFFIX, _CREATE, 0o640, dir_fd=dirs.index))

@@ -11,6 +11,8 @@ A writer process that dies fails only the job in hand (status ``error``) and is 
 """
 from __future__ import annotations
 
+import glob
+import json
 import logging
 import os
 import queue
@@ -26,8 +28,8 @@ from sglang_capture.config import CaptureConfig
 from sglang_capture.handoff import describe_chunks, ids_bytes, recv, send
 from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.naming import FILE_SUFFIX
-from sglang_capture.publish import (UNRECORDED_SUFFIX, DirFds, error_text, fsync_dir, index_path, prepare_capture_dir,
-                                    record_outcome, remove_orphans, write_json_atomic)
+from sglang_capture.publish import (INDEX_DIR, UNRECORDED_SUFFIX, DirFds, error_text, fsync_dir, index_path,
+                                    prepare_capture_dir, record_outcome, remove_orphans, write_json_atomic)
 
 if TYPE_CHECKING:
     from sglang_capture.host_pool import HostPool
@@ -116,6 +118,19 @@ class _Child:
             self.proc.wait()
         finally:
             self.proc.stdout.close()
+
+
+STATS_PREFIX = "writer-"  # .index/writer-<pid>.json: one per scheduler process that writes
+
+
+def read_stats(capture_dir: str) -> Dict[str, Any]:
+    """The newest writer stats file in ``capture_dir`` ({} before the first file; a server that
+    ran there before may have left its own)."""
+    files = glob.glob(os.path.join(capture_dir, INDEX_DIR, STATS_PREFIX + "*.json"))
+    if not files:
+        return {}
+    with open(max(files, key=os.path.getmtime)) as f:
+        return json.load(f)
 
 
 def _pinned_stats() -> Optional[Dict[str, Any]]:
@@ -243,11 +258,16 @@ class CaptureWriter:
             try:
                 outcome = self._write(slot, job)
             except Exception as e:  # a dead writer process fails only this job
-                outcome = self._failed(job, e)
+                outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job),
+                           "status": "error", "error": error_text(e)}
             finally:
                 job.capture.release()
                 with self._lock:
                     self._busy -= 1
+            if outcome["status"] != "ok":
+                with self._lock:
+                    self.stats["failed"] += 1
+                logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
             self.record_outcome(job.meta["rid"], outcome)
             job.outcome = outcome
             job.done.set()
@@ -256,16 +276,13 @@ class CaptureWriter:
     def _write(self, slot: int, job: CaptureJob) -> Dict[str, Any]:
         """Have the slot's writer process write ``job``; a process found gone before it took the
         job is replaced and the job handed to the new one (once)."""
-        for attempt in (0, 1):
-            child = self._children.get(slot)
-            if attempt or child is None or not child.alive():
-                child = self._replace(slot)
-            try:
-                return self._hand_off(child, job)
-            except NotTaken:
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+        child = self._children.get(slot)
+        if child is None or not child.alive():
+            child = self._replace(slot)
+        try:
+            return self._hand_off(child, job)
+        except NotTaken:
+            return self._hand_off(self._replace(slot), job)
 
     def _replace(self, slot: int) -> _Child:
         """Start the slot's writer process, stopping the one it replaces (raises WriterProcessDied)."""
@@ -311,24 +328,12 @@ class CaptureWriter:
                 self.stats["written"] += 1
                 self.stats["bytes"] += outcome["bytes"]
                 self.stats["raw_bytes"] += raw
-            else:
-                self.stats["failed"] += 1
         if outcome["status"] == "ok":
             outcome["write_s"] = round(time.monotonic() - job.enqueued, 6)
-        else:
-            logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
         return outcome
 
     def _path(self, job: CaptureJob) -> str:
         return os.path.join(self.config.capture_dir, job.capture.name + FILE_SUFFIX)
-
-    def _failed(self, job: CaptureJob, e: Exception) -> Dict[str, Any]:
-        with self._lock:
-            self.stats["failed"] += 1
-        outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job), "status": "error",
-                   "error": error_text(e)}
-        logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
-        return outcome
 
     def _dump_stats(self, min_interval_s: float = 1.0) -> None:
         """Write ``.index/writer-<pid>.json`` (counters, queue depth, held and peak host memory)
@@ -348,7 +353,7 @@ class CaptureWriter:
                    "pinned": _pinned_stats(),
                    "time": time.time()}
         try:
-            write_json_atomic(self.dirs().index, f"writer-{os.getpid()}.json", doc)
+            write_json_atomic(self.dirs().index, f"{STATS_PREFIX}{os.getpid()}.json", doc)
         except OSError as e:
             logger.warning("sglang_capture: cannot write writer stats: %s", e)
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +11,7 @@ from transformers import AutoTokenizer
 
 import sglang_capture
 from sglang_capture.testbed.server import capture_cmd
+from sglang_capture.writer import read_stats
 from tests.reference import max_abs_diff, reference_states
 
 LAYERS = [0, 2, 3]
@@ -116,8 +116,7 @@ def test_concurrent_mixed_requests_keep_their_own_rows(dsv3, tiny_models, tokeni
 
 
 def _result_copy(server):
-    files = glob.glob(os.path.join(server.capture_dir, ".index", "writer-*.json"))
-    return json.load(open(files[0]))["result_copy"] if files else {"batch_rows": 0, "copied_rows": 0}
+    return read_stats(server.capture_dir).get("result_copy", {"batch_rows": 0, "copied_rows": 0})
 
 
 def test_batches_shared_with_plain_requests_copy_only_the_captured_rows(dsv3, tiny_models):

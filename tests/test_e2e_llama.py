@@ -1,8 +1,6 @@
 """End to end on a tiny bf16 Llama: default layers, OpenAI endpoints, and a plain SGLang server beside it."""
 from __future__ import annotations
 
-import glob
-import json
 import os
 import time
 
@@ -12,6 +10,7 @@ import torch
 import sglang_capture
 from sglang_capture.layers import default_layers
 from sglang_capture.testbed.server import capture_cmd
+from sglang_capture.writer import read_stats
 from tests.reference import min_row_cosine, reference_states
 
 PROMPTS = ["hello world, this is a tiny tokenizer", "The quick brown fox jumps over the lazy dog."]
@@ -87,14 +86,8 @@ def test_plain_launch_server_stays_unpatched(plain, tmp_path):
     assert "sglang_capture: capturing" not in plain.log()
 
 
-def _writer_stats(server) -> dict:
-    """The scheduler's writer stats file ({} before the first file)."""
-    files = glob.glob(os.path.join(server.capture_dir, ".index", "writer-*.json"))
-    return json.load(open(max(files, key=os.path.getmtime))) if files else {}
-
-
 def _host_pool_stats(server) -> dict:
-    return _writer_stats(server).get("host_pool") or {}
+    return read_stats(server.capture_dir).get("host_pool") or {}
 
 
 def test_hidden_states_go_through_the_host_pool_and_stay_exact(llama, tiny_models):
@@ -110,7 +103,7 @@ def test_hidden_states_go_through_the_host_pool_and_stay_exact(llama, tiny_model
         assert time.monotonic() < deadline, f"host pool counters did not move: {pool}"
         time.sleep(0.05)
     assert pool["fallbacks"] == 0 and pool["size_bytes"] == 8192 << 20 and not pool["pinned"]
-    assert _writer_stats(llama)["inline_bytes"] == 0  # writer processes read the rows in the pool, by offset
+    assert read_stats(llama.capture_dir)["inline_bytes"] == 0  # writer processes read the rows in the pool, by offset
     ids = data["input_ids"].tolist() + data["output_ids"].tolist()[:-1]
     aux, last = reference_states(tiny_models["tiny-llama"], torch.bfloat16, ids, data["layers"])
     for k in range(len(data["layers"])):

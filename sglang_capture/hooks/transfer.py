@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
 from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
 
 ROW_MAP_ATTR = "_sglang_capture_rows"  # on a pool block's tensor: batch row offset -> block row offset
@@ -90,8 +92,6 @@ def copy_hidden_to_pool(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     selected = capture_rows(_running["batch"], hidden.shape[0])
     src = hidden
     if selected is not None:
-        import torch
-
         runs, offsets = selected
         parts = [hidden[a:b] for a, b in runs]
         src = parts[0] if len(parts) == 1 else torch.cat(parts)
