@@ -39,6 +39,7 @@ class CaptureConfig:
     shuffle: bool = True
     writer_threads: int = 0  # writer processes (the name predates them); 0 = auto, see threads_for_writing
     compress_threads: int = 0
+    writer_nice: int = 10
     switch_interval_ms: float = 1.0
     durability: str = "file"
     max_pending_mb: int = 8192
@@ -58,6 +59,8 @@ class CaptureConfig:
             raise ConfigError(f"--capture-durability must be one of {', '.join(DURABILITY_MODES)}, got {self.durability!r}")
         if self.writer_threads < 0:
             raise ConfigError(f"--capture-writers must be 0 (auto) or a positive count, got {self.writer_threads}")
+        if not 0 <= self.writer_nice <= 19:
+            raise ConfigError(f"--capture-writer-nice must be 0 (the server's priority) to 19 (the lowest), got {self.writer_nice}")
         if self.compress_threads < -1:
             raise ConfigError("--capture-compress-threads must be -1 (all cores), 0 (inline) or a positive count")
         if self.switch_interval_ms < 0:

@@ -119,6 +119,8 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-shuffle/--capture-no-shuffle", default=True, show_default=True, help="Byte-shuffle before zstd (better ratio on bf16).")
 @click.option("--capture-writers", "--capture-writer-threads", "capture_writer_threads", type=int, default=0, show_default=True,
               help="Writer processes (0 = 3/4 of the cores, 2..16). --capture-writer-threads is the old name.")
+@click.option("--capture-writer-nice", type=int, default=10, show_default=True,
+              help="How much lower the writer processes' CPU priority is than the server's (0-19): under load the scheduler gets a core before them.")
 @click.option("--capture-compress-threads", type=int, default=0, show_default=True, help="zstd threads per file (0 = in the writer process, -1 = all cores).")
 @click.option("--capture-switch-interval-ms", type=float, default=1.0, show_default=True, help="GIL switch interval of the scheduler process once writers run (0 = leave Python's 5 ms).")
 @click.option("--capture-durability", type=click.Choice(DURABILITY_MODES), default="file", show_default=True, help="How files reach the disk before a response says ok: file (fsync each file and its name), group (one shared syncfs(2) per batch of files), none (no flush: a power loss can lose the last files).")
@@ -126,7 +128,7 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-wait-timeout", type=float, default=600.0, show_default=True, help="Seconds a response waits for its file.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: bool, capture_codec: str,
-         capture_level: Optional[int], capture_shuffle: bool, capture_writer_threads: int, capture_compress_threads: int,
+         capture_level: Optional[int], capture_shuffle: bool, capture_writer_threads: int, capture_writer_nice: int, capture_compress_threads: int,
          capture_switch_interval_ms: float, capture_durability: str, capture_max_pending_mb: int, capture_wait_timeout: float, sglang_args: Tuple[str, ...]) -> None:
     """Start an SGLang server that writes captured hidden states to CAPTURE_DIR."""
     try:
@@ -138,6 +140,7 @@ def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: boo
             level=capture_level,
             shuffle=capture_shuffle,
             writer_threads=capture_writer_threads,
+            writer_nice=capture_writer_nice,
             compress_threads=capture_compress_threads,
             switch_interval_ms=capture_switch_interval_ms,
             durability=capture_durability,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from sglang_capture.assembler import RequestCapture
+from sglang_capture.aux_capture import AUX_ATTR, AuxCapture
 from sglang_capture.config import CaptureConfig
 from sglang_capture.format import SCHEMA
 from sglang_capture.host_pool import HostPool
@@ -66,8 +67,10 @@ class Sidecar:
         # result copies of capture batches: rows of the batch, rows copied (capture requests' only)
         self.copies = {"batches": 0, "batch_rows": 0, "copied_rows": 0}
         self.writer.extra_stats = lambda: {"host_pool": self.pool.stats() if self.pool else None,
-                                           "result_copy": dict(self.copies)}
+                                           "result_copy": dict(self.copies),
+                                           "aux_capture": self.aux.stats() if self.aux else None}
         self.model: Optional[ModelInfo] = None
+        self.aux: Optional[AuxCapture] = None  # set up with the model
         self._is_writer: Optional[bool] = None
         from sglang_capture import __version__
         from sglang_capture.instrumentor import installed_sglang_version
@@ -87,15 +90,10 @@ class Sidecar:
     def configure_model(self, runner: Any) -> None:
         """Switch aux capture on for the target model, before its CUDA graphs are captured."""
         model = runner.model
-        lm = getattr(model, "language_model", None) or model
-        inner = lm.model
         arch, hidden, num_layers, dtype = _model_facts(runner)
         layers = resolve_layers(self.config.layers, num_layers, arch)
-        lm.capture_aux_hidden_states = True
-        if hasattr(type(inner), "set_eagle3_layers_to_capture"):
-            inner.set_eagle3_layers_to_capture(list(layers))  # inner-model setters take final ids (Qwen-MoE)
-        else:
-            inner.layers_to_capture = list(layers)
+        self.aux = AuxCapture(runner, layers)
+        self.aux.enable()
         self.model = ModelInfo(
             model_path=str(runner.server_args.model_path),
             architecture=arch,
@@ -155,6 +153,7 @@ class Sidecar:
             return
         # A private radix-cache namespace: a prefix hit would leave the cached positions without rows.
         req.extra_key = (req.extra_key or "") + EXTRA_KEY_TAG + req.rid
+        setattr(req, AUX_ATTR, True)
         if not self.is_writer:
             req.return_hidden_states = False
             return

@@ -84,7 +84,9 @@ def main() -> int:
     hello = recv(in_fd)
     if hello is None or hello.get("op") != "hello":
         return 2
-    writer = WriterProcess(CaptureConfig.from_json(hello["config"]), hello["pool_fd"], hello["pool_size"])
+    config = CaptureConfig.from_json(hello["config"])
+    os.nice(config.writer_nice)  # relative to the scheduler process that started it
+    writer = WriterProcess(config, hello["pool_fd"], hello["pool_size"])
     while True:
         msg = recv(in_fd)
         if msg is None or msg.get("op") != "write":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -131,6 +132,30 @@ def test_batches_shared_with_plain_requests_copy_only_the_captured_rows(dsv3, ti
     check_against_transformers(tiny_models["tiny-dsv3"], data)
     after = _result_copy(dsv3)
     assert after["copied_rows"] - before["copied_rows"] < after["batch_rows"] - before["batch_rows"]
+
+
+def _aux_counts(server, at_least_with_aux=0):
+    """The aux-capture counters, once the stats file (written after each outcome) has caught up."""
+    deadline = time.monotonic() + 10
+    while (aux := read_stats(server.capture_dir).get("aux_capture") or {}).get("extend_batches_with_aux", 0) < at_least_with_aux:
+        assert time.monotonic() < deadline, f"aux capture counters did not move: {aux}"
+        time.sleep(0.05)
+    return aux
+
+
+def test_prefill_batches_that_capture_nothing_skip_the_aux_layers(dsv3, tiny_models):
+    capture(dsv3, "A capture first, so that the stats file exists.", capture_name="aux-first")
+    before = _aux_counts(dsv3, 1)
+    assert before["per_batch"] is True
+    assert "aux layers computed only for prefill batches with a capture request" in dsv3.log()
+    plain = ["Requests that capture nothing need no aux layers.", "So the model skips them for those batches."]
+    for text in plain:
+        r = dsv3.generate({"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        assert r.status_code == 200, r.text
+    out = capture(dsv3, "The next capture gets them back, exact.", capture_name="aux-after")
+    check_against_transformers(tiny_models["tiny-dsv3"], sglang_capture.load(out["meta_info"]["capture"]["path"]))
+    after = _aux_counts(dsv3, before["extend_batches_with_aux"] + 1)
+    assert after["extend_batches_without_aux"] - before["extend_batches_without_aux"] >= len(plain)
 
 
 BAD_NAMES = ["../escape", "/etc/passwd", "a\x00b", "x" * 300, ".hidden", "a/b", 7]

@@ -61,6 +61,8 @@ def test_config_round_trips_through_the_environment(tmp_path):
     with pytest.raises(ConfigError, match="capture-writers"):
         CaptureConfig(capture_dir=str(tmp_path), writer_threads=-1)
     assert CaptureConfig(capture_dir=str(tmp_path), writer_threads=5).threads_for_writing() == 5
+    with pytest.raises(ConfigError, match="capture-writer-nice must be 0 .* to 19"):
+        CaptureConfig(capture_dir=str(tmp_path), writer_nice=20)
     assert 2 <= CaptureConfig(capture_dir=str(tmp_path)).threads_for_writing() <= 16
 
 
@@ -429,7 +431,7 @@ def test_without_memory_for_the_pool_capture_goes_on_and_says_how_to_get_one(tmp
     sidecar.writer.close()
 
 
-def test_writer_processes_read_pool_rows_in_place_and_free_the_block_once_read(tmp_path):
+def test_writer_processes_read_pool_rows_in_place_at_lower_priority_and_free_the_block_once_read(tmp_path):
     import os
 
     from sglang_capture import load
@@ -441,7 +443,7 @@ def test_writer_processes_read_pool_rows_in_place_and_free_the_block_once_read(t
     block = pool.take(rows)
     job, ledger = _job(tmp_path, [(0, block[:4]), (4, block[4:])], 6)  # two chunks of one batch block
     del block
-    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=2), ledger, pool)
+    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=2, writer_nice=7), ledger, pool)
     try:
         outcome = writer.write(job, timeout=60)
         assert outcome["status"] == "ok", outcome
@@ -452,8 +454,9 @@ def test_writer_processes_read_pool_rows_in_place_and_free_the_block_once_read(t
         assert pool.free_segments() == [(0, 1 << 20)] and ledger.held_bytes == 0
         pids = writer.writer_pids()
         assert len(pids) == 2 and os.getpid() not in pids
-        for pid in pids:  # the writer processes never load torch
+        for pid in pids:  # the writer processes never load torch, and yield the CPU to the server
             assert "libtorch" not in open(f"/proc/{pid}/maps").read()
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)
     finally:
         writer.close()
     assert writer.writer_pids() == []
@@ -569,3 +572,59 @@ def test_a_writer_process_gone_before_it_took_the_job_is_replaced_and_the_job_wr
         assert writer.stats["restarts"] == 1 and writer.writer_pids() != [pid] and ledger.held_bytes == 0
     finally:
         writer.close()
+
+
+def test_aux_layers_are_switched_off_only_for_eager_prefill_batches_that_capture_nothing():
+    import enum
+    import types
+
+    from sglang_capture.aux_capture import AUX_ATTR, AuxCapture
+
+    Mode = enum.Enum("ForwardMode", "EXTEND MIXED DECODE IDLE")
+
+    class Inner:  # a model keeping its captured layers in layers_to_capture (Llama, DeepSeek)
+        layers_to_capture: list = []
+
+    class InnerWithSetter(Inner):  # Qwen-MoE also flags each layer
+        def set_eagle3_layers_to_capture(self, ids):
+            self.layers_to_capture = ids
+
+    def runner(inner=None, prefill_graphs=None, dp_attention=False):
+        lm = types.SimpleNamespace(model=inner or Inner(), capture_aux_hidden_states=False)
+        return types.SimpleNamespace(model=lm, prefill_cuda_graph_runner=prefill_graphs,
+                                     server_args=types.SimpleNamespace(enable_dp_attention=dp_attention))
+
+    def batch(mode, *capturing):
+        reqs = [types.SimpleNamespace() for _ in capturing]
+        for r, c in zip(reqs, capturing):
+            if c:
+                setattr(r, AUX_ATTR, True)
+        return types.SimpleNamespace(forward_mode=Mode[mode], reqs=reqs)
+
+    def during(aux, b):
+        with aux.for_batch(b):
+            return aux.lm.capture_aux_hidden_states, list(aux.inner.layers_to_capture)
+
+    on, off = (True, [1, 3]), (False, [])
+    aux = AuxCapture(runner(), [1, 3])
+    aux.enable()
+    assert (aux.lm.capture_aux_hidden_states, aux.inner.layers_to_capture) == on
+    assert during(aux, batch("EXTEND", False, False)) == off
+    assert during(aux, batch("MIXED", False)) == off
+    assert during(aux, batch("EXTEND", False, True)) == on  # one capture request: the whole batch computes them
+    assert during(aux, batch("DECODE", False)) == on  # decode CUDA graphs were captured with aux on
+    assert during(aux, batch("IDLE")) == on
+    with pytest.raises(RuntimeError):
+        with aux.for_batch(batch("EXTEND", False)):
+            raise RuntimeError("forward failed")
+    assert (aux.lm.capture_aux_hidden_states, aux.inner.layers_to_capture) == on  # restored all the same
+    assert aux.stats() == {"per_batch": True, "extend_batches_with_aux": 1, "extend_batches_without_aux": 3}
+
+    for r, why in [(runner(prefill_graphs=object()), "prefill CUDA graphs are in use"),
+                   (runner(inner=InnerWithSetter()), "flags each captured layer"),
+                   (runner(dp_attention=True), "DP attention")]:
+        aux = AuxCapture(r, [1, 3])
+        aux.enable()
+        assert why in aux.why_not_per_batch()
+        assert during(aux, batch("EXTEND", False)) == on
+        assert aux.stats()["per_batch"] is False

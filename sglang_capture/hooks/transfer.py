@@ -14,7 +14,8 @@ without one, SGLang's copy runs.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -25,11 +26,12 @@ ROW_MAP_ATTR = "_sglang_capture_rows"  # on a pool block's tensor: batch row off
 _running: Dict[str, Any] = {"batch": None}
 
 
-def running_batch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Around ``Scheduler.run_batch``: the batch whose result ``copy_to_cpu`` is about to copy."""
-    _running["batch"] = args[0] if args else kwargs["batch"]
+@contextlib.contextmanager
+def running(batch: Any) -> Iterator[None]:
+    """While ``Scheduler.run_batch`` runs ``batch``: the batch whose result ``copy_to_cpu`` copies."""
+    _running["batch"] = batch
     try:
-        return wrapped(*args, **kwargs)
+        yield
     finally:
         _running["batch"] = None
 
