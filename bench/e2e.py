@@ -28,13 +28,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import os
+import resource
 import shlex
 import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 import numpy
@@ -123,13 +125,37 @@ class Prompts:
             ',"return_hidden_states":true' if json_hs else "")).encode()
 
 
+def _reserve_names() -> int:
+    """A block of prompt/capture numbers for one client process (its own counter, no overlap)."""
+    global _NAMES
+    base = next(_NAMES)
+    _NAMES = itertools.count(base + 10_000_000)
+    return base
+
+
+_PROMPTS: Dict[str, Prompts] = {}  # the run's prompts, inherited by forked client processes
+
+
+def _client_process(url: str, clients: List[dict], stop_at: float, name_base: int) -> List[dict]:
+    """Closed-loop clients in a process of their own, until ``stop_at`` (CLOCK_MONOTONIC is shared)."""
+    global _NAMES
+    _NAMES = itertools.count(name_base)
+    load = Load(url, _PROMPTS["run"])
+    load.closed_loop(clients, stop_at)
+    return load.results
+
+
 class Load:
     """Closed-loop clients (each sends its next request when the last one returns) plus an
     optional open-loop stream (requests at a fixed rate, whatever the server's state), for
-    ``seconds``; per-kind tokens/s, latency percentiles and capture outcomes."""
+    ``seconds``; per-kind tokens/s, latency percentiles and capture outcomes.
 
-    def __init__(self, server: Server, prompts: Prompts) -> None:
-        self.server = server
+    The closed-loop clients run in ``procs`` processes: at 900 K tok/s plain SGLang answers ~440
+    requests/s, and one interpreter sending them all was itself the bottleneck, so windows of
+    the same server differed by up to 15% (bench/RESULTS.md, sixth round)."""
+
+    def __init__(self, url: str, prompts: Prompts) -> None:
+        self.url = url
         self.prompts = prompts
         self.results: List[dict] = []
         self.lock = threading.Lock()
@@ -142,7 +168,7 @@ class Load:
         name = f"bench-{os.getpid()}-{next(_NAMES)}" if spec["capture"] else None
         data = self.prompts.body(spec["max_new"], name, spec["json"])
         t0 = time.monotonic()
-        r = session.post(self.server.url + "/generate", data=data, headers={"Content-Type": "application/json"}, timeout=900)
+        r = session.post(self.url + "/generate", data=data, headers={"Content-Type": "application/json"}, timeout=900)
         end = time.monotonic()
         ok = r.status_code == 200
         # only capture responses are parsed: a JSON-path response is hundreds of MB of floats
@@ -152,9 +178,8 @@ class Load:
                                  "ok": ok, "capture_ok": bool(ref and ref.get("status") == "ok"),
                                  "bytes": (ref or {}).get("bytes", 0), "end": end})
 
-    def run(self, clients: List[dict], seconds: float, max_requests: Optional[int] = None,
-            open_spec: Optional[dict] = None, rate: float = 0.0) -> Dict:
-        stop_at = time.monotonic() + seconds
+    def closed_loop(self, clients: List[dict], stop_at: float, max_requests: Optional[int] = None) -> None:
+        """One thread per client, each sending its next request when the last one returns."""
         counter = [0]
 
         def closed(spec: dict) -> None:
@@ -165,9 +190,22 @@ class Load:
                     counter[0] += 1
                 self.send(spec)
 
+        with ThreadPoolExecutor(max(1, len(clients))) as pool:
+            for f in [pool.submit(closed, c) for c in clients]:
+                f.result()
+
+    def run(self, clients: List[dict], seconds: float, max_requests: Optional[int] = None,
+            open_spec: Optional[dict] = None, rate: float = 0.0, procs: int = 1) -> Dict:
         t0 = time.monotonic()
-        with ThreadPoolExecutor(len(clients) + 1) as pool, ThreadPoolExecutor(256) as arrivals:
-            futures = [pool.submit(closed, c) for c in clients]
+        stop_at = t0 + seconds
+        procs = min(procs, len(clients)) if max_requests is None else 1  # a request cap needs one counter
+        with ThreadPoolExecutor(1) as local, ThreadPoolExecutor(256) as arrivals, \
+                ProcessPoolExecutor(max(procs, 1), mp_context=multiprocessing.get_context("fork")) as children:
+            if procs > 1:
+                groups = [clients[i::procs] for i in range(procs)]
+                futures = [children.submit(_client_process, self.url, g, stop_at, _reserve_names()) for g in groups]
+            else:
+                futures = [local.submit(self.closed_loop, clients, stop_at, max_requests)]
             if open_spec is not None and rate > 0:
                 due = t0
                 while due < stop_at:
@@ -175,7 +213,10 @@ class Load:
                     arrivals.submit(self.send, open_spec)
                     due += 1.0 / rate
             for f in futures:
-                f.result()
+                if procs > 1:
+                    self.results.extend(f.result())
+                else:
+                    f.result()
         return summarize(self.results, t0, time.monotonic())
 
 
@@ -221,6 +262,9 @@ def main(argv: List[str]) -> int:
     p.add_argument("--mixed-rates", default="", help="','-separated capture requests/s for the mixed load (default: "
                    "--capture-rate); rates other than --capture-rate are reported as a_mixed@R / d_mixed@R")
     p.add_argument("--json-requests", type=int, default=8)
+    p.add_argument("--client-procs", type=int, default=4, help="processes the closed-loop clients are spread over")
+    p.add_argument("--mixed-rounds", type=int, default=1, help="per mixed rate: rounds of (a, d, variants) windows, "
+                   "then (a) once more; each (d) is compared with the (a) windows around it")
     p.add_argument("--capture-dir", default=None)
     p.add_argument("--capture-args", default="--capture-layers 1,2,3")
     p.add_argument("--sglang-args", default=" ".join(BASE_ARGS))
@@ -237,7 +281,7 @@ def main(argv: List[str]) -> int:
     vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
     sg = shlex.split(a.sglang_args) + ["--model-path", a.model]
     T, C = a.tokens, a.concurrency
-    prompts = Prompts(T, vocab)
+    prompts = _PROMPTS["run"] = Prompts(T, vocab)
     spec = lambda kind, max_new=1, capture=False, json_hs=False: {
         "kind": kind, "tokens": T, "max_new": max_new, "capture": capture, "json": json_hs}
     res: Dict[str, Dict] = {"config": {"tokens": T, "concurrency": C, "seconds": a.seconds, "hidden": hidden,
@@ -245,13 +289,15 @@ def main(argv: List[str]) -> int:
                                        "capture_args": a.capture_args, "capture_rate": a.capture_rate}}
 
     def measure(server: Server, name: str, clients: List[dict], seconds: float, **kw) -> Dict:
-        Load(server, prompts).run(clients[:4], 3, max_requests=8)  # warm-up
+        Load(server.url, prompts).run(clients[:4], 3, max_requests=8)  # warm-up
         sampler = RssSampler(server.proc.pid)
         sampler.start()
-        r = Load(server, prompts).run(clients, seconds, **kw)
+        client_cpu = _client_cpu_s()
+        t0 = time.monotonic()
+        r = Load(server.url, prompts).run(clients, seconds, procs=a.client_procs, **kw)
         sampler.stop_event.set()
         r["_peak_rss_bytes"] = sampler.peak
-        r["_cpu"] = sampler.cpu()
+        r["_cpu"] = {**sampler.cpu(), "client_cores": round((_client_cpu_s() - client_cpu) / (time.monotonic() - t0), 2)}
         print(f"{name}: " + ", ".join(f"{k} {v['tok_per_s']:,.0f} tok/s" for k, v in r.items() if isinstance(v, dict) and "tok_per_s" in v)
               + f"; cpu {r['_cpu']}",
               file=sys.stderr, flush=True)
@@ -301,26 +347,31 @@ def main(argv: List[str]) -> int:
         res["config"]["mixed_rates"] = rates
         if "mixed" in phases:  # each server's first mixed window ran slow (new batch shapes): not measured
             for srv, d in [(plain, None), (capture, capture_dir), *zip(variant_servers, variant_dirs)]:
-                Load(srv, prompts).run(others, 5, open_spec=spec("mixed-capture", capture=d is not None), rate=rates[0])
+                Load(srv.url, prompts).run(others, 5, procs=a.client_procs, open_spec=spec("mixed-capture", capture=d is not None), rate=rates[0])
                 if d:
                     _clean(d)
         for rate in rates if "mixed" in phases else []:
             tag = "" if rate == a.capture_rate else f"@{rate:g}"
-            res["a_mixed" + tag] = measure(plain, "a_mixed" + tag, others, a.seconds, open_spec=spec("mixed-capture"), rate=rate)
-            capturing = spec("mixed-capture", capture=True)
-            res["d_mixed" + tag] = measure_capture(capture, capture_dir, "d_mixed" + tag, others, open_spec=capturing, rate=rate)
-            for i, (srv, d) in enumerate(zip(variant_servers, variant_dirs)):
-                res[f"d_mixed_v{i}{tag}"] = measure_capture(srv, d, f"d_mixed_v{i}{tag} ({variants[i]})", others,
-                                                            open_spec=capturing, rate=rate)
-            if variants:  # plain again, so that drift over the run shows
-                res["a_mixed_again" + tag] = measure(plain, "a_mixed_again" + tag, others, a.seconds,
-                                                     open_spec=spec("mixed-capture"), rate=rate)
+            plain_stream, capturing = spec("mixed-capture"), spec("mixed-capture", capture=True)
+            capturing_servers = [(capture, capture_dir, "d_mixed" + tag, "d_mixed" + tag)] + [
+                (srv, d, f"d_mixed_v{i}{tag}", f"d_mixed_v{i}{tag} ({variants[i]})")
+                for i, (srv, d) in enumerate(zip(variant_servers, variant_dirs))]
+            windows: Dict[str, List[Dict]] = {"a_mixed" + tag: []}
+            # (a) first and last, capture servers in between: each (d) window has (a) windows on both sides
+            for _ in range(a.mixed_rounds):
+                windows["a_mixed" + tag].append(measure(plain, "a_mixed" + tag, others, a.seconds, open_spec=plain_stream, rate=rate))
+                for srv, d, key, label in capturing_servers:
+                    windows.setdefault(key, []).append(measure_capture(srv, d, label, others, open_spec=capturing, rate=rate))
+            windows["a_mixed" + tag].append(measure(plain, "a_mixed" + tag, others, a.seconds, open_spec=plain_stream, rate=rate))
+            for key, ws in windows.items():
+                res[key] = merge(ws)
+                res[key]["_windows"] = [w["mixed-other"]["tok_per_s"] for w in ws]
         if "json" not in phases:
             return finish(res, a.out)
         json_clients = [spec("json", json_hs=True)] * min(C, a.json_requests)
-        Load(capture, prompts).run(json_clients[:1], 60, max_requests=1)  # warm the JSON path
+        Load(capture.url, prompts).run(json_clients[:1], 60, max_requests=1)  # warm the JSON path
         t0 = time.monotonic()
-        res["c_json"] = Load(capture, prompts).run(json_clients, 1e9, max_requests=len(json_clients))
+        res["c_json"] = Load(capture.url, prompts).run(json_clients, 1e9, max_requests=len(json_clients))
         print(f"c_json: {res['c_json']['json']['tok_per_s']:,.0f} tok/s ({time.monotonic() - t0:.0f} s)",
               file=sys.stderr, flush=True)
         res["_writer_final"] = read_stats(capture_dir)
@@ -328,6 +379,12 @@ def main(argv: List[str]) -> int:
         for srv in [plain, capture, *variant_servers]:
             stop_server(srv)
     return finish(res, a.out)
+
+
+def _client_cpu_s() -> float:
+    """CPU seconds of this load generator and its finished client processes."""
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def save(res: Dict, out: str, latest: Optional[Dict] = None) -> None:
@@ -346,7 +403,10 @@ def finish(res: Dict, out: str) -> int:
 
 def merge(parts: List[Dict]) -> Dict:
     """One result from several windows of the same load: tokens/s over their summed time."""
-    out: Dict = {"_peak_rss_bytes": max(p.get("_peak_rss_bytes", 0) for p in parts)}
+    out: Dict = {"_peak_rss_bytes": max(p.get("_peak_rss_bytes", 0) for p in parts),
+                 "_cpu": [p.get("_cpu") for p in parts]}
+    if "_writer" in parts[-1]:
+        out["_writer"] = parts[-1]["_writer"]  # its counters add up over the server's life
     for kind in parts[0]:
         if kind.startswith("_"):
             continue
@@ -358,6 +418,13 @@ def merge(parts: List[Dict]) -> Dict:
     return out
 
 
+def _paired_ratios(a_windows: List[float], d_windows: List[float]) -> List[float]:
+    """Each (d) window against the mean of the (a) windows just before and after it."""
+    if len(a_windows) != len(d_windows) + 1:
+        return []
+    return [d / ((a_windows[i] + a_windows[i + 1]) / 2) for i, d in enumerate(d_windows)]
+
+
 def _clean(capture_dir: str) -> None:
     for f in os.listdir(capture_dir):
         if f.endswith(".capture.msgpack"):
@@ -367,7 +434,7 @@ def _clean(capture_dir: str) -> None:
 def _mixed_order(mode: str) -> tuple:
     """Mixed-load modes grouped by rate, each group in run order: a, d, variants, a again."""
     base, _, rate = mode.partition("@")
-    rank = 0 if base == "a_mixed" else 2 if base == "a_mixed_again" else 1
+    rank = 0 if base == "a_mixed" else 1
     return (-float(rate or "inf"), rank, base)
 
 
@@ -410,12 +477,16 @@ def report(res: Dict) -> str:
                       f"(>= 0.97): {'PASS' if b / a_ >= 0.97 else 'MISS'}")
     for m in [x for x in modes if x.startswith("d_mixed")]:
         base, _, rate_tag = m.partition("@")
-        am, dm = tok("a_mixed" + (f"@{rate_tag}" if rate_tag else ""), "mixed-other"), tok(m, "mixed-other")
+        a_key = "a_mixed" + (f"@{rate_tag}" if rate_tag else "")
+        am, dm = tok(a_key, "mixed-other"), tok(m, "mixed-other")
         if am and dm:
             label = f" [{cfg['variants'][int(base.split('_v')[1])]}]" if "_v" in base else ""
             rate = float(rate_tag) if rate_tag else cfg["capture_rate"]
+            paired = _paired_ratios(res[a_key].get("_windows", []), res[m].get("_windows", []))
+            per = f" (each window against the (a) windows around it: {', '.join(f'{r:.3f}' for r in paired)}; " \
+                  f"median {statistics.median(paired):.3f})" if paired else ""
             checks.append(f"mixed load{label}, capture stream {rate * cfg['tokens']:,.0f} tok/s, requests not capturing, "
-                          f"(d)/(a) = {dm / am:.3f} (>= 0.95): {'PASS' if dm / am >= 0.95 else 'MISS'}")
+                          f"(d)/(a) = {dm / am:.3f}{per} (>= 0.95): {'PASS' if dm / am >= 0.95 else 'MISS'}")
     w = (res.get("d_file_capture") or {}).get("_writer") or {}
     if w:
         checks.append(f"writer: peak held {w.get('peak_held_bytes', 0) / 1e9:.2f} GB of cap {w.get('cap_bytes', 0) / 1e9:.2f} GB "
