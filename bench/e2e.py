@@ -292,12 +292,13 @@ def main(argv: List[str]) -> int:
         Load(server.url, prompts).run(clients[:4], 3, max_requests=8)  # warm-up
         sampler = RssSampler(server.proc.pid)
         sampler.start()
-        client_cpu = _client_cpu_s()
+        client_cpu, vm = _client_cpu_s(), _vmstat()
         t0 = time.monotonic()
         r = Load(server.url, prompts).run(clients, seconds, procs=a.client_procs, **kw)
         sampler.stop_event.set()
         r["_peak_rss_bytes"] = sampler.peak
-        r["_cpu"] = {**sampler.cpu(), "client_cores": round((_client_cpu_s() - client_cpu) / (time.monotonic() - t0), 2)}
+        r["_cpu"] = {**sampler.cpu(), "client_cores": round((_client_cpu_s() - client_cpu) / (time.monotonic() - t0), 2),
+                     "vm": _vm_window(vm)}
         print(f"{name}: " + ", ".join(f"{k} {v['tok_per_s']:,.0f} tok/s" for k, v in r.items() if isinstance(v, dict) and "tok_per_s" in v)
               + f"; cpu {r['_cpu']}",
               file=sys.stderr, flush=True)
@@ -379,6 +380,38 @@ def main(argv: List[str]) -> int:
         for srv in [plain, capture, *variant_servers]:
             stop_server(srv)
     return finish(res, a.out)
+
+
+_VM_KEYS = ("allocstall", "pgscan_direct", "pgscan_kswapd", "pgsteal_direct", "pgsteal_kswapd")
+
+
+def _vmstat() -> Dict[str, int]:
+    """The host's memory-reclaim counters (summed over zones/kinds), where /proc has them."""
+    out = dict.fromkeys(_VM_KEYS, 0)
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                key, value = line.split()
+                for k in _VM_KEYS:
+                    if key == k or key.startswith(k + "_"):
+                        out[k] += int(value)
+    except OSError:
+        pass
+    return out
+
+
+def _vm_window(before: Dict[str, int]) -> Dict[str, float]:
+    """Reclaim over a window (direct reclaim stalls whoever allocates, the server included) and
+    the page cache at its end, in GB."""
+    after = _vmstat()
+    out: Dict[str, float] = {k: after[k] - before[k] for k in _VM_KEYS}
+    try:
+        mem = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        for k in ("MemFree", "Cached", "Dirty"):
+            out[k + "_GB"] = round(int(mem[k].split()[0]) / 1e6, 1)
+    except (OSError, KeyError, ValueError):
+        pass
+    return out
 
 
 def _client_cpu_s() -> float:

@@ -65,7 +65,8 @@ class WriterProcess:
                 tensors["loss_mask"] = mask_from_spans([tuple(s) for s in msg["loss_spans"]], len(input_ids))
             if self.dirs is None:
                 raise self.dirs_error or OSError("the capture dir is unusable")
-            nbytes, checksum, stage = publish(self.dirs, msg["name"], msg["meta"], tensors, self.codec, self.durability)
+            nbytes, checksum, stage = publish(self.dirs, msg["name"], msg["meta"], tensors, self.codec, self.durability,
+                                              self.config.keep_page_cache)
             timings.update(stage)
             result = {"status": "ok", "bytes": nbytes, "checksum": checksum,
                       "raw_bytes": sum(int(t.nbytes) for t in tensors.values())}

@@ -130,3 +130,35 @@ def test_a_failed_flush_publishes_nothing(tmp_path):
                 GroupSync(SlowFlush(0.0, fail_first=True)))
     assert sorted(os.listdir(tmp_path)) == [".index", ".tmp"]
     assert os.listdir(tmp_path / ".tmp") == []
+
+
+def _resident_pages(path) -> int:
+    """Pages of ``path`` in the page cache (mincore(2) on a mapping that touches none of them)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
+                                          prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
+        page = mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(b & 1 for b in vec)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["dropped", "kept"])
+def test_flushed_files_leave_the_page_cache_unless_asked_to_stay(tmp_path, keep):
+    from sglang_capture.format import Codec, host_tensor
+    from sglang_capture.publish import DirFds, publish
+
+    dirs = DirFds.open(str(tmp_path))
+    rows = host_tensor(torch.randn(256, 1024))  # 1 MiB of incompressible floats
+    publish(dirs, "paged", {"rid": "paged"}, {"x": rows}, Codec("none"), durability_for("file"), keep_page_cache=keep)
+    resident = _resident_pages(tmp_path / "paged.capture.msgpack")
+    if keep:
+        assert resident > 200  # the written pages are still cached, as without the package
+    else:
+        assert resident == 0
