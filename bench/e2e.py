@@ -504,9 +504,11 @@ def report(res: Dict) -> str:
     if d and c:
         checks.append(f"(d)/(c) = {d / c:,.0f}x >= 50x: {'PASS' if d / c >= 50 else 'MISS'}")
     if a_ and b:
-        ratios = [w[1] / w[0] for w in res.get("ab_windows", [])]
-        per = ", ".join(f"{r:.3f}" for r in ratios)
-        checks.append(f"(b)/(a) = {b / a_:.3f} over alternating windows ({per}; median {statistics.median(ratios):.3f}) "
+        ab = res.get("ab_windows", [])
+        paired = _paired_ratios([w[0] for w in ab], [w[1] for w in ab[:-1]])
+        per = f"; each (b) window against the (a) windows around it: {', '.join(f'{r:.3f}' for r in paired)}, " \
+              f"median {statistics.median(paired):.3f}" if paired else ""
+        checks.append(f"(b)/(a) = {b / a_:.3f} over {len(ab)} alternating window pairs{per} "
                       f"(>= 0.97): {'PASS' if b / a_ >= 0.97 else 'MISS'}")
     for m in [x for x in modes if x.startswith("d_mixed")]:
         base, _, rate_tag = m.partition("@")

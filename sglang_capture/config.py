@@ -39,7 +39,7 @@ class CaptureConfig:
     shuffle: bool = True
     writer_threads: int = 0  # writer processes (the name predates them); 0 = auto, see threads_for_writing
     compress_threads: int = 0
-    writer_nice: int = 10
+    writer_nice: int = 0
     switch_interval_ms: float = 1.0
     durability: str = "file"
     keep_page_cache: bool = False

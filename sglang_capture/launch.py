@@ -119,8 +119,8 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-shuffle/--capture-no-shuffle", default=True, show_default=True, help="Byte-shuffle before zstd (better ratio on bf16).")
 @click.option("--capture-writers", "--capture-writer-threads", "capture_writer_threads", type=int, default=0, show_default=True,
               help="Writer processes (0 = 3/4 of the cores, 2..16). --capture-writer-threads is the old name.")
-@click.option("--capture-writer-nice", type=int, default=10, show_default=True,
-              help="How much lower the writer processes' CPU priority is than the server's (0-19): under load the scheduler gets a core before them.")
+@click.option("--capture-writer-nice", type=int, default=0, show_default=True,
+              help="How much lower the writer processes' CPU priority is than the server's (0-19), for hosts short of cores.")
 @click.option("--capture-compress-threads", type=int, default=0, show_default=True, help="zstd threads per file (0 = in the writer process, -1 = all cores).")
 @click.option("--capture-switch-interval-ms", type=float, default=1.0, show_default=True, help="GIL switch interval of the scheduler process once writers run (0 = leave Python's 5 ms).")
 @click.option("--capture-durability", type=click.Choice(DURABILITY_MODES), default="file", show_default=True, help="How files reach the disk before a response says ok: file (fsync each file and its name), group (one shared syncfs(2) per batch of files), none (no flush: a power loss can lose the last files).")
