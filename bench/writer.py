@@ -36,7 +36,7 @@ import torch
 from sglang_capture.assembler import RequestCapture
 from sglang_capture.config import CaptureConfig
 from sglang_capture import format as capture_format
-from sglang_capture.format import Codec, _compressor, _raw_bytes, host_tensor
+from sglang_capture.format import Codec, compressor_for, byte_planes, host_tensor
 from sglang_capture.host_pool import HostPool
 from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.publish import prepare_capture_dir
@@ -69,8 +69,8 @@ def stage_rates(sample: torch.Tensor, tmpdir: str) -> Dict[str, float]:
             best = min(best, time.perf_counter() - t0)
         return n / best / 1e9
 
-    shuffled = _raw_bytes(rows, 2)
-    comp = _compressor(Codec()).compress(shuffled)
+    shuffled = byte_planes(rows, 2)
+    comp = compressor_for(Codec()).compress(shuffled)
     path = os.path.join(tmpdir, "stage.bin")
 
     def write_fsync() -> None:
@@ -81,10 +81,10 @@ def stage_rates(sample: torch.Tensor, tmpdir: str) -> Dict[str, float]:
 
     rates = {
         "copy_rows": rate(lambda: torch.empty_like(sample).copy_(sample)),
-        "shuffle": rate(lambda: _raw_bytes(rows, 2)),
-        "zstd_preset_shuffled": rate(lambda: _compressor(Codec()).compress(shuffled)),
-        "zstd1_shuffled": rate(lambda: _compressor(Codec(level=1)).compress(shuffled)),
-        "zstd1_unshuffled": rate(lambda: _compressor(Codec(level=1)).compress(_raw_bytes(rows, 0))),
+        "shuffle": rate(lambda: byte_planes(rows, 2)),
+        "zstd_preset_shuffled": rate(lambda: compressor_for(Codec()).compress(shuffled)),
+        "zstd1_shuffled": rate(lambda: compressor_for(Codec(level=1)).compress(shuffled)),
+        "zstd1_unshuffled": rate(lambda: compressor_for(Codec(level=1)).compress(byte_planes(rows, 0))),
         "sha256_of_compressed": rate(lambda: hashlib.sha256(comp).digest()) * len(comp) / n,
         "write_fsync_compressed": rate(write_fsync) * len(comp) / n,
     }

@@ -79,7 +79,7 @@ ACTIVATION_PARAMS = dict(strategy=zstandard.STRATEGY_FAST, window_log=20, hash_l
 _local = threading.local()
 
 
-def _compressor(codec: Codec) -> zstandard.ZstdCompressor:
+def compressor_for(codec: Codec) -> zstandard.ZstdCompressor:
     """One compressor per thread and setting: ZstdCompressor objects are not thread-safe."""
     key = (codec.level, codec.threads)
     cache = getattr(_local, "compressors", None)
@@ -145,7 +145,7 @@ def host_tensor(t: Union["torch.Tensor", HostTensor, numpy.ndarray]) -> HostTens
     return HostTensor(name, t.numpy())
 
 
-def _raw_bytes(block: numpy.ndarray, shuffle: int) -> memoryview:
+def byte_planes(block: numpy.ndarray, shuffle: int) -> memoryview:
     """The block's bytes in row-major order, split into ``shuffle`` byte planes when > 1."""
     if shuffle == 2:  # one vectorised pass per plane, reading strided rows directly
         u = block.view(numpy.uint16)
@@ -192,8 +192,8 @@ def encode_tensor(tensor: Union["torch.Tensor", HostTensor], codec: Codec
 
     def frames() -> Iterator[memoryview]:
         for i in range(n_frames):
-            raw = _raw_bytes(flat[i * frame_rows:(i + 1) * frame_rows], shuffle)
-            yield memoryview(_compressor(codec).compress(raw)) if codec.name == "zstd" else raw
+            raw = byte_planes(flat[i * frame_rows:(i + 1) * frame_rows], shuffle)
+            yield memoryview(compressor_for(codec).compress(raw)) if codec.name == "zstd" else raw
 
     return header, frames(), n_frames
 

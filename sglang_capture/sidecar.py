@@ -196,7 +196,7 @@ class Sidecar:
             capture.release()
             ref.update(status="aborted", error=str(reason.get("message", "request aborted")))
             # the client may be gone (disconnect): leave the outcome where monitoring finds it
-            self.writer.record_outcome(req.rid, {"rid": req.rid, "name": capture.name, "path": path,
+            self.writer.submit_outcome(req.rid, {"rid": req.rid, "name": capture.name, "path": path,
                                                  "status": "aborted", "error": ref["error"]})
             return ref
         meta = {

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from sglang_capture.assembler import RequestCapture
 from sglang_capture.config import CaptureConfig
@@ -53,6 +53,14 @@ class CaptureJob:
     submitted: float = field(default_factory=time.time)
     outcome: Optional[Dict[str, Any]] = None
     done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class OutcomeOnly:
+    """An outcome to record with no file to write (an aborted capture), off the scheduler thread."""
+
+    rid: str
+    outcome: Dict[str, Any]
 
 
 class WriterProcessDied(RuntimeError):
@@ -158,7 +166,7 @@ class CaptureWriter:
         self.ledger = ledger
         self.pool = pool  # rows in it travel by offset; set before the first job
         ledger.draining = lambda: self.pending() > 0
-        self._queue: "queue.Queue[Optional[CaptureJob]]" = queue.Queue()
+        self._queue: "queue.Queue[Union[CaptureJob, OutcomeOnly, None]]" = queue.Queue()
         self._threads: List[threading.Thread] = []
         self._children: Dict[int, _Child] = {}
         self._lock = threading.Lock()
@@ -213,6 +221,12 @@ class CaptureWriter:
             self.stats["max_queue"] = max(self.stats["max_queue"], self._queued)
         self._queue.put(job)
 
+    def submit_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
+        """Have a hand-off thread record ``outcome`` for ``rid`` (never blocks, no file I/O here)."""
+        if not self._threads:
+            self.start()
+        self._queue.put(OutcomeOnly(rid, outcome))
+
     def write(self, job: CaptureJob, timeout: float = 600.0) -> Dict[str, Any]:
         """Queue ``job`` and wait for its outcome (tools and tests; the server only submits)."""
         self.submit(job)
@@ -251,6 +265,9 @@ class CaptureWriter:
                 if child is not None:
                     child.stop(30.0)
                 return
+            if isinstance(job, OutcomeOnly):
+                self.record_outcome(job.rid, job.outcome)
+                continue
             with self._lock:
                 self._queued -= 1
                 self._busy += 1
@@ -358,7 +375,7 @@ class CaptureWriter:
             logger.warning("sglang_capture: cannot write writer stats: %s", e)
 
     def record_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
-        """Write ``.index/<rid>.json`` (also called on the scheduler thread for aborts, which are rare)."""
+        """Write ``.index/<rid>.json`` (hand-off threads; the scheduler thread uses ``submit_outcome``)."""
         try:
             record_outcome(self.dirs(), rid, outcome)
         except OSError as e:

@@ -84,7 +84,7 @@ def test_strided_host_views_encode_to_the_same_bytes_as_contiguous_tensors(codec
 
 def test_bf16_byte_planes_are_low_bytes_then_high_bytes():
     t = torch.tensor([0x1234, 0x5678, 0x0A0B], dtype=torch.int16).view(torch.bfloat16)
-    planes = bytes(fmt._raw_bytes(fmt.host_tensor(t).array.reshape(3, 1), 2))
+    planes = bytes(fmt.byte_planes(fmt.host_tensor(t).array.reshape(3, 1), 2))
     assert planes == bytes([0x34, 0x78, 0x0B, 0x12, 0x56, 0x0A])
 
 
