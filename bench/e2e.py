@@ -33,6 +33,7 @@ import os
 import resource
 import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -50,6 +51,44 @@ from sglang_capture.writer import read_stats
 _NAMES = itertools.count()  # capture names and seeds, unique over the whole run
 BASE_ARGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--sleep-on-idle", "--mem-fraction-static", "0.3",
              "--cuda-graph-max-bs", "64", "--chunked-prefill-size", "16384", "--max-running-requests", "128"]
+
+
+class GpuSampler:
+    """GPU utilisation, SM clock, power and temperature over a window, from ``nvidia-smi -lms``:
+    whether two windows of the same server differ because the GPU ran slower (clocks, power
+    cap, heat) or because it was given less work. Reports nothing where there is no nvidia-smi."""
+
+    FIELDS = ("utilization.gpu", "clocks.sm", "power.draw", "temperature.gpu")
+
+    def __init__(self, interval_ms: int = 250) -> None:
+        self.rows: List[List[float]] = []
+        try:
+            self.proc: Optional[subprocess.Popen] = subprocess.Popen(
+                ["nvidia-smi", "--id=0", f"--query-gpu={','.join(self.FIELDS)}", "--format=csv,noheader,nounits",
+                 f"-lms={interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.rows.append([float(x) for x in line.split(",")])
+            except ValueError:  # "[N/A]" fields
+                continue
+
+    def stop(self) -> Optional[Dict[str, float]]:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        self.proc.wait()
+        if not self.rows:
+            return None
+        cols = list(zip(*self.rows))
+        return {"util_pct": round(statistics.mean(cols[0]), 1), "sm_mhz_mean": round(statistics.mean(cols[1])),
+                "sm_mhz_min": min(cols[1]), "power_w": round(statistics.mean(cols[2]), 1), "temp_c_max": max(cols[3]),
+                "samples": len(self.rows)}
 
 
 class RssSampler(threading.Thread):
@@ -292,15 +331,16 @@ def main(argv: List[str]) -> int:
         Load(server.url, prompts).run(clients[:4], 3, max_requests=8)  # warm-up
         sampler = RssSampler(server.proc.pid)
         sampler.start()
-        client_cpu, vm = _client_cpu_s(), _vmstat()
+        client_cpu, vm, gpu = _client_cpu_s(), _vmstat(), GpuSampler()
         t0 = time.monotonic()
         r = Load(server.url, prompts).run(clients, seconds, procs=a.client_procs, **kw)
+        r["_gpu"] = gpu.stop()
         sampler.stop_event.set()
         r["_peak_rss_bytes"] = sampler.peak
         r["_cpu"] = {**sampler.cpu(), "client_cores": round((_client_cpu_s() - client_cpu) / (time.monotonic() - t0), 2),
                      "vm": _vm_window(vm)}
         print(f"{name}: " + ", ".join(f"{k} {v['tok_per_s']:,.0f} tok/s" for k, v in r.items() if isinstance(v, dict) and "tok_per_s" in v)
-              + f"; cpu {r['_cpu']}",
+              + f"; cpu {r['_cpu']}; gpu {r['_gpu']}",
               file=sys.stderr, flush=True)
         save(res, a.out, {name: r})  # so that a run cut short (device time limit) keeps what it measured
         return r
@@ -437,7 +477,7 @@ def finish(res: Dict, out: str) -> int:
 def merge(parts: List[Dict]) -> Dict:
     """One result from several windows of the same load: tokens/s over their summed time."""
     out: Dict = {"_peak_rss_bytes": max(p.get("_peak_rss_bytes", 0) for p in parts),
-                 "_cpu": [p.get("_cpu") for p in parts]}
+                 "_cpu": [p.get("_cpu") for p in parts], "_gpu": [p.get("_gpu") for p in parts]}
     if "_writer" in parts[-1]:
         out["_writer"] = parts[-1]["_writer"]  # its counters add up over the server's life
     for kind in parts[0]:
