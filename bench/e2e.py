@@ -190,8 +190,9 @@ class Load:
     ``seconds``; per-kind tokens/s, latency percentiles and capture outcomes.
 
     The closed-loop clients run in ``procs`` processes: at 900 K tok/s plain SGLang answers ~440
-    requests/s, and one interpreter sending them all was itself the bottleneck, so windows of
-    the same server differed by up to 15% (bench/RESULTS.md, sixth round)."""
+    requests/s, which leaves one interpreter little headroom. Spread over 4 processes the client
+    used 0.3 cores on the H200 (r17) while windows of the same server still differed by up to
+    20%, so that spread does not come from the client (bench/RESULTS.md, sixth round)."""
 
     def __init__(self, url: str, prompts: Prompts) -> None:
         self.url = url
@@ -334,11 +335,11 @@ def main(argv: List[str]) -> int:
         client_cpu, vm, gpu = _client_cpu_s(), _vmstat(), GpuSampler()
         t0 = time.monotonic()
         r = Load(server.url, prompts).run(clients, seconds, procs=a.client_procs, **kw)
+        client_cores = round((_client_cpu_s() - client_cpu) / (time.monotonic() - t0), 2)  # before nvidia-smi is reaped
         r["_gpu"] = gpu.stop()
         sampler.stop_event.set()
         r["_peak_rss_bytes"] = sampler.peak
-        r["_cpu"] = {**sampler.cpu(), "client_cores": round((_client_cpu_s() - client_cpu) / (time.monotonic() - t0), 2),
-                     "vm": _vm_window(vm)}
+        r["_cpu"] = {**sampler.cpu(), "client_cores": client_cores, "vm": _vm_window(vm)}
         print(f"{name}: " + ", ".join(f"{k} {v['tok_per_s']:,.0f} tok/s" for k, v in r.items() if isinstance(v, dict) and "tok_per_s" in v)
               + f"; cpu {r['_cpu']}; gpu {r['_gpu']}",
               file=sys.stderr, flush=True)
@@ -498,6 +499,14 @@ def _paired_ratios(a_windows: List[float], d_windows: List[float]) -> List[float
     return [d / ((a_windows[i] + a_windows[i + 1]) / 2) for i, d in enumerate(d_windows)]
 
 
+def _bracketed(ratios: List[float]) -> str:
+    """The report's words for ``_paired_ratios`` (nothing when there are none)."""
+    if not ratios:
+        return ""
+    return (f" (each window against the (a) windows around it: {', '.join(f'{r:.3f}' for r in ratios)}; "
+            f"median {statistics.median(ratios):.3f})")
+
+
 def _clean(capture_dir: str) -> None:
     for f in os.listdir(capture_dir):
         if f.endswith(".capture.msgpack"):
@@ -545,9 +554,7 @@ def report(res: Dict) -> str:
         checks.append(f"(d)/(c) = {d / c:,.0f}x >= 50x: {'PASS' if d / c >= 50 else 'MISS'}")
     if a_ and b:
         ab = res.get("ab_windows", [])
-        paired = _paired_ratios([w[0] for w in ab], [w[1] for w in ab[:-1]])
-        per = f"; each (b) window against the (a) windows around it: {', '.join(f'{r:.3f}' for r in paired)}, " \
-              f"median {statistics.median(paired):.3f}" if paired else ""
+        per = _bracketed(_paired_ratios([w[0] for w in ab], [w[1] for w in ab[:-1]]))
         checks.append(f"(b)/(a) = {b / a_:.3f} over {len(ab)} alternating window pairs{per} "
                       f"(>= 0.97): {'PASS' if b / a_ >= 0.97 else 'MISS'}")
     for m in [x for x in modes if x.startswith("d_mixed")]:
@@ -557,9 +564,7 @@ def report(res: Dict) -> str:
         if am and dm:
             label = f" [{cfg['variants'][int(base.split('_v')[1])]}]" if "_v" in base else ""
             rate = float(rate_tag) if rate_tag else cfg["capture_rate"]
-            paired = _paired_ratios(res[a_key].get("_windows", []), res[m].get("_windows", []))
-            per = f" (each window against the (a) windows around it: {', '.join(f'{r:.3f}' for r in paired)}; " \
-                  f"median {statistics.median(paired):.3f})" if paired else ""
+            per = _bracketed(_paired_ratios(res[a_key].get("_windows", []), res[m].get("_windows", [])))
             checks.append(f"mixed load{label}, capture stream {rate * cfg['tokens']:,.0f} tok/s, requests not capturing, "
                           f"(d)/(a) = {dm / am:.3f}{per} (>= 0.95): {'PASS' if dm / am >= 0.95 else 'MISS'}")
     w = (res.get("d_file_capture") or {}).get("_writer") or {}

@@ -88,8 +88,8 @@ class AuxCapture:
         if batch.forward_mode.name not in _SWITCHED_MODES:
             yield
             return
-        if any(getattr(req, AUX_ATTR, False) for req in batch.reqs) or not (
-                self.per_batch if self.per_batch is not None else self._decide()):
+        per_batch = self.per_batch if self.per_batch is not None else self._decide()
+        if not per_batch or any(getattr(req, AUX_ATTR, False) for req in batch.reqs):
             self.counts["extend_batches_with_aux"] += 1
             yield
             return
