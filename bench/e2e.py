@@ -26,6 +26,7 @@ Writes OUT_DIR/e2e.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import json
 import multiprocessing
@@ -44,6 +45,7 @@ import numpy
 import psutil
 import requests
 
+import trace_summary
 from sglang_capture.testbed.cpu import server_env
 from sglang_capture.testbed.server import Server, start_server, stop_server
 from sglang_capture.writer import read_stats
@@ -309,6 +311,8 @@ def main(argv: List[str]) -> int:
     p.add_argument("--capture-args", default="--capture-layers 1,2,3")
     p.add_argument("--sglang-args", default=" ".join(BASE_ARGS))
     p.add_argument("--phases", default="ab,capacity,open,mixed,json", help="which measurements to run")
+    p.add_argument("--profile-steps", type=int, default=0, help="after the mixed windows, profile this many forward "
+                   "steps of each server under the mixed load (torch profiler via /start_profile, GPU activity only: the CPU side would slow the scheduler; summaries in the results)")
     p.add_argument("--variants", default="", help="';'-separated extra capture-args: one more capture server each, "
                    "measured on the mixed load beside the others (A/B of capture settings in one run)")
     a = p.parse_args(argv)
@@ -352,6 +356,24 @@ def main(argv: List[str]) -> int:
         r["_writer"] = read_stats(cdir)
         _clean(cdir)
         return r
+
+    def profile_window(server: Server, name: str, load) -> Dict:
+        """``load()`` with ``--profile-steps`` forward steps profiled 2 s into it; the trace's summary."""
+        pdir = os.path.join(a.out, "profile", name)
+        body = {"output_dir": pdir, "num_steps": a.profile_steps, "activities": ["GPU"],
+                "with_stack": False, "record_shapes": False, "profile_id": name}
+        starter = threading.Timer(2.0, lambda: requests.post(server.url + "/start_profile", json=body, timeout=120))
+        starter.start()
+        load()
+        starter.join()
+        deadline = time.monotonic() + 120  # the scheduler exports the trace after the last profiled step
+        while not (traces := glob.glob(os.path.join(pdir, "*.trace.json.gz"))) and time.monotonic() < deadline:
+            time.sleep(1)
+        if not traces:
+            return {"error": f"no trace in {pdir}"}
+        summary = trace_summary.summarize(trace_summary.load(traces[0]), a.profile_steps)
+        print(f"profile {name}: " + json.dumps({k: v for k, v in summary.items() if not k.endswith("_top")}), file=sys.stderr, flush=True)
+        return summary
 
     def capture_cmd(cdir: str, extra: str = "") -> List[str]:
         os.makedirs(cdir, exist_ok=True)
@@ -408,6 +430,17 @@ def main(argv: List[str]) -> int:
             for key, ws in windows.items():
                 res[key] = merge(ws)
                 res[key]["_windows"] = [w["mixed-other"]["tok_per_s"] for w in ws]
+        if a.profile_steps > 0 and "mixed" in phases:
+            res["profile"] = {}
+            for srv, d, name in [(plain, None, "a_mixed"), (capture, capture_dir, "d_mixed"),
+                                 *((s_, d_, f"d_mixed_v{i}") for i, (s_, d_) in enumerate(zip(variant_servers, variant_dirs)))]:
+                stream = spec("mixed-capture", capture=d is not None)
+                res["profile"][name] = profile_window(srv, name, lambda: Load(srv.url, prompts).run(
+                    others, a.seconds, procs=a.client_procs, open_spec=stream, rate=rates[0]))
+                if d:
+                    res["profile"][name]["writer_device_allocator"] = read_stats(d).get("device_allocator")
+                    _clean(d)
+                save(res, a.out)
         if "json" not in phases:
             return finish(res, a.out)
         json_clients = [spec("json", json_hs=True)] * min(C, a.json_requests)
@@ -576,7 +609,24 @@ def report(res: Dict) -> str:
         checks.append("writer stage ms/file (summed over threads): " + ", ".join(
             f"{k[:-2]} {w.get(k, 0) / n * 1e3:.0f}" for k in ("queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s"))
             + f"; raw {w.get('raw_bytes', 0) / n / 1e6:.0f} MB/file, failed {w.get('failed')}")
-    return "\n".join(rows + [""] + checks)
+    return "\n".join(rows + [""] + checks + _profile_rows(res.get("profile") or {}))
+
+
+def _profile_rows(profiles: Dict) -> List[str]:
+    """One line per profiled server: is the GPU kept busy, and what fills or empties it."""
+    if not profiles:
+        return []
+    rows = ["", "| profiled (mixed load) | GPU busy % | ms/step | kernel ms/step | GPU gaps > 1 ms | top kernels (ms) |",
+            "|---|---|---|---|---|---|"]
+    for name, p in profiles.items():
+        if "span_ms" not in p:
+            rows.append(f"| {name} | {p.get('error', 'no GPU events')} | | | | |")
+            continue
+        gaps = p["gaps_over_1ms"]
+        top = "; ".join(f"{k['name'][:40]} {k['total_ms']:.0f}" for k in p["kernels_top"][:4])
+        rows.append(f"| {name} | {p['gpu_busy_pct']} | {p.get('span_ms_per_step', '')} | {p.get('kernel_ms_per_step', '')} | "
+                    f"{gaps['count']} ({gaps['total_ms']} ms, max {gaps['max_ms']}) | {top} |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ class CaptureConfig:
     switch_interval_ms: float = 1.0
     durability: str = "file"
     keep_page_cache: bool = False
+    gather_in_forward: bool = True
     max_pending_mb: int = 8192
     wait_timeout_s: float = 600.0
     model_layers: Optional[int] = field(default=None, compare=False)

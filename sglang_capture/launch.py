@@ -125,12 +125,15 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-switch-interval-ms", type=float, default=1.0, show_default=True, help="GIL switch interval of the scheduler process once writers run (0 = leave Python's 5 ms).")
 @click.option("--capture-durability", type=click.Choice(DURABILITY_MODES), default="file", show_default=True, help="How files reach the disk before a response says ok: file (fsync each file and its name), group (one shared syncfs(2) per batch of files), none (no flush: a power loss can lose the last files).")
 @click.option("--capture-keep-page-cache", is_flag=True, default=False, help="Leave written files in the page cache (by default their pages are dropped once flushed).")
+@click.option("--capture-gather-in-forward/--capture-gather-after-forward", default=True, show_default=True,
+              help="Where a shared batch's captured rows are picked out: in an eager forward (only they are concatenated) "
+                   "or after it, from the whole batch's concat (the earlier behaviour, kept for comparison).")
 @click.option("--capture-max-pending-mb", type=int, default=8192, show_default=True, help="Host memory for pending writes, allocated (on a GPU: pinned) once at start-up; the server waits beyond it.")
 @click.option("--capture-wait-timeout", type=float, default=600.0, show_default=True, help="Seconds a response waits for its file.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: bool, capture_codec: str,
          capture_level: Optional[int], capture_shuffle: bool, capture_writer_threads: int, capture_writer_nice: int, capture_compress_threads: int,
-         capture_switch_interval_ms: float, capture_durability: str, capture_keep_page_cache: bool, capture_max_pending_mb: int, capture_wait_timeout: float, sglang_args: Tuple[str, ...]) -> None:
+         capture_switch_interval_ms: float, capture_durability: str, capture_keep_page_cache: bool, capture_gather_in_forward: bool, capture_max_pending_mb: int, capture_wait_timeout: float, sglang_args: Tuple[str, ...]) -> None:
     """Start an SGLang server that writes captured hidden states to CAPTURE_DIR."""
     try:
         config = CaptureConfig(
@@ -146,6 +149,7 @@ def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: boo
             switch_interval_ms=capture_switch_interval_ms,
             durability=capture_durability,
             keep_page_cache=capture_keep_page_cache,
+            gather_in_forward=capture_gather_in_forward,
             max_pending_mb=capture_max_pending_mb,
             wait_timeout_s=capture_wait_timeout,
         )

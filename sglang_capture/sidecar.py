@@ -64,8 +64,9 @@ class Sidecar:
         self.ledger = HostMemoryLedger(config.max_pending_bytes)
         self.writer = CaptureWriter(config, self.ledger)
         self.pool: Optional[HostPool] = None  # set up with the model, on the writer rank
-        # result copies of capture batches: rows of the batch, rows copied (capture requests' only)
-        self.copies = {"batches": 0, "batch_rows": 0, "copied_rows": 0}
+        # result copies of capture batches: rows of the batch, rows copied (capture requests' only),
+        # batches whose rows were gathered inside the forward (hooks/transfer.py)
+        self.copies = {"batches": 0, "batch_rows": 0, "copied_rows": 0, "gathered_in_forward": 0}
         self.writer.extra_stats = lambda: {"host_pool": self.pool.stats() if self.pool else None,
                                            "result_copy": dict(self.copies),
                                            "aux_capture": self.aux.stats() if self.aux else None}
@@ -123,11 +124,12 @@ class Sidecar:
         logger.info("sglang_capture: %d MiB of host memory for pending rows (%s, %.1f s)", self.pool.size_bytes >> 20,
                     "pinned" if self.pool.pinned else "not pinned", self.pool.setup_s)
 
-    def count_copy(self, batch_rows: int, copied_rows: int) -> None:
+    def count_copy(self, batch_rows: int, copied_rows: int, in_forward: bool = False) -> None:
         """Account one capture batch's copy to the host (scheduler thread)."""
         self.copies["batches"] += 1
         self.copies["batch_rows"] += batch_rows
         self.copies["copied_rows"] += copied_rows
+        self.copies["gathered_in_forward"] += int(in_forward)
 
     def begin(self, req: Any) -> None:
         """Mark a new request for capture when its custom_params ask for it (all ranks alike)."""

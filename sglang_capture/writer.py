@@ -158,6 +158,23 @@ def _pinned_stats() -> Optional[Dict[str, Any]]:
     return {k: s[k] for k in keys if k in s}
 
 
+def _device_allocator_stats() -> Optional[Dict[str, Any]]:
+    """This process's CUDA caching allocator: new device allocations and retries (a retry frees
+    every cached block and synchronizes the device) show whether capture's transient tensors
+    crowd the memory SGLang leaves for activations."""
+    try:
+        import torch
+
+        if not torch.cuda.is_initialized():
+            return None
+        s = torch.cuda.memory_stats()
+    except Exception:  # no CUDA: the stats are optional
+        return None
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+            "allocated_bytes.all.peak", "reserved_bytes.all.current", "reserved_bytes.all.peak")
+    return {k: s[k] for k in keys if k in s}
+
+
 class CaptureWriter:
     """Hand-off threads, one writer process each; ``submit`` is the only call made on the scheduler thread."""
 
@@ -367,7 +384,7 @@ class CaptureWriter:
                    "durability": self.config.durability, "flushes": sum(flushes) if flushes else None,
                    "writer_pids": sorted(c.pid for c in self._children.values() if c.alive()),
                    **self.extra_stats(),
-                   "pinned": _pinned_stats(),
+                   "pinned": _pinned_stats(), "device_allocator": _device_allocator_stats(),
                    "time": time.time()}
         try:
             write_json_atomic(self.dirs().index, f"{STATS_PREFIX}{os.getpid()}.json", doc)

@@ -117,7 +117,7 @@ def test_concurrent_mixed_requests_keep_their_own_rows(dsv3, tiny_models, tokeni
 
 
 def _result_copy(server):
-    return read_stats(server.capture_dir).get("result_copy", {"batch_rows": 0, "copied_rows": 0})
+    return read_stats(server.capture_dir).get("result_copy", {"batch_rows": 0, "copied_rows": 0, "gathered_in_forward": 0})
 
 
 def test_batches_shared_with_plain_requests_copy_only_the_captured_rows(dsv3, tiny_models):
@@ -132,6 +132,8 @@ def test_batches_shared_with_plain_requests_copy_only_the_captured_rows(dsv3, ti
     check_against_transformers(tiny_models["tiny-dsv3"], data)
     after = _result_copy(dsv3)
     assert after["copied_rows"] - before["copied_rows"] < after["batch_rows"] - before["batch_rows"]
+    # eager prefill on this server: the rows were picked out in the forward, no whole-batch concat
+    assert after["gathered_in_forward"] > before["gathered_in_forward"]
 
 
 def _aux_counts(server, at_least_with_aux=0):

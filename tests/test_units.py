@@ -501,26 +501,32 @@ def test_a_writer_process_that_dies_fails_only_its_job_and_is_replaced(tmp_path)
         writer.close()
 
 
-def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
+def _fake_req(capture=False, json_hidden=False):
     import types
 
-    from sglang_capture.hooks.transfer import capture_rows
     from sglang_capture.sidecar import CAPTURE_ATTR
 
-    def req(capture=False, json_hidden=False):
-        r = types.SimpleNamespace(return_hidden_states=json_hidden or capture, extend_range=None)
-        if capture:
-            setattr(r, CAPTURE_ATTR, object())
-        return r
+    r = types.SimpleNamespace(return_hidden_states=json_hidden or capture, extend_range=None)
+    if capture:
+        setattr(r, CAPTURE_ATTR, object())
+    return r
 
-    def batch(mode, reqs, lens=None):
-        modes = {"decode": (True, False, False), "extend": (False, True, False), "mixed": (False, True, True)}
-        dec, ext, mix = modes[mode]
-        fm = types.SimpleNamespace(is_decode=lambda: dec, is_extend=lambda: ext, is_mixed=lambda: mix)
-        for r, n in zip(reqs, lens or []):
-            r.extend_range = types.SimpleNamespace(length=n)
-        return types.SimpleNamespace(reqs=reqs, forward_mode=fm, extend_lens=lens)
 
+def _fake_batch(mode, reqs, lens=None):
+    import types
+
+    modes = {"decode": (True, False, False), "extend": (False, True, False), "mixed": (False, True, True)}
+    dec, ext, mix = modes[mode]
+    fm = types.SimpleNamespace(is_decode=lambda: dec, is_extend=lambda: ext, is_mixed=lambda: mix)
+    for r, n in zip(reqs, lens or []):
+        r.extend_range = types.SimpleNamespace(length=n)
+    return types.SimpleNamespace(reqs=reqs, forward_mode=fm, extend_lens=lens)
+
+
+def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
+    from sglang_capture.hooks.transfer import capture_rows
+
+    req, batch = _fake_req, _fake_batch
     # prefill: plain (5 rows), capture (3), capture (2), plain (4), capture (1)
     b = batch("extend", [req(), req(True), req(True), req(), req(True)], [5, 3, 2, 4, 1])
     assert capture_rows(b, 15) == ([(5, 10), (14, 15)], {5: 0, 8: 3, 14: 5})
@@ -530,6 +536,24 @@ def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
     assert capture_rows(batch("extend", [req(True), req(json_hidden=True)], [2, 2]), 4) is None  # SGLang's JSON too
     assert capture_rows(batch("mixed", [req(True), req()], [2, 1]), 3) is None
     assert capture_rows(None, 3) is None
+
+
+def test_captured_rows_are_gathered_in_the_forward_beside_their_final_hidden_state():
+    from sglang_capture.hooks.transfer import GATHERED_ATTR, gather_in_forward, running
+
+    req, batch = _fake_req, _fake_batch
+    aux = torch.arange(15 * 6, dtype=torch.float32).view(15, 6)  # 3 layers x hidden 2
+    final = -torch.arange(15 * 2, dtype=torch.float32).view(15, 2)
+    b = batch("extend", [req(), req(True), req(True), req(), req(True)], [5, 3, 2, 4, 1])
+    with running(b):
+        out = gather_in_forward(aux, final)
+        assert gather_in_forward(aux[:14], final) is None  # aux and final disagree: keep the whole batch
+    rows = [5, 6, 7, 8, 9, 14]
+    assert torch.equal(out, torch.cat([aux[rows], final[rows]], dim=-1))
+    assert getattr(out, GATHERED_ATTR) == (15, {5: 0, 8: 3, 14: 5})
+    assert gather_in_forward(aux, final) is None  # no batch running (CUDA graph capture, warm-up)
+    with running(batch("extend", [req(True), req(json_hidden=True)], [5, 10])):
+        assert gather_in_forward(aux, final) is None  # SGLang's JSON request needs every row
 
 
 def test_temp_files_of_a_killed_server_are_removed_at_start_and_live_ones_kept(tmp_path):

@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from sglang_capture.hooks.transfer import gather_in_forward
 from sglang_capture.sidecar import get_sidecar
 
 
@@ -23,9 +24,14 @@ def _bind(hidden_states, hidden_states_before_norm, aux_hidden_states, pruned_st
 def append_final_hidden(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Around ``LogitsProcessor._get_hidden_states_to_store``: in full mode with aux capture, SGLang
     returns only the aux concat; append the post-norm final hidden state as the last H columns.
-    (Runs inside CUDA graphs, so it must stay a pure tensor op.)"""
+    In an eager forward only the capture requests' rows are kept (transfer.gather_in_forward).
+    (Also runs while CUDA graphs are captured, so that path must stay a pure tensor op.)"""
     stored = wrapped(*args, **kwargs)
     hidden, before_norm, aux, meta = _bind(*args, **kwargs)
     if stored is None or aux is None or before_norm is not None or not meta.capture_hidden_mode.is_full():
         return stored
+    if get_sidecar().config.gather_in_forward:
+        gathered = gather_in_forward(stored, hidden)
+        if gathered is not None:
+            return gathered
     return torch.cat([stored, hidden], dim=-1)

@@ -11,6 +11,11 @@ block's tensor carries the map from each request's row offset in the batch to it
 block, which the row seams (results.py) read. When no compaction is safe (another request wants
 SGLang's own hidden states) the whole batch is copied; when the pool is full, or in a process
 without one, SGLang's copy runs.
+
+In an eager forward the rows are gathered earlier, where the final hidden state joins the aux
+layers (``gather_in_forward``, called by hooks/model.py): then only the captured rows are ever
+concatenated, instead of a [batch tokens, (layers + 1) x hidden] tensor (940 MB for a
+16,384-token batch at Kimi width) built on the forward stream and gathered from afterwards.
 """
 from __future__ import annotations
 
@@ -21,19 +26,54 @@ import torch
 
 from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
 
-ROW_MAP_ATTR = "_sglang_capture_rows"  # on a pool block's tensor: batch row offset -> block row offset
+ROW_MAP_ATTR = "_sglang_capture_rows"  # on a host tensor: batch row offset -> row offset in it
+GATHERED_ATTR = "_sglang_capture_gathered"  # on a device tensor gathered in the forward: (batch rows, ROW_MAP)
 
-_running: Dict[str, Any] = {"batch": None}
+Selection = Tuple[List[Tuple[int, int]], Dict[int, int]]
+_running: Dict[str, Any] = {"batch": None, "selection": None}
 
 
 @contextlib.contextmanager
 def running(batch: Any) -> Iterator[None]:
     """While ``Scheduler.run_batch`` runs ``batch``: the batch whose result ``copy_to_cpu`` copies."""
-    _running["batch"] = batch
+    _running["batch"], _running["selection"] = batch, None
     try:
         yield
     finally:
-        _running["batch"] = None
+        _running["batch"], _running["selection"] = None, None
+
+
+def _selection(n_rows: int) -> Optional[Selection]:
+    """``capture_rows`` of the running batch, computed once per batch (the forward and the copy ask)."""
+    cached = _running["selection"]
+    if cached is None or cached[0] != n_rows:
+        cached = (n_rows, capture_rows(_running["batch"], n_rows))
+        _running["selection"] = cached
+    return cached[1]
+
+
+def gather_in_forward(stored: torch.Tensor, final: torch.Tensor) -> Optional[torch.Tensor]:
+    """The captured rows of ``stored`` (aux columns) and ``final`` side by side, or None when the
+    whole batch must be kept (CUDA graph capture, no running batch, no compaction possible).
+
+    Runs inside the forward, on the forward stream, so the result is ready when SGLang's copy
+    stream (which waits for the forward) reads it."""
+    n_rows = final.shape[0]
+    if stored.shape[0] != n_rows or (final.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    selected = _selection(n_rows)
+    if selected is None:
+        return None
+    runs, offsets = selected
+    width = stored.shape[-1]
+    out = stored.new_empty((sum(b - a for a, b in runs), width + final.shape[-1]))
+    at = 0
+    for a, b in runs:
+        out[at:at + b - a, :width].copy_(stored[a:b])
+        out[at:at + b - a, width:].copy_(final[a:b])
+        at += b - a
+    setattr(out, GATHERED_ATTR, (n_rows, offsets))
+    return out
 
 
 def capture_rows(batch: Any, n_rows: int) -> Optional[Tuple[List[Tuple[int, int]], Dict[int, int]]]:
@@ -88,21 +128,31 @@ def copy_hidden_to_pool(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     out = instance.logits_output
     sidecar = get_sidecar()
     pool = sidecar.pool
-    if not return_hidden or pool is None or out is None or out.hidden_states is None:
+    if not return_hidden or out is None or out.hidden_states is None:
         return wrapped(*args, **kwargs)
     hidden = out.hidden_states
-    selected = capture_rows(_running["batch"], hidden.shape[0])
-    src = hidden
-    if selected is not None:
-        runs, offsets = selected
-        parts = [hidden[a:b] for a, b in runs]
-        src = parts[0] if len(parts) == 1 else torch.cat(parts)
-    host = pool.take(src)
-    if host is None:
+    gathered = getattr(hidden, GATHERED_ATTR, None)
+    if pool is None and gathered is None:
         return wrapped(*args, **kwargs)
-    if selected is not None:
+    if gathered is not None:
+        batch_rows, offsets = gathered
+        src = hidden
+    else:
+        batch_rows, offsets, src = hidden.shape[0], None, hidden
+        selected = _selection(batch_rows)
+        if selected is not None:
+            runs, offsets = selected
+            parts = [hidden[a:b] for a, b in runs]
+            src = parts[0] if len(parts) == 1 else torch.cat(parts)
+    host = pool.take(src) if pool is not None else None
+    if host is None:
+        result = wrapped(*args, **kwargs)
+        if gathered is not None:  # SGLang's copy of the gathered rows: the row seams need the map
+            setattr(out.hidden_states, ROW_MAP_ATTR, offsets)
+        return result
+    if offsets is not None:
         setattr(host, ROW_MAP_ATTR, offsets)
-    sidecar.count_copy(hidden.shape[0], src.shape[0])
+    sidecar.count_copy(batch_rows, src.shape[0], in_forward=gathered is not None)
     out.hidden_states = host
     return wrapped(return_logprob, return_hidden_states=False)
 
