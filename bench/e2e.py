@@ -311,6 +311,8 @@ def main(argv: List[str]) -> int:
     p.add_argument("--capture-args", default="--capture-layers 1,2,3")
     p.add_argument("--sglang-args", default=" ".join(BASE_ARGS))
     p.add_argument("--phases", default="ab,capacity,open,mixed,json", help="which measurements to run")
+    p.add_argument("--idle-mixed", action="store_true", help="also run the mixed load on the capture server with "
+                   "nothing capturing (b_mixed), each round after (a)")
     p.add_argument("--profile-steps", type=int, default=0, help="after the mixed windows, profile this many forward "
                    "steps of each server under the mixed load (torch profiler via /start_profile, GPU activity only: the CPU side would slow the scheduler; summaries in the results)")
     p.add_argument("--variants", default="", help="';'-separated extra capture-args: one more capture server each, "
@@ -350,10 +352,18 @@ def main(argv: List[str]) -> int:
         save(res, a.out, {name: r})  # so that a run cut short (device time limit) keeps what it measured
         return r
 
+    def fresh_stats(server: Server, cdir: str) -> Dict:
+        """The writer's stats after one small capture (the stats file is written after each outcome)."""
+        Load(server.url, prompts).run([spec("stats", capture=True)], 60, max_requests=1)
+        return read_stats(cdir)
+
     def measure_capture(server: Server, cdir: str, name: str, clients: List[dict], **kw) -> Dict:
-        """``measure`` on a capture server, plus its writer's stats; its files are removed after."""
+        """``measure`` on a capture server, plus its writer's stats and the scheduler thread's time
+        per seam in this window; its files are removed after."""
+        before = fresh_stats(server, cdir).get("scheduler_thread") or {}
         r = measure(server, name, clients, a.seconds, **kw)
-        r["_writer"] = read_stats(cdir)
+        r["_writer"] = fresh_stats(server, cdir)
+        r["_scheduler_thread"] = _clock_delta(before, r["_writer"].get("scheduler_thread") or {})
         _clean(cdir)
         return r
 
@@ -424,6 +434,9 @@ def main(argv: List[str]) -> int:
             # (a) first and last, capture servers in between: each (d) window has (a) windows on both sides
             for _ in range(a.mixed_rounds):
                 windows["a_mixed" + tag].append(measure(plain, "a_mixed" + tag, others, a.seconds, open_spec=plain_stream, rate=rate))
+                if a.idle_mixed:  # the capture server, nothing capturing: its scheduler thread's baseline
+                    windows.setdefault("b_mixed" + tag, []).append(
+                        measure_capture(capture, capture_dir, "b_mixed" + tag, others, open_spec=plain_stream, rate=rate))
                 for srv, d, key, label in capturing_servers:
                     windows.setdefault(key, []).append(measure_capture(srv, d, label, others, open_spec=capturing, rate=rate))
             windows["a_mixed" + tag].append(measure(plain, "a_mixed" + tag, others, a.seconds, open_spec=plain_stream, rate=rate))
@@ -508,12 +521,28 @@ def finish(res: Dict, out: str) -> int:
     return 0
 
 
+def _clock_delta(before: Dict, after: Dict) -> Dict:
+    """The scheduler thread's seam accounts (sglang_capture.seam_clock) over one window."""
+    out = {}
+    for k, v in after.items():
+        calls = v["calls"] - before.get(k, {}).get("calls", 0)
+        s = v["s"] - before.get(k, {}).get("s", 0.0)
+        if calls > 0:
+            out[k] = {"calls": calls, "s": round(s, 4), "us_per_call": round(1e6 * s / calls, 1)}
+    return out
+
+
 def merge(parts: List[Dict]) -> Dict:
     """One result from several windows of the same load: tokens/s over their summed time."""
     out: Dict = {"_peak_rss_bytes": max(p.get("_peak_rss_bytes", 0) for p in parts),
                  "_cpu": [p.get("_cpu") for p in parts], "_gpu": [p.get("_gpu") for p in parts]}
     if "_writer" in parts[-1]:
         out["_writer"] = parts[-1]["_writer"]  # its counters add up over the server's life
+    clocks = [p["_scheduler_thread"] for p in parts if "_scheduler_thread" in p]
+    if clocks:
+        out["_scheduler_thread"] = _clock_delta({}, {k: {"calls": sum(c.get(k, {}).get("calls", 0) for c in clocks),
+                                                        "s": sum(c.get(k, {}).get("s", 0.0) for c in clocks)}
+                                                    for k in sorted({k for c in clocks for k in c})})
     for kind in parts[0]:
         if kind.startswith("_"):
             continue
@@ -549,7 +578,7 @@ def _clean(capture_dir: str) -> None:
 def _mixed_order(mode: str) -> tuple:
     """Mixed-load modes grouped by rate, each group in run order: a, d, variants, a again."""
     base, _, rate = mode.partition("@")
-    rank = 0 if base == "a_mixed" else 1
+    rank = {"a_mixed": 0, "b_mixed": 1}.get(base, 2)
     return (-float(rate or "inf"), rank, base)
 
 
@@ -559,7 +588,7 @@ def report(res: Dict) -> str:
     rows = ["| mode | load | tok/s | raw capture GB/s | p50 s | p99 s | on disk | ratio | peak RSS GB |",
             "|---|---|---|---|---|---|---|---|---|"]
     modes = ["a_plain", "b_launcher_idle", "d_file_capture", "d_open_loop"]
-    modes += sorted((m for m in res if m.startswith(("a_mixed", "d_mixed"))), key=_mixed_order) + ["c_json"]
+    modes += sorted((m for m in res if m.startswith(("a_mixed", "b_mixed", "d_mixed"))), key=_mixed_order) + ["c_json"]
     for mode in modes:
         for kind, r in (res.get(mode) or {}).items():
             if kind.startswith("_"):
@@ -590,7 +619,7 @@ def report(res: Dict) -> str:
         per = _bracketed(_paired_ratios([w[0] for w in ab], [w[1] for w in ab[:-1]]))
         checks.append(f"(b)/(a) = {b / a_:.3f} over {len(ab)} alternating window pairs{per} "
                       f"(>= 0.97): {'PASS' if b / a_ >= 0.97 else 'MISS'}")
-    for m in [x for x in modes if x.startswith("d_mixed")]:
+    for m in [x for x in modes if x.startswith(("b_mixed", "d_mixed"))]:
         base, _, rate_tag = m.partition("@")
         a_key = "a_mixed" + (f"@{rate_tag}" if rate_tag else "")
         am, dm = tok(a_key, "mixed-other"), tok(m, "mixed-other")
@@ -598,6 +627,9 @@ def report(res: Dict) -> str:
             label = f" [{cfg['variants'][int(base.split('_v')[1])]}]" if "_v" in base else ""
             rate = float(rate_tag) if rate_tag else cfg["capture_rate"]
             per = _bracketed(_paired_ratios(res[a_key].get("_windows", []), res[m].get("_windows", [])))
+            if base.startswith("b_mixed"):
+                checks.append(f"mixed load on the capture server, nothing capturing: (b)/(a) = {dm / am:.3f}{per}")
+                continue
             checks.append(f"mixed load{label}, capture stream {rate * cfg['tokens']:,.0f} tok/s, requests not capturing, "
                           f"(d)/(a) = {dm / am:.3f}{per} (>= 0.95): {'PASS' if dm / am >= 0.95 else 'MISS'}")
     w = (res.get("d_file_capture") or {}).get("_writer") or {}
@@ -609,7 +641,20 @@ def report(res: Dict) -> str:
         checks.append("writer stage ms/file (summed over threads): " + ", ".join(
             f"{k[:-2]} {w.get(k, 0) / n * 1e3:.0f}" for k in ("queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s"))
             + f"; raw {w.get('raw_bytes', 0) / n / 1e6:.0f} MB/file, failed {w.get('failed')}")
-    return "\n".join(rows + [""] + checks + _profile_rows(res.get("profile") or {}))
+    return "\n".join(rows + [""] + checks + _clock_rows(res, modes) + _profile_rows(res.get("profile") or {}))
+
+
+def _clock_rows(res: Dict, modes: List[str]) -> List[str]:
+    """The capture server's scheduler thread per seam: µs per call, for batches that capture or not."""
+    clocked = [m for m in modes if (res.get(m) or {}).get("_scheduler_thread")]
+    if not clocked:
+        return []
+    seams = sorted({k for m in clocked for k in res[m]["_scheduler_thread"]})
+    rows = ["", "| scheduler thread, µs per call (calls) | " + " | ".join(seams) + " |", "|---" * (len(seams) + 1) + "|"]
+    for m in clocked:
+        c = res[m]["_scheduler_thread"]
+        rows.append(f"| {m} | " + " | ".join(f"{c[k]['us_per_call']:,.0f} ({c[k]['calls']})" if k in c else "—" for k in seams) + " |")
+    return rows
 
 
 def _profile_rows(profiles: Dict) -> List[str]:

@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from sglang_capture.assembler import RequestCapture
 from sglang_capture.aux_capture import AUX_ATTR, AuxCapture
+from sglang_capture.seam_clock import SeamClock
 from sglang_capture.config import CaptureConfig
 from sglang_capture.format import SCHEMA
 from sglang_capture.host_pool import HostPool
@@ -67,9 +68,11 @@ class Sidecar:
         # result copies of capture batches: rows of the batch, rows copied (capture requests' only),
         # batches whose rows were gathered inside the forward (hooks/transfer.py)
         self.copies = {"batches": 0, "batch_rows": 0, "copied_rows": 0, "gathered_in_forward": 0}
+        self.clock = SeamClock()
         self.writer.extra_stats = lambda: {"host_pool": self.pool.stats() if self.pool else None,
                                            "result_copy": dict(self.copies),
-                                           "aux_capture": self.aux.stats() if self.aux else None}
+                                           "aux_capture": self.aux.stats() if self.aux else None,
+                                           "scheduler_thread": self.clock.stats()}
         self.model: Optional[ModelInfo] = None
         self.aux: Optional[AuxCapture] = None  # set up with the model
         self._is_writer: Optional[bool] = None

@@ -674,3 +674,17 @@ def test_an_abort_outcome_is_recorded_by_a_hand_off_thread_not_the_caller(tmp_pa
     writer.close()
     assert json.load(open(index_path(str(tmp_path), "gone")))["status"] == "aborted"
     assert recorded_on == ["sglang-capture-handoff-0"]
+
+
+def test_seam_clock_accounts_calls_and_time_per_seam_and_kind():
+    from sglang_capture.seam_clock import SeamClock
+
+    clock = SeamClock()
+    assert clock.timed("run_batch", True, lambda: 7) == 7
+    clock.timed("run_batch", False, lambda: time.sleep(0.01))
+    with pytest.raises(ZeroDivisionError):
+        clock.timed("run_batch", False, lambda: 1 / 0)  # a raising call is still accounted
+    stats = clock.stats()
+    assert set(stats) == {"run_batch/capture", "run_batch/plain"}
+    assert stats["run_batch/capture"]["calls"] == 1 and stats["run_batch/plain"]["calls"] == 2
+    assert stats["run_batch/plain"]["s"] >= 0.01 and stats["run_batch/plain"]["us_per_call"] >= 5000

@@ -8,13 +8,24 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from sglang_capture.aux_capture import AUX_ATTR
 from sglang_capture.hooks.transfer import running
 from sglang_capture.sidecar import get_sidecar
+
+
+def captures(batch: Any) -> bool:
+    """Whether a request in ``batch`` captures (on every rank)."""
+    return any(getattr(req, AUX_ATTR, False) for req in batch.reqs)
 
 
 def run_batch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Around ``Scheduler.run_batch`` (scheduler thread; the forward is launched inside it)."""
     batch = args[0] if args else kwargs["batch"]
-    aux = get_sidecar().aux
-    with aux.for_batch(batch) if aux is not None else contextlib.nullcontext(), running(batch):
-        return wrapped(*args, **kwargs)
+    sidecar = get_sidecar()
+    aux = sidecar.aux
+
+    def run() -> Any:
+        with aux.for_batch(batch) if aux is not None else contextlib.nullcontext(), running(batch):
+            return wrapped(*args, **kwargs)
+
+    return sidecar.clock.timed("run_batch", captures(batch), run)

@@ -10,10 +10,15 @@ def seal_finished(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     """Before ``_stream_output_generation``: the last point where every row of a request is in."""
     reqs = args[0] if args else kwargs["reqs"]
     skip_req = args[2] if len(args) > 2 else kwargs.get("skip_req")
-    for req in reqs:
-        capture = getattr(req, CAPTURE_ATTR, None)
-        if capture is None or req is skip_req or not req.finished() or req.finished_output:
-            continue
-        delattr(req, CAPTURE_ATTR)
-        req.hidden_states = [get_sidecar().finish(req, capture)]
-    return wrapped(*args, **kwargs)
+    sealing = [req for req in reqs if getattr(req, CAPTURE_ATTR, None) is not None and req is not skip_req
+               and req.finished() and not req.finished_output]
+    sidecar = get_sidecar()
+
+    def seal_and_stream() -> Any:
+        for req in sealing:
+            capture = getattr(req, CAPTURE_ATTR)
+            delattr(req, CAPTURE_ATTR)
+            req.hidden_states = [sidecar.finish(req, capture)]
+        return wrapped(*args, **kwargs)
+
+    return sidecar.clock.timed("stream_output", bool(sealing), seal_and_stream)

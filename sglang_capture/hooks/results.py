@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, Optional
 
+from sglang_capture.hooks.batch import captures
 from sglang_capture.hooks.transfer import block_row
 from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
 
@@ -18,10 +19,10 @@ _batch: Dict[str, Any] = {"batch": None, "index": None}
 def prefill_batch_context(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Around ``process_batch_result_prefill``: remember the batch snapshot, whose ``prefix_lens``
     give each request's chunk start (the live Req may already be scheduled further)."""
-    _batch["batch"] = args[0] if args else kwargs["batch"]
+    batch = _batch["batch"] = args[0] if args else kwargs["batch"]
     _batch["index"] = None
     try:
-        return wrapped(*args, **kwargs)
+        return get_sidecar().clock.timed("process_prefill_result", captures(batch), lambda: wrapped(*args, **kwargs))
     finally:
         _batch["batch"] = _batch["index"] = None
 

@@ -126,10 +126,14 @@ def copy_hidden_to_pool(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     """Around ``GenerationBatchResult.copy_to_cpu`` (scheduler thread, on SGLang's copy stream)."""
     return_logprob, return_hidden = _bind(*args, **kwargs)
     out = instance.logits_output
-    sidecar = get_sidecar()
-    pool = sidecar.pool
     if not return_hidden or out is None or out.hidden_states is None:
         return wrapped(*args, **kwargs)
+    return get_sidecar().clock.timed("copy_to_cpu", True, lambda: _copy_hidden(wrapped, out, return_logprob, args, kwargs))
+
+
+def _copy_hidden(wrapped: Any, out: Any, return_logprob: bool, args: tuple, kwargs: dict) -> Any:
+    sidecar = get_sidecar()
+    pool = sidecar.pool
     hidden = out.hidden_states
     gathered = getattr(hidden, GATHERED_ATTR, None)
     if pool is None and gathered is None:
