@@ -315,6 +315,8 @@ def main(argv: List[str]) -> int:
                    "nothing capturing (b_mixed), each round after (a)")
     p.add_argument("--profile-steps", type=int, default=0, help="after the mixed windows, profile this many forward "
                    "steps of each server under the mixed load (torch profiler via /start_profile, GPU activity only: the CPU side would slow the scheduler; summaries in the results)")
+    p.add_argument("--profile-activities", default="GPU", help="torch-profiler activities for --profile-steps: GPU "
+                   "(kernels, copies, CUDA calls) or CPU,GPU (also the operators the scheduler thread runs; slows it)")
     p.add_argument("--variants", default="", help="';'-separated extra capture-args: one more capture server each, "
                    "measured on the mixed load beside the others (A/B of capture settings in one run)")
     a = p.parse_args(argv)
@@ -370,7 +372,7 @@ def main(argv: List[str]) -> int:
     def profile_window(server: Server, name: str, load) -> Dict:
         """``load()`` with ``--profile-steps`` forward steps profiled 2 s into it; the trace's summary."""
         pdir = os.path.join(a.out, "profile", name)
-        body = {"output_dir": pdir, "num_steps": a.profile_steps, "activities": ["GPU"],
+        body = {"output_dir": pdir, "num_steps": a.profile_steps, "activities": a.profile_activities.split(","),
                 "with_stack": False, "record_shapes": False, "profile_id": name}
         starter = threading.Timer(2.0, lambda: requests.post(server.url + "/start_profile", json=body, timeout=120))
         starter.start()
@@ -445,13 +447,14 @@ def main(argv: List[str]) -> int:
                 res[key]["_windows"] = [w["mixed-other"]["tok_per_s"] for w in ws]
         if a.profile_steps > 0 and "mixed" in phases:
             res["profile"] = {}
-            for srv, d, name in [(plain, None, "a_mixed"), (capture, capture_dir, "d_mixed"),
-                                 *((s_, d_, f"d_mixed_v{i}") for i, (s_, d_) in enumerate(zip(variant_servers, variant_dirs)))]:
-                stream = spec("mixed-capture", capture=d is not None)
+            idle = [(capture, capture_dir, "b_mixed", False)] if a.idle_mixed else []
+            for srv, d, name, capturing in [(plain, None, "a_mixed", False), *idle, (capture, capture_dir, "d_mixed", True),
+                                            *((s_, d_, f"d_mixed_v{i}", True) for i, (s_, d_) in enumerate(zip(variant_servers, variant_dirs)))]:
+                stream = spec("mixed-capture", capture=capturing)
                 res["profile"][name] = profile_window(srv, name, lambda: Load(srv.url, prompts).run(
                     others, a.seconds, procs=a.client_procs, open_spec=stream, rate=rates[0]))
                 if d:
-                    res["profile"][name]["writer_device_allocator"] = read_stats(d).get("device_allocator")
+                    res["profile"][name]["writer_device_allocator"] = fresh_stats(srv, d).get("device_allocator")
                     _clean(d)
                 save(res, a.out)
         if "json" not in phases:

@@ -12,7 +12,7 @@ source bench/device_setup.sh "$@"
 cd /tmp
 lscpu > $W/lscpu.txt 2>&1; cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list >> $W/lscpu.txt 2>&1
 python "$R/.devkit/mk_tiny_model.py" /tmp/mk deepseek_v3 4 7168 > $W/mk.log 2>&1
-python "$R/bench/e2e.py" /tmp/mk $OUT/e2e --phases ${MIXED_PHASES:-mixed} --seconds ${E2E_SECONDS:-16} --ab-rounds ${AB_ROUNDS:-3} --mixed-rounds ${MIXED_ROUNDS:-1} --client-procs ${CLIENT_PROCS:-4} --profile-steps ${PROFILE_STEPS:-0} ${IDLE_MIXED:+--idle-mixed} --capture-dir /tmp/caps \
+python "$R/bench/e2e.py" /tmp/mk $OUT/e2e --phases ${MIXED_PHASES:-mixed} --seconds ${E2E_SECONDS:-16} --ab-rounds ${AB_ROUNDS:-3} --mixed-rounds ${MIXED_ROUNDS:-1} --client-procs ${CLIENT_PROCS:-4} --profile-steps ${PROFILE_STEPS:-0} --profile-activities ${PROFILE_ACTIVITIES:-GPU} ${IDLE_MIXED:+--idle-mixed} --capture-dir /tmp/caps \
   --capture-args "--capture-layers 1,2,3 --capture-writers ${WRITER_THREADS:-16}" \
   --sglang-args "--attention-backend triton --grammar-backend none --sleep-on-idle --mem-fraction-static ${MEM_FRACTION:-0.9} --max-total-tokens 300000 --cuda-graph-max-bs 64 --chunked-prefill-size 16384 --max-running-requests 128" \
   --variants="${MIXED_VARIANTS:-}" --mixed-rates "${MIXED_RATES:-}" \

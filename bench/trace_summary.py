@@ -45,7 +45,14 @@ def summarize(events: List[dict], steps: int = 0) -> Dict:
     """The summary of one trace's events (``steps``: forward steps profiled, for per-step figures)."""
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
     runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
     out: Dict = {"events": len(events), "gpu_events": len(gpu)}
+    if ops:  # CPU activity traced: which operators the scheduler thread spends its time in
+        by_op: Dict[str, List[float]] = collections.defaultdict(list)
+        for e in ops:
+            by_op[e["name"]].append(e["dur"])
+        out["cpu_ops_top"] = _top(by_op, 15)
+        out["cpu_ops_over_1ms"] = _top({k: [d for d in v if d >= 1000] for k, v in by_op.items() if max(v) >= 1000}, 10)
     if runtime:
         by_call: Dict[str, List[float]] = collections.defaultdict(list)
         for e in runtime:

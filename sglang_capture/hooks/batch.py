@@ -28,4 +28,4 @@ def run_batch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         with aux.for_batch(batch) if aux is not None else contextlib.nullcontext(), running(batch):
             return wrapped(*args, **kwargs)
 
-    return sidecar.clock.timed("run_batch", captures(batch), run)
+    return sidecar.clock.timed(f"run_batch/{batch.forward_mode.name.lower()}", captures(batch), run)
