@@ -60,10 +60,10 @@ class RequestCapture:
     finalizer: Optional[Any] = None
     pool: Optional["HostPool"] = None  # for rows that arrive still on the device
 
-    def add(self, start: int, rows: "torch.Tensor", ready: Optional[Any] = None) -> None:
+    def add(self, start: int, rows: "torch.Tensor") -> None:
         """Hot path: keep a reference to the rows (a view of the batch's host buffer, no copy)
-        and account for the host memory it keeps. ``ready``: the event that ends a copy into
-        ``rows`` still in flight (the hand-off thread waits for it before a writer reads them)."""
+        and account for the host memory it keeps."""
+        ready = None
         if rows.device.type == "cuda":
             rows, ready = _to_host(rows, self.pool)
         self.ledger.hold(rows)

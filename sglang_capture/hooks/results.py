@@ -10,7 +10,7 @@ import copy
 from typing import Any, Dict, Optional
 
 from sglang_capture.hooks.batch import captures
-from sglang_capture.hooks.transfer import READY_ATTR, block_row
+from sglang_capture.hooks.transfer import block_row
 from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
 
 _batch: Dict[str, Any] = {"batch": None, "index": None}
@@ -58,7 +58,7 @@ def take_prefill_rows(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     if not req.finished() and not req.is_retracted:
         hidden = kwargs["logits_output"].hidden_states
         row = block_row(hidden, start)
-        capture.add(_chunk_start(req), hidden[row:row + n], getattr(hidden, READY_ATTR, None))
+        capture.add(_chunk_start(req), hidden[row:row + n])
     return start + n
 
 
@@ -75,5 +75,5 @@ def take_decode_rows(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
         position = len(req.origin_input_ids) + len(req.output_ids) - 1 - accept
         hidden = kwargs["hidden_states"]
         row = block_row(hidden, start)
-        capture.add(position, hidden[row:row + accept], getattr(hidden, READY_ATTR, None))
+        capture.add(position, hidden[row:row + accept])
     return None

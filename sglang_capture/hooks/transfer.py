@@ -28,7 +28,6 @@ from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
 
 ROW_MAP_ATTR = "_sglang_capture_rows"  # on a host tensor: batch row offset -> row offset in it
 GATHERED_ATTR = "_sglang_capture_gathered"  # on a device tensor gathered in the forward: (batch rows, ROW_MAP)
-READY_ATTR = "_sglang_capture_ready"  # on a host tensor still being copied: the CUDA event that ends the copy
 
 Selection = Tuple[List[Tuple[int, int]], Dict[int, int]]
 _running: Dict[str, Any] = {"batch": None, "selection": None}
@@ -149,7 +148,7 @@ def _copy_hidden(wrapped: Any, out: Any, return_logprob: bool, args: tuple, kwar
             runs, offsets = selected
             parts = [hidden[a:b] for a, b in runs]
             src = parts[0] if len(parts) == 1 else torch.cat(parts)
-    host = _take_aside(pool, src) if gathered is not None and src.is_cuda else pool.take(src) if pool is not None else None
+    host = pool.take(src) if pool is not None else None
     if host is None:
         result = wrapped(*args, **kwargs)
         if gathered is not None:  # SGLang's copy of the gathered rows: the row seams need the map
@@ -160,34 +159,6 @@ def _copy_hidden(wrapped: Any, out: Any, return_logprob: bool, args: tuple, kwar
     sidecar.count_copy(batch_rows, src.shape[0], in_forward=gathered is not None)
     out.hidden_states = host
     return wrapped(return_logprob, return_hidden_states=False)
-
-
-_side: Dict[Any, Any] = {}  # device -> the stream gathered rows are copied on
-
-
-def _take_aside(pool: Any, src: torch.Tensor) -> Optional[torch.Tensor]:
-    """``pool.take(src)`` on a stream of the package's own, for rows gathered in the forward.
-
-    On SGLang's copy stream the copy would delay ``copy_done``, which the scheduler thread waits
-    for before it processes the batch's results (on the H200, 4 ms now and then for a 2,048-token
-    capture). Aside, only the hand-off thread waits for it (``READY_ATTR``, handoff.describe_chunks).
-    Only for a gathered tensor: freshly allocated, so no later forward can overwrite it (unlike a
-    CUDA graph's output buffer, which only stream order protects), and kept alive by
-    ``record_stream`` until the copy ends.
-    """
-    if pool is None:
-        return None
-    side = _side.get(src.device)
-    if side is None:
-        side = _side[src.device] = torch.cuda.Stream(src.device)
-    side.wait_stream(torch.cuda.current_stream(src.device))
-    with torch.cuda.stream(side):
-        host = pool.take(src)
-        if host is not None:
-            ready = torch.cuda.Event()
-            ready.record(side)
-            setattr(host, READY_ATTR, ready)
-    return host
 
 
 def block_row(hidden: Any, offset: int) -> int:
