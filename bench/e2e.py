@@ -292,20 +292,31 @@ def run_server(cmd: List[str], out: str, name: str, capture_dir: str = "") -> Se
     return s
 
 
+def _at_least(low: int):
+    """An argparse type: an int no smaller than ``low`` (a zero count would measure nothing, quietly)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = "integer"  # argparse names the type in its message for a non-number
+    return parse
+
+
 def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("out")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--tokens", type=_at_least(1), default=2048)
+    p.add_argument("--concurrency", type=_at_least(1), default=64)
     p.add_argument("--seconds", type=float, default=20)
-    p.add_argument("--ab-rounds", type=int, default=3, help="alternating (a)/(b) windows of --seconds / 2 each")
+    p.add_argument("--ab-rounds", type=_at_least(0), default=3, help="alternating (a)/(b) windows of --seconds / 2 each")
     p.add_argument("--capture-rate", type=float, default=12.5, help="open-loop capture requests/s (12.5 x 2,048 = 25.6 K tok/s)")
     p.add_argument("--mixed-rates", default="", help="','-separated capture requests/s for the mixed load (default: "
                    "--capture-rate); rates other than --capture-rate are reported as a_mixed@R / d_mixed@R")
-    p.add_argument("--json-requests", type=int, default=8)
-    p.add_argument("--client-procs", type=int, default=4, help="processes the closed-loop clients are spread over")
-    p.add_argument("--mixed-rounds", type=int, default=1, help="per mixed rate: rounds of (a, d, variants) windows, "
+    p.add_argument("--json-requests", type=_at_least(1), default=8)
+    p.add_argument("--client-procs", type=_at_least(1), default=4, help="processes the closed-loop clients are spread over")
+    p.add_argument("--mixed-rounds", type=_at_least(1), default=1, help="per mixed rate: rounds of (a, d, variants) windows, "
                    "then (a) once more; each (d) is compared with the (a) windows around it")
     p.add_argument("--capture-dir", default=None)
     p.add_argument("--capture-args", default="--capture-layers 1,2,3")
@@ -313,7 +324,7 @@ def main(argv: List[str]) -> int:
     p.add_argument("--phases", default="ab,capacity,open,mixed,json", help="which measurements to run")
     p.add_argument("--idle-mixed", action="store_true", help="also run the mixed load on the capture server with "
                    "nothing capturing (b_mixed), each round after (a)")
-    p.add_argument("--profile-steps", type=int, default=0, help="after the mixed windows, profile this many forward "
+    p.add_argument("--profile-steps", type=_at_least(0), default=0, help="after the mixed windows, profile this many forward "
                    "steps of each server under the mixed load (torch profiler via /start_profile, GPU activity only: the CPU side would slow the scheduler; summaries in the results)")
     p.add_argument("--profile-activities", default="GPU", help="torch-profiler activities for --profile-steps: GPU "
                    "(kernels, copies, CUDA calls) or CPU,GPU (also the operators the scheduler thread runs; slows it)")
