@@ -17,6 +17,13 @@ Two servers are started on MODEL_DIR (e.g. a Kimi-width tiny DeepSeek-V3: 4 laye
   with max_new_tokens 16, on each server; only on (d) does the stream capture
 - (c) ``json``: SGLang's built-in ``return_hidden_states`` (final hidden state only) on the
   capture server's non-capture path (identical to plain SGLang's), ``--json-requests`` requests
+- (b-mixed, ``--idle-mixed``): the mixed load on the capture server with nothing capturing, each
+  round after (a): the capture server's own baseline on that load
+- ``--profile-steps N``: after the mixed windows, N forward steps of each server profiled under
+  the mixed load (SGLang's ``/start_profile``), summarized by ``trace_summary.py``
+
+On capture servers each window also records the scheduler thread's time per patched seam, for
+batches that capture and batches that do not (the writer stats' ``scheduler_thread``).
 
 Reports tokens/s, raw capture GB/s, p50/p99 latency, bytes on disk, compression ratio, peak RSS
 of the server's process tree, and the writer's queue depth and peak held host memory (from its

@@ -15,7 +15,6 @@ from typing import Any, Dict, Optional, Tuple
 
 from sglang_capture.assembler import RequestCapture
 from sglang_capture.aux_capture import AUX_ATTR, AuxCapture
-from sglang_capture.seam_clock import SeamClock
 from sglang_capture.config import CaptureConfig
 from sglang_capture.format import SCHEMA
 from sglang_capture.host_pool import HostPool
@@ -24,6 +23,7 @@ from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.loss_mask import BadLossMask, parse_spans
 from sglang_capture.naming import FILE_SUFFIX, BadCaptureName, check_capture_name, name_for_rid
 from sglang_capture.publish import index_path
+from sglang_capture.seam_clock import SeamClock
 from sglang_capture.writer import CaptureJob, CaptureWriter
 
 logger = logging.getLogger(__name__)
