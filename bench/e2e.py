@@ -332,7 +332,7 @@ def main(argv: List[str]) -> int:
     p.add_argument("--idle-mixed", action="store_true", help="also run the mixed load on the capture server with "
                    "nothing capturing (b_mixed), each round after (a)")
     p.add_argument("--profile-steps", type=_at_least(0), default=0, help="after the mixed windows, profile this many forward "
-                   "steps of each server under the mixed load (torch profiler via /start_profile, GPU activity only: the CPU side would slow the scheduler; summaries in the results)")
+                   "steps of each server under the mixed load (torch profiler via /start_profile; summaries in the results)")
     p.add_argument("--profile-activities", default="GPU", help="torch-profiler activities for --profile-steps: GPU "
                    "(kernels, copies, CUDA calls) or CPU,GPU (also the operators the scheduler thread runs; slows it)")
     p.add_argument("--variants", default="", help="';'-separated extra capture-args: one more capture server each, "

@@ -34,6 +34,11 @@ AUX_ATTR = "_sglang_capture_aux"  # True on a capture request's Req, on every ra
 _SWITCHED_MODES = ("EXTEND", "MIXED")  # forward modes that run the model's Python code when no prefill graph exists
 
 
+def batch_captures(batch: Any) -> bool:
+    """Whether a request in ``batch`` captures (the same answer on every rank)."""
+    return any(getattr(req, AUX_ATTR, False) for req in batch.reqs)
+
+
 class AuxCapture:
     """Aux-layer capture on one target model (one per scheduler process)."""
 
@@ -83,13 +88,14 @@ class AuxCapture:
         return self.per_batch
 
     @contextlib.contextmanager
-    def for_batch(self, batch: Any) -> Iterator[None]:
-        """Around one batch's forward (scheduler thread): aux capture off when nothing in it captures."""
+    def for_batch(self, batch: Any, captures: Optional[bool] = None) -> Iterator[None]:
+        """Around one batch's forward (scheduler thread): aux capture off when nothing in it captures
+        (``captures``: ``batch_captures(batch)`` when the caller has it already)."""
         if batch.forward_mode.name not in _SWITCHED_MODES:
             yield
             return
         per_batch = self.per_batch if self.per_batch is not None else self._decide()
-        if not per_batch or any(getattr(req, AUX_ATTR, False) for req in batch.reqs):
+        if not per_batch or (batch_captures(batch) if captures is None else captures):
             self.counts["extend_batches_with_aux"] += 1
             yield
             return

@@ -141,38 +141,28 @@ def read_stats(capture_dir: str) -> Dict[str, Any]:
         return json.load(f)
 
 
-def _pinned_stats() -> Optional[Dict[str, Any]]:
-    """Pinned host allocations by this process (torch's caching host allocator), when torch has
-    initialised CUDA: each new cudaHostAlloc stalls the thread that asks for it, which in the
-    scheduler process is SGLang's scheduler thread."""
+def _cuda_stats(read: str, keys: Tuple[str, ...]) -> Optional[Dict[str, Any]]:
+    """``keys`` of ``torch.cuda.<read>()`` for this process, once torch has initialised CUDA."""
     try:
         import torch
 
         if not torch.cuda.is_initialized():
             return None
-        s = torch.cuda.host_memory_stats()
+        s = getattr(torch.cuda, read)()
     except Exception:  # older torch, no CUDA: the stats are optional
         return None
-    keys = ("num_host_alloc", "num_host_free", "allocated_bytes.current", "allocated_bytes.peak",
-            "host_alloc_time.total", "host_alloc_time.max", "host_free_time.total")
     return {k: s[k] for k in keys if k in s}
 
 
-def _device_allocator_stats() -> Optional[Dict[str, Any]]:
-    """This process's CUDA caching allocator: new device allocations and retries (a retry frees
-    every cached block and synchronizes the device) show whether capture's transient tensors
-    crowd the memory SGLang leaves for activations."""
-    try:
-        import torch
-
-        if not torch.cuda.is_initialized():
-            return None
-        s = torch.cuda.memory_stats()
-    except Exception:  # no CUDA: the stats are optional
-        return None
-    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
-            "allocated_bytes.all.peak", "reserved_bytes.all.current", "reserved_bytes.all.peak")
-    return {k: s[k] for k in keys if k in s}
+# torch's caching host allocator: each new cudaHostAlloc stalls the thread that asks for it,
+# which in the scheduler process is SGLang's scheduler thread.
+_PINNED_KEYS = ("num_host_alloc", "num_host_free", "allocated_bytes.current", "allocated_bytes.peak",
+                "host_alloc_time.total", "host_alloc_time.max", "host_free_time.total")
+# the CUDA caching allocator: new device allocations and retries (a retry frees every cached block
+# and synchronizes the device) show whether capture's transient tensors crowd the memory SGLang
+# leaves for activations.
+_DEVICE_ALLOCATOR_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+                          "allocated_bytes.all.peak", "reserved_bytes.all.current", "reserved_bytes.all.peak")
 
 
 class CaptureWriter:
@@ -384,7 +374,8 @@ class CaptureWriter:
                    "durability": self.config.durability, "flushes": sum(flushes) if flushes else None,
                    "writer_pids": sorted(c.pid for c in self._children.values() if c.alive()),
                    **self.extra_stats(),
-                   "pinned": _pinned_stats(), "device_allocator": _device_allocator_stats(),
+                   "pinned": _cuda_stats("host_memory_stats", _PINNED_KEYS),
+                   "device_allocator": _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS),
                    "time": time.time()}
         try:
             write_json_atomic(self.dirs().index, f"{STATS_PREFIX}{os.getpid()}.json", doc)

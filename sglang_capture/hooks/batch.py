@@ -8,14 +8,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from sglang_capture.aux_capture import AUX_ATTR
+from sglang_capture.aux_capture import batch_captures
 from sglang_capture.hooks.transfer import running
 from sglang_capture.sidecar import get_sidecar
-
-
-def captures(batch: Any) -> bool:
-    """Whether a request in ``batch`` captures (on every rank)."""
-    return any(getattr(req, AUX_ATTR, False) for req in batch.reqs)
 
 
 def run_batch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -23,9 +18,10 @@ def run_batch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     batch = args[0] if args else kwargs["batch"]
     sidecar = get_sidecar()
     aux = sidecar.aux
+    captures = batch_captures(batch)
 
     def run() -> Any:
-        with aux.for_batch(batch) if aux is not None else contextlib.nullcontext(), running(batch):
+        with aux.for_batch(batch, captures) if aux is not None else contextlib.nullcontext(), running(batch):
             return wrapped(*args, **kwargs)
 
-    return sidecar.clock.timed(f"run_batch/{batch.forward_mode.name.lower()}", captures(batch), run)
+    return sidecar.clock.timed(f"run_batch/{batch.forward_mode.name.lower()}", captures, run)

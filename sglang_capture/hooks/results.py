@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, Optional
 
-from sglang_capture.hooks.batch import captures
+from sglang_capture.aux_capture import batch_captures
 from sglang_capture.hooks.transfer import block_row
 from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
 
@@ -22,7 +22,7 @@ def prefill_batch_context(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     batch = _batch["batch"] = args[0] if args else kwargs["batch"]
     _batch["index"] = None
     try:
-        return get_sidecar().clock.timed("process_prefill_result", captures(batch), lambda: wrapped(*args, **kwargs))
+        return get_sidecar().clock.timed("process_prefill_result", batch_captures(batch), lambda: wrapped(*args, **kwargs))
     finally:
         _batch["batch"] = _batch["index"] = None
 

@@ -76,7 +76,7 @@ def gather_in_forward(stored: torch.Tensor, final: torch.Tensor) -> Optional[tor
     return out
 
 
-def capture_rows(batch: Any, n_rows: int) -> Optional[Tuple[List[Tuple[int, int]], Dict[int, int]]]:
+def capture_rows(batch: Any, n_rows: int) -> Optional[Selection]:
     """The row ranges of the batch's capture requests and each one's offset among them, or None
     when the whole batch must be copied: every row is captured, another request wants SGLang's
     hidden states, or the batch's row layout is not the one the result processor assumes."""
