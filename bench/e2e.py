@@ -40,6 +40,7 @@ import multiprocessing
 import os
 import resource
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,7 @@ import numpy
 import psutil
 import requests
 
+import pyspy_summary
 import trace_summary
 from sglang_capture.testbed.cpu import server_env
 from sglang_capture.testbed.server import Server, start_server, stop_server
@@ -299,6 +301,50 @@ def run_server(cmd: List[str], out: str, name: str, capture_dir: str = "") -> Se
     return s
 
 
+PY_SPY_RATE = 200  # samples/s: enough for ms-scale seams over a 10 s window, little load on the host
+
+
+def _py_spy() -> Optional[str]:
+    """The py-spy executable: on PATH, or in a bin/ beside an installed package (pip --target)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    return next((p for p in (os.path.join(d, "bin", "py-spy") for d in sys.path if d) if os.path.exists(p)), None)
+
+
+def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: Dict) -> threading.Thread:
+    """Sample ``server``'s scheduler process for ``seconds``, 2 s from now, with and without idle
+    samples at once (``pyspy_summary`` says why both); the summary goes to ``res['pyspy'][name]``.
+    ``--nonblocking``: the process is never paused, so the window's throughput is not disturbed."""
+    def record() -> None:
+        summaries = res.setdefault("pyspy", {})
+        exe = _py_spy()
+        sched = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True) if "scheduler" in p.name()]
+        if exe is None or not sched:
+            summaries[name] = {"error": "no py-spy executable" if exe is None else "no scheduler process found"}
+            return
+        time.sleep(2.0)
+        os.makedirs(out_dir, exist_ok=True)
+        paths = {kind: os.path.join(out_dir, f"{name}.{kind}.txt") for kind in ("active", "all")}
+        procs = [subprocess.Popen([exe, "record", "--pid", str(sched[0]), "--duration", f"{seconds:g}", "--rate",
+                                   str(PY_SPY_RATE), "--nonblocking", "--threads", "--full-filenames", "--format", "raw",
+                                   "-o", path, *(["--idle"] if kind == "all" else [])],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for kind, path in paths.items()]
+        errors = [p.communicate(timeout=seconds + 60)[1] for p in procs]
+        if not all(os.path.exists(p) for p in paths.values()):
+            summaries[name] = {"error": " | ".join(e.strip().splitlines()[-1] for e in errors if e.strip()) or "no output"}
+            return
+        summaries[name] = pyspy_summary.summarize(pyspy_summary.load(paths["active"]), pyspy_summary.load(paths["all"]),
+                                                  seconds, PY_SPY_RATE)
+        print(f"py-spy {name}: " + json.dumps({k: v for k, v in summaries[name].items() if k != "leaves_top"}),
+              file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=record, daemon=True)
+    thread.start()
+    return thread
+
+
 def _at_least(low: int):
     """An argparse type: an int no smaller than ``low`` (a zero count would measure nothing, quietly)."""
     def parse(text: str) -> int:
@@ -335,6 +381,9 @@ def main(argv: List[str]) -> int:
                    "steps of each server under the mixed load (torch profiler via /start_profile; summaries in the results)")
     p.add_argument("--profile-activities", default="GPU", help="torch-profiler activities for --profile-steps: GPU "
                    "(kernels, copies, CUDA calls) or CPU,GPU (also the operators the scheduler thread runs; slows it)")
+    p.add_argument("--py-spy-seconds", type=float, default=0.0, help="sample each server's scheduler process with "
+                   "py-spy for this long in its first mixed window (py-spy on PATH or beside the package; summaries in "
+                   "the results): where its main thread's wall time goes, on CPU or waiting")
     p.add_argument("--variants", default="", help="';'-separated extra capture-args: one more capture server each, "
                    "measured on the mixed load beside the others (A/B of capture settings in one run)")
     a = p.parse_args(argv)
@@ -354,8 +403,10 @@ def main(argv: List[str]) -> int:
                                        "bytes_per_token_raw": (3 + 1) * hidden * 2, "sglang_args": sg,
                                        "capture_args": a.capture_args, "capture_rate": a.capture_rate}}
 
-    def measure(server: Server, name: str, clients: List[dict], seconds: float, **kw) -> Dict:
+    def measure(server: Server, name: str, clients: List[dict], seconds: float, spy: bool = False, **kw) -> Dict:
         Load(server.url, prompts).run(clients[:4], 3, max_requests=8)  # warm-up
+        spying = py_spy_window(server, name.split(" ")[0], a.py_spy_seconds, os.path.join(a.out, "pyspy"), res) \
+            if spy and a.py_spy_seconds > 0 else None
         sampler = RssSampler(server.proc.pid)
         sampler.start()
         client_cpu, vm, gpu = _client_cpu_s(), _vmstat(), GpuSampler()
@@ -365,6 +416,8 @@ def main(argv: List[str]) -> int:
         r["_gpu"] = gpu.stop()
         sampler.stop_event.set()
         r["_peak_rss_bytes"] = sampler.peak
+        if spying is not None:
+            spying.join()
         r["_cpu"] = {**sampler.cpu(), "client_cores": client_cores, "vm": _vm_window(vm)}
         print(f"{name}: " + ", ".join(f"{k} {v['tok_per_s']:,.0f} tok/s" for k, v in r.items() if isinstance(v, dict) and "tok_per_s" in v)
               + f"; cpu {r['_cpu']}; gpu {r['_gpu']}",
@@ -377,11 +430,11 @@ def main(argv: List[str]) -> int:
         Load(server.url, prompts).run([spec("stats", capture=True)], 60, max_requests=1)
         return read_stats(cdir)
 
-    def measure_capture(server: Server, cdir: str, name: str, clients: List[dict], **kw) -> Dict:
+    def measure_capture(server: Server, cdir: str, name: str, clients: List[dict], spy: bool = False, **kw) -> Dict:
         """``measure`` on a capture server, plus its writer's stats and the scheduler thread's time
         per seam in this window; its files are removed after."""
         before = fresh_stats(server, cdir).get("scheduler_thread") or {}
-        r = measure(server, name, clients, a.seconds, **kw)
+        r = measure(server, name, clients, a.seconds, spy=spy, **kw)
         r["_writer"] = fresh_stats(server, cdir)
         r["_scheduler_thread"] = _clock_delta(before, r["_writer"].get("scheduler_thread") or {})
         _clean(cdir)
@@ -452,13 +505,16 @@ def main(argv: List[str]) -> int:
                 for i, (srv, d) in enumerate(zip(variant_servers, variant_dirs))]
             windows: Dict[str, List[Dict]] = {"a_mixed" + tag: []}
             # (a) first and last, capture servers in between: each (d) window has (a) windows on both sides
-            for _ in range(a.mixed_rounds):
-                windows["a_mixed" + tag].append(measure(plain, "a_mixed" + tag, others, a.seconds, open_spec=plain_stream, rate=rate))
+            for round_ in range(a.mixed_rounds):
+                spy = round_ == 0 and rate == rates[0]
+                windows["a_mixed" + tag].append(measure(plain, "a_mixed" + tag, others, a.seconds, spy=spy,
+                                                        open_spec=plain_stream, rate=rate))
                 if a.idle_mixed:  # the capture server, nothing capturing: its scheduler thread's baseline
-                    windows.setdefault("b_mixed" + tag, []).append(
-                        measure_capture(capture, capture_dir, "b_mixed" + tag, others, open_spec=plain_stream, rate=rate))
+                    windows.setdefault("b_mixed" + tag, []).append(measure_capture(
+                        capture, capture_dir, "b_mixed" + tag, others, spy=spy, open_spec=plain_stream, rate=rate))
                 for srv, d, key, label in capturing_servers:
-                    windows.setdefault(key, []).append(measure_capture(srv, d, label, others, open_spec=capturing, rate=rate))
+                    windows.setdefault(key, []).append(measure_capture(srv, d, label, others, spy=spy,
+                                                                       open_spec=capturing, rate=rate))
             windows["a_mixed" + tag].append(measure(plain, "a_mixed" + tag, others, a.seconds, open_spec=plain_stream, rate=rate))
             for key, ws in windows.items():
                 res[key] = merge(ws)
@@ -662,7 +718,8 @@ def report(res: Dict) -> str:
         checks.append("writer stage ms/file (summed over threads): " + ", ".join(
             f"{k[:-2]} {w.get(k, 0) / n * 1e3:.0f}" for k in ("queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s"))
             + f"; raw {w.get('raw_bytes', 0) / n / 1e6:.0f} MB/file, failed {w.get('failed')}")
-    return "\n".join(rows + [""] + checks + _clock_rows(res, modes) + _profile_rows(res.get("profile") or {}))
+    return "\n".join(rows + [""] + checks + _clock_rows(res, modes) + _profile_rows(res.get("profile") or {})
+                     + pyspy_summary.rows(res.get("pyspy") or {}))
 
 
 def _clock_rows(res: Dict, modes: List[str]) -> List[str]:

@@ -1,0 +1,129 @@
+"""Summarize py-spy samples of an SGLang scheduler process: where its main thread spends wall time.
+
+The seam clock (sglang_capture/seam_clock.py) times the patched seams only; it cannot say whether
+a slower seam ran more Python, waited for the GPU, or waited for the GIL that a hand-off thread
+held. py-spy can: ``bench/e2e.py --py-spy-seconds S`` records the scheduler process twice at
+once, with ``--idle`` (every sample: wall time) and without (only samples where a thread was on
+a CPU; a thread waiting for the GIL or a CUDA event is idle). Per key frame of the scheduler's
+main thread this gives the share of wall time spent under it, and how much of that was on CPU.
+Other threads of the process (the package's hand-off threads, SGLang's own) are reported by
+their on-CPU share: what they take of the GIL the scheduler thread needs.
+
+    python bench/pyspy_summary.py ACTIVE.txt ALL.txt SECONDS RATE    # the JSON summary
+"""
+from __future__ import annotations
+
+import collections
+import json
+import re
+import sys
+from typing import Counter, Dict, List, Tuple
+
+# Frames of the scheduler's main thread whose inclusive time is reported (function names; the
+# package's own frames are matched by file instead).
+KEY_FRAMES = ("event_loop_overlap", "recv_requests", "process_input_requests", "get_next_batch_to_run", "run_batch",
+              "forward_batch_generation", "copy_to_cpu", "process_batch_result", "process_batch_result_prefill",
+              "process_batch_result_decode", "_stream_output_generation", "synchronize")
+PACKAGE = "/sglang_capture/"  # in a frame's file path: this package (installed or editable)
+_FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
+
+Stacks = Dict[str, Counter[Tuple[str, ...]]]
+
+
+def load(path: str) -> Stacks:
+    """py-spy ``--format raw --threads`` output: per thread name, sample counts per stack."""
+    out: Stacks = collections.defaultdict(collections.Counter)
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            frames = stack.split(";")
+            thread = re.sub(r"\d+$", "*", frames[0].split(": ", 1)[-1])  # numbered threads grouped
+            out[thread][tuple(frames[1:])] += int(count)
+    return out
+
+
+def _short(frame: str) -> Tuple[str, str]:
+    """(function, file) with the file cut to its package path (what follows site-packages/)."""
+    m = _FRAME.match(frame)
+    if not m:
+        return frame, ""
+    path = m.group("file")
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+    return m.group("func"), path
+
+
+def _inclusive(stacks: Counter[Tuple[str, ...]]) -> Counter[str]:
+    """Samples under each key frame, and in this package's own code, counted once per stack."""
+    out: Counter[str] = collections.Counter()
+    for stack, n in stacks.items():
+        seen = set()
+        own = False  # in this package's code (and what it calls), not back in SGLang through a wrapper
+        for frame in stack:
+            func, path = _short(frame)
+            name = func.rsplit(".", 1)[-1]  # py-spy names methods Class.method
+            if name in KEY_FRAMES:
+                seen.add(name)
+            if PACKAGE in "/" + path:
+                own = True
+            elif path.startswith("sglang/"):
+                own = False
+        if own:
+            seen.add("[sglang_capture]")
+        for key in seen:
+            out[key] += n
+    return out
+
+
+def _leaves(stacks: Counter[Tuple[str, ...]]) -> Counter[str]:
+    out: Counter[str] = collections.Counter()
+    for stack, n in stacks.items():
+        if stack:
+            func, path = _short(stack[-1])
+            out[f"{func} ({path})"] += n
+    return out
+
+
+def summarize(active: Stacks, every: Stacks, seconds: float, rate: float, main: str = "MainThread") -> Dict:
+    """Percent of wall time (``seconds`` x ``rate`` samples) per key frame and per leaf of the
+    main thread, in all and on CPU; on-CPU percent of every other thread. The two recordings sample
+    independently, so a frame's on-CPU share can exceed its wall share by the sampling noise."""
+    wall = max(sum(every.get(main, {}).values()), 1)
+    inc_all, inc_cpu = _inclusive(every.get(main, collections.Counter())), _inclusive(active.get(main, collections.Counter()))
+    leaf_all, leaf_cpu = _leaves(every.get(main, collections.Counter())), _leaves(active.get(main, collections.Counter()))
+    pct = lambda n: round(100.0 * n / wall, 1)
+    expected = seconds * rate
+    return {
+        "samples": wall,
+        "sampled_pct_of_expected": round(100.0 * wall / expected, 1) if expected else None,
+        "main_on_cpu_pct": pct(sum(active.get(main, {}).values())),
+        "frames": {k: {"wall_pct": pct(inc_all[k]), "cpu_pct": pct(inc_cpu[k])}
+                   for k in sorted(inc_all, key=lambda k: -inc_all[k])},
+        "leaves_top": [{"leaf": k, "wall_pct": pct(n), "cpu_pct": pct(leaf_cpu[k])} for k, n in leaf_all.most_common(15)],
+        "other_threads_cpu_pct": {t: pct(sum(c.values())) for t, c in sorted(active.items()) if t != main},
+    }
+
+
+def rows(summaries: Dict[str, Dict]) -> List[str]:
+    """Markdown: the main thread's share of wall time per key frame (on CPU in brackets), per server."""
+    if not summaries:
+        return []
+    ok = {name: s for name, s in summaries.items() if "frames" in s}
+    keys = sorted({k for s in ok.values() for k in s["frames"]}, key=lambda k: (k not in ("event_loop_overlap",), k))
+    out = ["", "| scheduler main thread, % of wall (on CPU) | on CPU | " + " | ".join(keys) + " | other threads on CPU |",
+           "|---" * (len(keys) + 3) + "|"]
+    for name, s in summaries.items():
+        if name not in ok:
+            out.append(f"| {name} | {s.get('error', 'no samples')} |" + " |" * (len(keys) + 1))
+            continue
+        cells = [f"{s['frames'][k]['wall_pct']} ({s['frames'][k]['cpu_pct']})" if k in s["frames"] else "—" for k in keys]
+        others = ", ".join(f"{t} {p}" for t, p in s["other_threads_cpu_pct"].items() if p >= 0.5)
+        out.append(f"| {name} | {s['main_on_cpu_pct']} | " + " | ".join(cells) + f" | {others} |")
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(summarize(load(sys.argv[1]), load(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])), indent=1))
