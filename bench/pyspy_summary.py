@@ -52,7 +52,9 @@ def _short(frame: str) -> Tuple[str, str]:
     path = m.group("file")
     for marker in ("site-packages/", "dist-packages/"):
         if marker in path:
-            path = path.split(marker, 1)[1]
+            return m.group("func"), path.split(marker, 1)[1]
+    if "/sglang/" in path:  # SGLang unpacked outside site-packages (the device kit)
+        path = "sglang/" + path.split("/sglang/", 1)[1]
     return m.group("func"), path
 
 

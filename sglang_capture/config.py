@@ -40,6 +40,7 @@ class CaptureConfig:
     writer_threads: int = 0  # writer processes (the name predates them); 0 = auto, see threads_for_writing
     compress_threads: int = 0
     writer_nice: int = 0
+    writer_cpus: Optional[List[int]] = None  # CPUs the writer processes run on; None = the server's
     switch_interval_ms: float = 1.0
     durability: str = "file"
     keep_page_cache: bool = False
@@ -63,6 +64,10 @@ class CaptureConfig:
             raise ConfigError(f"--capture-writers must be 0 (auto) or a positive count, got {self.writer_threads}")
         if not 0 <= self.writer_nice <= 19:
             raise ConfigError(f"--capture-writer-nice must be 0 (the server's priority) to 19 (the lowest), got {self.writer_nice}")
+        if self.writer_cpus is not None:
+            if not self.writer_cpus or min(self.writer_cpus) < 0:
+                raise ConfigError(f"--capture-writer-cpus must name CPUs such as 8-15, got {self.writer_cpus}")
+            object.__setattr__(self, "writer_cpus", sorted(set(self.writer_cpus)))
         if self.compress_threads < -1:
             raise ConfigError("--capture-compress-threads must be -1 (all cores), 0 (inline) or a positive count")
         if self.switch_interval_ms < 0:
@@ -80,12 +85,12 @@ class CaptureConfig:
 
     def threads_for_writing(self) -> int:
         """Writer processes to run: the configured count, or for 0 three quarters of the cores this
-        process may use, between 2 and 16 (on the 16-core H200 host 16 writers used ~8 cores at
+        process may use (of ``writer_cpus`` when set), between 2 and 16 (on the 16-core H200 host 16 writers used ~8 cores at
         full capture, bench/RESULTS.md; beyond that the disk, not the CPU, bounds the writer)."""
         if self.writer_threads:
             return self.writer_threads
         try:
-            cores = len(os.sched_getaffinity(0))
+            cores = len(self.writer_cpus or os.sched_getaffinity(0))
         except AttributeError:  # not on Linux
             cores = os.cpu_count() or 2
         return max(2, min(16, 3 * cores // 4))
@@ -128,3 +133,41 @@ def parse_layers(text: str) -> List[int]:
     if not ids:
         raise ConfigError("--capture-layers is empty; give comma-separated layer ids such as 3,31,59")
     return ids
+
+
+def parse_cpu_list(text: str) -> List[int]:
+    """Parse ``--capture-writer-cpus`` in the kernel's cpulist form ("8-15", "2,4-6") with a one-line error."""
+    cpus: List[int] = []
+    try:
+        for part in (p.strip() for p in text.split(",")):
+            first, _, last = part.partition("-")
+            lo, hi = int(first), int(last or first)
+            if lo < 0 or hi < lo:
+                raise ValueError
+            cpus.extend(range(lo, hi + 1))
+    except ValueError:
+        raise ConfigError(f"--capture-writer-cpus must be a CPU list such as 8-15 or 2,4-6, got {text!r}") from None
+    return cpus
+
+
+def check_writer_cpus(cpus: Optional[List[int]], allowed: Optional[set] = None) -> None:
+    """The writer CPUs must be ones the server may run on: any other is a typo or another host's numbering,
+    and the writers would quietly run on the server's CPUs instead."""
+    if cpus is None:
+        return
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    missing = sorted(set(cpus) - set(allowed))
+    if missing:
+        raise ConfigError(f"--capture-writer-cpus names CPUs {_ranges(missing)} that this server may not use; "
+                          f"it may use {_ranges(sorted(allowed))}")
+
+
+def _ranges(cpus: List[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (the form the option takes)."""
+    out: List[str] = []
+    for cpu in cpus:
+        if out and int(out[-1].rpartition("-")[2]) == cpu - 1:
+            out[-1] = f"{out[-1].partition('-')[0]}-{cpu}"
+        else:
+            out.append(str(cpu))
+    return ",".join(out)

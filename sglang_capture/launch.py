@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from sglang_capture.config import ENV_VAR, CaptureConfig, ConfigError, parse_layers
+from sglang_capture.config import ENV_VAR, CaptureConfig, ConfigError, check_writer_cpus, parse_cpu_list, parse_layers
 from sglang_capture.durability import DURABILITY_MODES
 from sglang_capture.format import CODECS
 from sglang_capture.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
@@ -121,6 +121,8 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
               help="Writer processes (0 = 3/4 of the cores, 2..16). --capture-writer-threads is the old name.")
 @click.option("--capture-writer-nice", type=int, default=0, show_default=True,
               help="How much lower the writer processes' CPU priority is than the server's (0-19), for hosts short of cores.")
+@click.option("--capture-writer-cpus", default=None, help="CPUs the writer processes run on, as a list such as 8-15 "
+              "(default: the server's): keeps their compression off the cores SGLang's scheduler runs on.")
 @click.option("--capture-compress-threads", type=int, default=0, show_default=True, help="zstd threads per file (0 = in the writer process, -1 = all cores).")
 @click.option("--capture-switch-interval-ms", type=float, default=1.0, show_default=True, help="GIL switch interval of the scheduler process once writers run (0 = leave Python's 5 ms).")
 @click.option("--capture-durability", type=click.Choice(DURABILITY_MODES), default="file", show_default=True, help="How files reach the disk before a response says ok: file (fsync each file and its name), group (one shared syncfs(2) per batch of files), none (no flush: a power loss can lose the last files).")
@@ -132,7 +134,7 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-wait-timeout", type=float, default=600.0, show_default=True, help="Seconds a response waits for its file.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: bool, capture_codec: str,
-         capture_level: Optional[int], capture_shuffle: bool, capture_writer_threads: int, capture_writer_nice: int, capture_compress_threads: int,
+         capture_level: Optional[int], capture_shuffle: bool, capture_writer_threads: int, capture_writer_nice: int, capture_writer_cpus: Optional[str], capture_compress_threads: int,
          capture_switch_interval_ms: float, capture_durability: str, capture_keep_page_cache: bool, capture_gather_in_forward: bool, capture_max_pending_mb: int, capture_wait_timeout: float, sglang_args: Tuple[str, ...]) -> None:
     """Start an SGLang server that writes captured hidden states to CAPTURE_DIR."""
     try:
@@ -145,6 +147,7 @@ def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: boo
             shuffle=capture_shuffle,
             writer_threads=capture_writer_threads,
             writer_nice=capture_writer_nice,
+            writer_cpus=parse_cpu_list(capture_writer_cpus) if capture_writer_cpus is not None else None,
             compress_threads=capture_compress_threads,
             switch_interval_ms=capture_switch_interval_ms,
             durability=capture_durability,
@@ -153,6 +156,7 @@ def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: boo
             max_pending_mb=capture_max_pending_mb,
             wait_timeout_s=capture_wait_timeout,
         )
+        check_writer_cpus(config.writer_cpus)
         if not sglang_args:
             raise ConfigError("no SGLang arguments given; add at least --model-path PATH")
         from sglang.srt.plugins import load_plugins

@@ -87,6 +87,11 @@ def main() -> int:
         return 2
     config = CaptureConfig.from_json(hello["config"])
     os.nice(config.writer_nice)  # relative to the scheduler process that started it
+    if config.writer_cpus:
+        try:
+            os.sched_setaffinity(0, config.writer_cpus)
+        except OSError as e:  # CPUs taken away since the launcher checked them: run where the server runs
+            logger.warning("cannot run on --capture-writer-cpus %s (%s); running on the server's CPUs", config.writer_cpus, e)
     writer = WriterProcess(config, hello["pool_fd"], hello["pool_size"])
     while True:
         msg = recv(in_fd)

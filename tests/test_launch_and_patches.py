@@ -65,6 +65,16 @@ def test_speculative_decoding_is_refused(tiny_models, tmp_path):
     assert result.exit_code != 0 and len(lines) == 1 and "speculative" in lines[0]
 
 
+def test_writer_cpus_that_are_not_a_list_or_not_the_servers_are_refused(tmp_path):
+    result, lines = _launch("--capture-dir", str(tmp_path), "--capture-writer-cpus", "8-x", "--model-path", "x")
+    assert result.exit_code != 0
+    assert lines == ["Error: --capture-writer-cpus must be a CPU list such as 8-15 or 2,4-6, got '8-x'"]
+    beyond = max(os.sched_getaffinity(0)) + 1
+    result, lines = _launch("--capture-dir", str(tmp_path), "--capture-writer-cpus", f"{beyond}-{beyond + 1}", "--model-path", "x")
+    assert result.exit_code != 0 and len(lines) == 1
+    assert lines[0].startswith(f"Error: --capture-writer-cpus names CPUs {beyond}-{beyond + 1} that this server may not use")
+
+
 def test_unsupported_sglang_version_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(inst, "installed_sglang_version", lambda: "0.4.9")
     result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", "x")

@@ -9,7 +9,7 @@ import torch
 
 from sglang_capture.assembler import IncompleteCapture, assemble_rows
 from sglang_capture.format import host_tensor
-from sglang_capture.config import CaptureConfig, ConfigError, parse_layers
+from sglang_capture.config import CaptureConfig, ConfigError, check_writer_cpus, parse_cpu_list, parse_layers
 from sglang_capture.layers import LayerError, default_layers, resolve_layers
 from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.naming import BadCaptureName, check_capture_name, name_for_rid
@@ -63,6 +63,15 @@ def test_config_round_trips_through_the_environment(tmp_path):
     assert CaptureConfig(capture_dir=str(tmp_path), writer_threads=5).threads_for_writing() == 5
     with pytest.raises(ConfigError, match="capture-writer-nice must be 0 .* to 19"):
         CaptureConfig(capture_dir=str(tmp_path), writer_nice=20)
+    assert parse_cpu_list("2,4-6,4") == [2, 4, 5, 6, 4]
+    assert CaptureConfig(capture_dir=str(tmp_path), writer_cpus=[6, 2, 4, 5, 4]).writer_cpus == [2, 4, 5, 6]
+    assert CaptureConfig(capture_dir=str(tmp_path), writer_cpus=[0, 1, 2, 3, 4]).threads_for_writing() == 3
+    for bad in ("", "3-1", "-2", "a"):
+        with pytest.raises(ConfigError, match="capture-writer-cpus must be a CPU list"):
+            parse_cpu_list(bad)
+    check_writer_cpus([1, 2], allowed={0, 1, 2})
+    with pytest.raises(ConfigError, match=r"names CPUs 3-4,7 that this server may not use; it may use 0-2$"):
+        check_writer_cpus([2, 3, 4, 7], allowed={0, 1, 2})
     assert 2 <= CaptureConfig(capture_dir=str(tmp_path)).threads_for_writing() <= 16
 
 
@@ -431,7 +440,7 @@ def test_without_memory_for_the_pool_capture_goes_on_and_says_how_to_get_one(tmp
     sidecar.writer.close()
 
 
-def test_writer_processes_read_pool_rows_in_place_at_lower_priority_and_free_the_block_once_read(tmp_path):
+def test_writer_processes_read_pool_rows_in_place_at_lower_priority_on_their_cpus_and_free_the_block_once_read(tmp_path):
     import os
 
     from sglang_capture import load
@@ -443,7 +452,9 @@ def test_writer_processes_read_pool_rows_in_place_at_lower_priority_and_free_the
     block = pool.take(rows)
     job, ledger = _job(tmp_path, [(0, block[:4]), (4, block[4:])], 6)  # two chunks of one batch block
     del block
-    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=2, writer_nice=7), ledger, pool)
+    cpu = min(os.sched_getaffinity(0))
+    writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=2, writer_nice=7, writer_cpus=[cpu]),
+                           ledger, pool)
     try:
         outcome = writer.write(job, timeout=60)
         assert outcome["status"] == "ok", outcome
@@ -455,11 +466,12 @@ def test_writer_processes_read_pool_rows_in_place_at_lower_priority_and_free_the
         pids = writer.writer_pids()
         assert len(pids) == 2 and os.getpid() not in pids
         lowered = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)
-        for pid in pids:  # the writer processes never load torch, and yield the CPU to the server
+        for pid in pids:  # the writer processes never load torch, yield the CPU to the server, keep to their CPUs
             assert "libtorch" not in open(f"/proc/{pid}/maps").read()
             deadline = time.monotonic() + 30  # the idle one lowers it when it reads its first message
-            while os.getpriority(os.PRIO_PROCESS, pid) != lowered:
-                assert time.monotonic() < deadline, f"writer process {pid} kept priority {os.getpriority(os.PRIO_PROCESS, pid)}"
+            while os.getpriority(os.PRIO_PROCESS, pid) != lowered or os.sched_getaffinity(pid) != {cpu}:
+                assert time.monotonic() < deadline, (f"writer process {pid} kept priority {os.getpriority(os.PRIO_PROCESS, pid)}"
+                                                     f", CPUs {os.sched_getaffinity(pid)}")
                 time.sleep(0.01)
     finally:
         writer.close()
