@@ -140,6 +140,26 @@ def test_batches_shared_with_plain_requests_copy_only_the_captured_rows(dsv3, ti
     assert all(v["calls"] > 0 and v["s"] > 0 for v in clock.values())
 
 
+def test_a_capture_of_one_new_token_sends_no_decode_batch_through_the_capture_path(dsv3, tiny_models):
+    """Overlap scheduling launches a decode batch holding the request before its prefill result
+    says it finished; with one new token its file needs no row from it (what extract sends)."""
+    def clock():
+        return read_stats(dsv3.capture_dir)["scheduler_thread"]
+
+    calls = lambda c, seam: c.get(seam, {}).get("calls", 0)
+    capture(dsv3, "One new token: the prompt's rows only.", max_new_tokens=1, capture_name="one-token-first")
+    before = clock()
+    out = capture(dsv3, "Kimi K2.5 uses the DeepSeek V3 architecture.", max_new_tokens=1, capture_name="one-token")
+    capture(dsv3, "A last one, whose outcome rewrites the stats.", max_new_tokens=1, capture_name="one-token-last")
+    after = clock()
+    assert calls(after, "run_batch/extend/capture") >= calls(before, "run_batch/extend/capture") + 2
+    assert calls(after, "run_batch/decode/plain") > calls(before, "run_batch/decode/plain")
+    assert calls(after, "run_batch/decode/capture") == calls(before, "run_batch/decode/capture")
+    data = sglang_capture.load(out["meta_info"]["capture"]["path"])
+    assert data["aux_hidden_states"].shape[0] == len(data["input_ids"]) and len(data["output_ids"]) == 1
+    check_against_transformers(tiny_models["tiny-dsv3"], data)
+
+
 def _aux_counts(server, at_least_with_aux=0):
     """The aux-capture counters, once the stats file (written after each outcome) has caught up."""
     deadline = time.monotonic() + 10

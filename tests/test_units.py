@@ -700,3 +700,40 @@ def test_seam_clock_accounts_calls_and_time_per_seam_and_kind():
     assert set(stats) == {"run_batch/capture", "run_batch/plain"}
     assert stats["run_batch/capture"]["calls"] == 1 and stats["run_batch/plain"]["calls"] == 2
     assert stats["run_batch/plain"]["s"] >= 0.01 and stats["run_batch/plain"]["us_per_call"] >= 5000
+
+
+def test_a_decode_batch_copies_no_hidden_states_when_its_only_capture_requests_end_after_one_token(monkeypatch):
+    import types
+
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    import sglang_capture.hooks.batch as batch_hook
+    from sglang_capture.aux_capture import AUX_ATTR
+    from sglang_capture.seam_clock import SeamClock
+
+    clock = SeamClock()
+    monkeypatch.setattr(batch_hook, "get_sidecar", lambda: types.SimpleNamespace(aux=None, clock=clock))
+
+    def req(max_new, capture=True, json_hidden=False):
+        r = types.SimpleNamespace(return_hidden_states=capture or json_hidden,
+                                  sampling_params=types.SimpleNamespace(max_new_tokens=max_new))
+        if capture:
+            setattr(r, AUX_ATTR, True)
+        return r
+
+    def run(mode, reqs):
+        fm = types.SimpleNamespace(name=mode.upper(), is_decode=lambda: mode == "decode")
+        b = types.SimpleNamespace(reqs=reqs, forward_mode=fm, return_hidden_states=True,
+                                  return_hidden_states_mode=CaptureHiddenMode.FULL)
+        seen = []
+        assert batch_hook.run_batch(lambda batch: seen.append(batch.return_hidden_states) or "result", None, (b,), {}) == "result"
+        return b.return_hidden_states, b.return_hidden_states_mode, seen
+
+    # a finished-at-prefill capture request beside a plain one: nothing of the batch goes to the host
+    assert run("decode", [req(1), req(16, capture=False)]) == (False, CaptureHiddenMode.NULL, [False])
+    assert clock.stats()["run_batch/decode/plain"]["calls"] == 1
+    # a capture request that decodes, an SGLang JSON request, or a prefill keep their rows
+    assert run("decode", [req(1), req(2)])[0] is True
+    assert run("decode", [req(1), req(4, capture=False, json_hidden=True)])[0] is True
+    assert run("extend", [req(1)])[0] is True
+    assert clock.stats()["run_batch/decode/capture"]["calls"] == 2
