@@ -709,6 +709,8 @@ def report(res: Dict) -> str:
                 continue
             checks.append(f"mixed load{label}, capture stream {rate * cfg['tokens']:,.0f} tok/s, requests not capturing, "
                           f"(d)/(a) = {dm / am:.3f}{per} (>= 0.95): {'PASS' if dm / am >= 0.95 else 'MISS'}")
+            if dm / am < 0.95:
+                checks.append("  " + mixed_bottleneck(res[a_key], res[m], (res.get("pyspy") or {}).get(base)))
     w = (res.get("d_file_capture") or {}).get("_writer") or {}
     if w:
         checks.append(f"writer: peak held {w.get('peak_held_bytes', 0) / 1e9:.2f} GB of cap {w.get('cap_bytes', 0) / 1e9:.2f} GB "
@@ -720,6 +722,47 @@ def report(res: Dict) -> str:
             + f"; raw {w.get('raw_bytes', 0) / n / 1e6:.0f} MB/file, failed {w.get('failed')}")
     return "\n".join(rows + [""] + checks + _clock_rows(res, modes) + _profile_rows(res.get("profile") or {})
                      + pyspy_summary.rows(res.get("pyspy") or {}))
+
+
+def _window_mean(mode: Dict, section: str, key: str) -> Optional[float]:
+    """The mean of one ``_cpu``/``_gpu`` figure over a mode's windows (None where none has it)."""
+    values = [w[key] for w in mode.get(section) or [] if w and w.get(key) is not None]
+    values = [v[0] if isinstance(v, list) else v for v in values]  # scheduler_top_threads_cores: the busiest
+    return statistics.fmean(values) if values else None
+
+
+def mixed_bottleneck(a: Dict, d: Dict, spy: Optional[Dict] = None) -> str:
+    """For a missed mixed-load target: which stage limited the requests that do not capture, from
+    the windows' own measurements, and what would lift it.
+
+    The GPU when it was >= 90% busy under plain SGLang; otherwise SGLang's scheduler thread when its
+    busiest thread used >= 0.8 of a core (the GPU waited for it); otherwise neither saturated, and
+    the load generator or the host is suspect. The capture server's extra load on the host (the
+    writer processes) and, when py-spy sampled it, the package's own share of that thread follow.
+    """
+    gpu_a, gpu_d = _window_mean(a, "_gpu", "util_pct"), _window_mean(d, "_gpu", "util_pct")
+    thread_a, thread_d = (_window_mean(x, "_cpu", "scheduler_top_threads_cores") for x in (a, d))
+    host_a, host_d = _window_mean(a, "_cpu", "host_busy_pct"), _window_mean(d, "_cpu", "host_busy_pct")
+    writers = _window_mean(d, "_cpu", "writer_processes_cores")
+    if None in (gpu_a, thread_a, thread_d):
+        return "bottleneck: not measured in these windows (no GPU or CPU samples)"
+    if gpu_a >= 90:
+        stage = "the GPU"
+    elif thread_a >= 0.8:
+        stage = "SGLang's scheduler thread"
+    else:
+        stage = "neither the GPU nor the scheduler thread (check the load generator's cores)"
+    text = (f"bottleneck: {stage} (GPU {gpu_a:.0f}% busy in (a), {gpu_d or 0:.0f}% in (d); scheduler thread "
+            f"{thread_a:.2f} / {thread_d:.2f} cores)")
+    if writers is not None and host_a is not None and host_d is not None:
+        text += f"; the writer processes used {writers:.1f} cores beside it (host {host_a:.0f}% -> {host_d:.0f}% busy)"
+    own = ((spy or {}).get("frames") or {}).get("[sglang_capture]")
+    if own:
+        text += f"; the package's own code took {own['wall_pct']}% of the scheduler thread's wall time (py-spy)"
+    if stage != "the GPU":
+        text += (". Busy cores elsewhere slow that thread on a shared host (bench/interference.py measures it); what "
+                 "lifts it is fewer of them: a host with cores to spare, or fewer writer cycles per byte (--capture-codec none)")
+    return text
 
 
 def _clock_rows(res: Dict, modes: List[str]) -> List[str]:

@@ -1,0 +1,116 @@
+"""The benchmarks' analysis: what bench/RESULTS.md's verdicts and attributions are computed from.
+
+The GPU runs themselves happen on the lent H200 (bench/h200_*.sh); these check, on recorded or
+synthetic measurements, that a missed target names its bottleneck from the data, that py-spy
+samples are attributed to the right frames, and that interference windows are compared fairly.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+import e2e  # noqa: E402
+import interference  # noqa: E402
+import pyspy_summary  # noqa: E402
+
+
+def _window(others_tok_s, gpu, thread, host, writers=0.0):
+    return {"tok": others_tok_s, "_gpu": {"util_pct": gpu},
+            "_cpu": {"scheduler_top_threads_cores": [thread, 0.0], "host_busy_pct": host, "writer_processes_cores": writers}}
+
+
+def _mode(windows, capture_ok=0):
+    seconds = 10.0 * len(windows)
+    tokens = sum(w["tok"] for w in windows) * 10.0
+    kind = lambda toks, ok: {"requests": 10, "failed": 0, "capture_ok": ok, "tokens": toks, "seconds": seconds,
+                             "tok_per_s": toks / seconds, "p50_s": 0.1, "p99_s": 0.5, "bytes_on_disk": 1 if ok else 0}
+    return {"_gpu": [w["_gpu"] for w in windows], "_cpu": [w["_cpu"] for w in windows], "_peak_rss_bytes": 0,
+            "_windows": [w["tok"] for w in windows], "mixed-other": kind(tokens, 0),
+            "mixed-capture": kind(25600.0 * seconds, capture_ok)}
+
+
+def _results(a_windows, d_windows, pyspy=None):
+    res = {"config": {"tokens": 2048, "bytes_per_token_raw": 57344, "capture_rate": 12.5, "variants": []},
+           "a_mixed": _mode(a_windows), "d_mixed": _mode(d_windows, capture_ok=250)}
+    if pyspy:
+        res["pyspy"] = pyspy
+    return res
+
+
+def test_a_missed_mixed_target_names_the_scheduler_thread_with_the_windows_measurements():
+    a = [_window(500_000, 60, 0.87, 11), _window(480_000, 58, 0.88, 10)]
+    d = [_window(430_000, 52, 0.83, 41, writers=4.8)]
+    spy = {"d_mixed": {"main_on_cpu_pct": 88.9, "other_threads_cpu_pct": {},
+                       "frames": {"[sglang_capture]": {"wall_pct": 1.6, "cpu_pct": 1.4}}}}
+    lines = e2e.report(_results(a, d, spy)).splitlines()
+    verdict = next(i for i, l in enumerate(lines) if l.startswith("mixed load, capture stream"))
+    assert lines[verdict].endswith("MISS") and "(d)/(a) = 0.878" in lines[verdict]
+    why = lines[verdict + 1]
+    assert why.startswith("  bottleneck: SGLang's scheduler thread (GPU 59% busy in (a), 52% in (d); "
+                          "scheduler thread 0.88 / 0.83 cores); the writer processes used 4.8 cores beside it "
+                          "(host 10% -> 41% busy); the package's own code took 1.6% of the scheduler thread's wall time")
+    assert "bench/interference.py" in why
+
+
+def test_a_busy_gpu_is_named_as_the_bottleneck_and_a_met_target_needs_no_explanation():
+    busy = e2e.mixed_bottleneck(_mode([_window(100, 95, 0.6, 9)]), _mode([_window(90, 96, 0.6, 30, 5.0)]))
+    assert busy.startswith("bottleneck: the GPU (GPU 95% busy") and "interference" not in busy
+    met = e2e.report(_results([_window(500_000, 60, 0.87, 11)] * 2, [_window(490_000, 60, 0.87, 40, 4.0)]))
+    assert "(>= 0.95): PASS" in met and "bottleneck" not in met
+    assert e2e.mixed_bottleneck({}, {}).startswith("bottleneck: not measured")
+
+
+def _raw(path, lines):
+    path.write_text("".join(f"{stack} {n}\n" for stack, n in lines))
+    return pyspy_summary.load(str(path))
+
+
+LOOP = ("thread (1): MainThread;run_scheduler_process (/x/site-packages/sglang/srt/managers/scheduler.py:1);"
+        "Scheduler.event_loop_overlap (/x/site-packages/sglang/srt/managers/scheduler.py:2)")
+WRAPPED = LOOP + ";run_batch (/tmp/sc/sglang_capture/hooks/batch.py:3);Scheduler.run_batch (/opt/sglang/srt/managers/scheduler.py:4)"
+
+
+def test_pyspy_samples_split_wall_time_into_key_frames_and_the_packages_own_code(tmp_path):
+    every = _raw(tmp_path / "all.txt", [
+        (WRAPPED + ";TpModelWorker.forward_batch_generation (/opt/sglang/srt/managers/tp_worker.py:5)", 50),  # SGLang under our wrapper
+        (WRAPPED + ";copy_hidden_to_pool (/tmp/sc/sglang_capture/hooks/transfer.py:6);Event.record (/t/torch/cuda/streams.py:7)", 10),
+        (LOOP + ";Event.synchronize (/t/site-packages/torch/cuda/streams.py:8)", 40),
+        ("thread (2): sglang-capture-handoff-0;_run (/tmp/sc/sglang_capture/writer.py:9)", 100),
+        ("thread (3): sglang-capture-handoff-1;_run (/tmp/sc/sglang_capture/writer.py:9)", 100),
+    ])
+    active = _raw(tmp_path / "active.txt", [
+        (WRAPPED + ";TpModelWorker.forward_batch_generation (/opt/sglang/srt/managers/tp_worker.py:5)", 48),
+        (WRAPPED + ";copy_hidden_to_pool (/tmp/sc/sglang_capture/hooks/transfer.py:6);Event.record (/t/torch/cuda/streams.py:7)", 10),
+        ("thread (2): sglang-capture-handoff-0;_run (/tmp/sc/sglang_capture/writer.py:9)", 3),
+        ("thread (3): sglang-capture-handoff-1;_run (/tmp/sc/sglang_capture/writer.py:9)", 2),
+    ])
+    s = pyspy_summary.summarize(active, every, seconds=1.0, rate=100)
+    assert s["samples"] == 100 and s["sampled_pct_of_expected"] == 100.0 and s["main_on_cpu_pct"] == 58.0
+    f = s["frames"]
+    assert f["event_loop_overlap"] == {"wall_pct": 100.0, "cpu_pct": 58.0}
+    assert f["run_batch"]["wall_pct"] == 60.0 and f["forward_batch_generation"]["wall_pct"] == 50.0
+    assert f["[sglang_capture]"] == {"wall_pct": 10.0, "cpu_pct": 10.0}  # its own code, not SGLang's under its wrapper
+    assert f["synchronize"] == {"wall_pct": 40.0, "cpu_pct": 0.0}  # waiting for the GPU is off the CPU
+    assert s["other_threads_cpu_pct"] == {"sglang-capture-handoff-*": 5.0}
+    assert s["leaves_top"][0]["leaf"] == "TpModelWorker.forward_batch_generation (sglang/srt/managers/tp_worker.py)"
+    table = pyspy_summary.rows({"d_mixed": s, "a_mixed": {"error": "no py-spy executable"}})
+    assert any(r.startswith("| d_mixed | 58.0 |") for r in table) and any("no py-spy executable" in r for r in table)
+
+
+def test_interference_windows_are_each_compared_with_the_unloaded_windows_around_their_round():
+    windows = [{"load": l, "others_tok_per_s": t} for l, t in
+               [("none", 100.0), ("spin", 90.0), ("stream", 80.0), ("none", 100.0), ("spin", 45.0), ("none", 50.0)]]
+    assert interference.ratios(windows) == {"spin": [0.9, 0.6], "stream": [0.8]}
+    table = interference.report({"ratios": interference.ratios(windows), "config": {"procs": 5}})
+    assert "| spin x 5 | 0.900, 0.600 | 0.750 |" in table
+
+
+@pytest.mark.parametrize("text,cpus", [("8-11", [8, 9, 10, 11]), ("0,2-3", [0, 2, 3])])
+def test_the_writer_cpu_list_is_parsed_as_the_kernel_writes_it(text, cpus):
+    from sglang_capture.config import parse_cpu_list
+
+    assert parse_cpu_list(text) == cpus
