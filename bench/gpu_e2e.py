@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sglang_capture
 from sglang_capture.testbed.server import start_server, stop_server
+from sglang_capture.writer import read_stats
 
 LAYERS = [1, 2, 3]
 CHUNK = 256
@@ -132,6 +133,16 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16") -> 
         text = "Speculative decoding uses a small draft model to propose tokens."
         ok, info = verify(server.generate(body(tok(text)["input_ids"], 5, "single")).json(), tok(text)["input_ids"])
         results["checks"]["single_request"] = {"pass": ok, **info}
+
+        # One new token (what extract sends): the prompt's rows only, and the decode batch that
+        # overlap scheduling launches before the prefill's result is in copies nothing for it.
+        decode_calls = lambda: read_stats(capture_dir).get("scheduler_thread", {}).get("run_batch/decode/capture", {}).get("calls", 0)
+        before = decode_calls()
+        ok, info = verify(server.generate(body(tok(text)["input_ids"], 1, "prefill-only")).json(), tok(text)["input_ids"])
+        server.generate(body(rand_ids(40), 1, "prefill-only-2"))  # its outcome rewrites the stats file
+        info["decode_batches_through_capture_path"] = decode_calls() - before
+        results["checks"]["prefill_only"] = {"pass": ok and info["rows"] == len(tok(text)["input_ids"])
+                                             and info["decode_batches_through_capture_path"] == 0, **info}
 
         long_ids = rand_ids(2 * CHUNK + 37)
         ok, info = verify(server.generate(body(long_ids, 4, "chunked")).json(), long_ids)
