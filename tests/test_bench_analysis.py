@@ -114,3 +114,47 @@ def test_the_writer_cpu_list_is_parsed_as_the_kernel_writes_it(text, cpus):
     from sglang_capture.config import parse_cpu_list
 
     assert parse_cpu_list(text) == cpus
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def test_the_serialization_benchmark_times_every_path_on_the_cpu(tmp_path):
+    import json
+    import subprocess
+
+    out = tmp_path / "serialization.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "serialization.py"), "--tokens", "16", "--hidden", "64",
+                           "--repeat", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.load(open(out))["rows"]
+    paths = {r["path"] for r in rows}
+    assert {"sglang-json", "msgpack-raw", "zstd-1+shuffle"} <= paths
+    raw = next(r for r in rows if r["path"] == "msgpack-raw")
+    assert 4 * 64 * 2 <= raw["bytes_per_token"] < 4 * 64 * 2 * 1.5  # the bf16 bytes plus the file's framing
+    assert "sglang-json" in proc.stdout and "zstd-1+shuffle" in proc.stdout  # the markdown table
+
+
+def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_target(tiny_models, tmp_path):
+    """The GPU benchmark's own code path, end to end on two real CPU servers (numbers meaningless here)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "e2e"
+    cmd = [sys.executable, os.path.join(BENCH, "e2e.py"), tiny_models["tiny-dsv3"], str(out), "--tokens", "64",
+           "--concurrency", "4", "--seconds", "4", "--capture-rate", "2", "--phases", "mixed", "--mixed-rounds", "1",
+           "--mixed-rates", "2", "--client-procs", "2", "--capture-dir", str(tmp_path / "caps"),
+           "--capture-args", "--capture-layers 1,2,3 --capture-writers 2",
+           "--sglang-args", "--device cpu --attention-backend torch_native --max-total-tokens 4096 --skip-server-warmup "
+                            "--max-running-requests 8 --sleep-on-idle"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.load(open(out / "e2e.json"))
+    d = res["d_mixed"]["mixed-capture"]
+    assert d["requests"] > 0 and d["failed"] == 0 and d["capture_ok"] == d["requests"] and d["bytes_on_disk"] > 0
+    assert res["a_mixed"]["mixed-capture"]["capture_ok"] == 0  # plain SGLang's stream captures nothing
+    assert len(res["a_mixed"]["_windows"]) == 2 and len(res["d_mixed"]["_windows"]) == 1  # (a) on both sides of (d)
+    assert res["d_mixed"]["_scheduler_thread"]["run_batch/extend/capture"]["calls"] > 0
+    verdict = next(l for l in proc.stdout.splitlines() if l.startswith("mixed load, capture stream 128 tok/s"))
+    assert verdict.endswith(("PASS", "MISS"))
+    assert verdict.endswith("PASS") or "  bottleneck: " in proc.stdout
