@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 import sglang_capture
+from sglang_capture.instrumentor import installed_sglang_version
 from sglang_capture.testbed.server import capture_cmd
 from sglang_capture.writer import read_stats
 from tests.reference import max_abs_diff, reference_states
@@ -153,8 +154,11 @@ def test_a_capture_of_one_new_token_sends_no_decode_batch_through_the_capture_pa
     capture(dsv3, "A last one, whose outcome rewrites the stats.", max_new_tokens=1, capture_name="one-token-last")
     after = clock()
     assert calls(after, "run_batch/extend/capture") >= calls(before, "run_batch/extend/capture") + 2
-    assert calls(after, "run_batch/decode/plain") > calls(before, "run_batch/decode/plain")
     assert calls(after, "run_batch/decode/capture") == calls(before, "run_batch/decode/capture")
+    # 0.5.17's overlap scheduler does launch that decode batch (it took the capture path before this
+    # change); 0.5.23 launches none for a request that ends in its prefill
+    decode_batches = calls(after, "run_batch/decode/plain") - calls(before, "run_batch/decode/plain")
+    assert decode_batches > 0 if installed_sglang_version() == "0.5.17" else decode_batches == 0
     data = sglang_capture.load(out["meta_info"]["capture"]["path"])
     assert data["aux_hidden_states"].shape[0] == len(data["input_ids"]) and len(data["output_ids"]) == 1
     check_against_transformers(tiny_models["tiny-dsv3"], data)
