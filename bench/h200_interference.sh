@@ -7,6 +7,6 @@ source bench/device_setup.sh "$@"
 cd /tmp
 python "$R/.devkit/mk_tiny_model.py" /tmp/mk deepseek_v3 ${MODEL_LAYERS:-4} 7168 > $W/mk.log 2>&1
 python "$R/bench/interference.py" /tmp/mk $OUT/interference --procs ${LOAD_PROCS:-5} --rounds ${ROUNDS:-2} --seconds ${SECONDS_PER_WINDOW:-8} \
-  --sglang-args "--attention-backend triton --grammar-backend none --sleep-on-idle --mem-fraction-static ${MEM_FRACTION:-0.4} --max-total-tokens 300000 --cuda-graph-max-bs 64 --chunked-prefill-size 16384 --max-running-requests 128" \
+  --sglang-args "$SGLANG_GPU_ARGS --mem-fraction-static ${MEM_FRACTION:-0.4}" \
   2> $W/interference.log | tee "$OUT/interference.md"
 tail -20 $W/interference.log

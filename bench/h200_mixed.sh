@@ -15,7 +15,7 @@ lscpu > $W/lscpu.txt 2>&1; cat /sys/devices/system/cpu/cpu0/topology/thread_sibl
 python "$R/.devkit/mk_tiny_model.py" /tmp/mk deepseek_v3 ${MODEL_LAYERS:-4} 7168 > $W/mk.log 2>&1
 python "$R/bench/e2e.py" /tmp/mk $OUT/e2e --phases ${MIXED_PHASES:-mixed} --seconds ${E2E_SECONDS:-16} --ab-rounds ${AB_ROUNDS:-3} --mixed-rounds ${MIXED_ROUNDS:-1} --client-procs ${CLIENT_PROCS:-4} --profile-steps ${PROFILE_STEPS:-0} --profile-activities ${PROFILE_ACTIVITIES:-GPU} ${IDLE_MIXED:+--idle-mixed} --py-spy-seconds ${PY_SPY_SECONDS:-0} --capture-dir /tmp/caps \
   --capture-args "--capture-layers ${CAPTURE_LAYERS:-1,2,3} --capture-writers ${WRITER_THREADS:-16}" \
-  --sglang-args "--attention-backend triton --grammar-backend none --sleep-on-idle --mem-fraction-static ${MEM_FRACTION:-0.9} --max-total-tokens 300000 --cuda-graph-max-bs 64 --chunked-prefill-size 16384 --max-running-requests 128" \
+  --sglang-args "$SGLANG_GPU_ARGS --mem-fraction-static ${MEM_FRACTION:-0.9}" \
   --variants="${MIXED_VARIANTS:-}" --mixed-rates "${MIXED_RATES:-}" \
   2> $W/e2e.log | tee "$OUT/e2e-mixed.md"
 tail -12 $W/e2e.log

@@ -85,8 +85,9 @@ class CaptureConfig:
 
     def threads_for_writing(self) -> int:
         """Writer processes to run: the configured count, or for 0 three quarters of the cores this
-        process may use (of ``writer_cpus`` when set), between 2 and 16 (on the 16-core H200 host 16 writers used ~8 cores at
-        full capture, bench/RESULTS.md; beyond that the disk, not the CPU, bounds the writer)."""
+        process may use (of ``writer_cpus`` when set), between 2 and 16 (on the 16-core H200 host
+        16 writers used ~8 cores at full capture, bench/RESULTS.md; beyond that the disk, not the
+        CPU, bounds the writer)."""
         if self.writer_threads:
             return self.writer_threads
         try:
@@ -164,10 +165,10 @@ def check_writer_cpus(cpus: Optional[List[int]], allowed: Optional[set] = None) 
 
 def _ranges(cpus: List[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5" (the form the option takes)."""
-    out: List[str] = []
+    runs: List[List[int]] = []
     for cpu in cpus:
-        if out and int(out[-1].rpartition("-")[2]) == cpu - 1:
-            out[-1] = f"{out[-1].partition('-')[0]}-{cpu}"
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
         else:
-            out.append(str(cpu))
-    return ",".join(out)
+            runs.append([cpu, cpu])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)

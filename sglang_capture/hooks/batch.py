@@ -21,8 +21,8 @@ def _wants_decode_row(req: Any) -> bool:
     never does: its file holds the prompt's rows, and its one token is sampled by the prefill.
     SGLang 0.5.17's overlap scheduler still puts it into the next decode batch, launched before
     the prefill's result says the request finished (0.5.23 does not); that batch would copy its
-    row to the host and hand it to the result seams for nothing (+0.5 ms of the scheduler thread per capture on the
-    H200, bench/RESULTS.md).
+    row to the host and hand it to the result seams for nothing (+0.5 ms of the scheduler thread
+    per capture on the H200, bench/RESULTS.md).
     """
     if not req.return_hidden_states:
         return False
