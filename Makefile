@@ -10,8 +10,14 @@ SGLANG_VERSION ?= 0.5.17
 VENV ?= $(HOME)/.cache/sglang-cpu-ci/venv-$(SGLANG_VERSION)
 PIP_QUIET := { grep -v -e 'is ignored: it is neither a file nor a directory' || true; }
 
-.PHONY: install demo test test-0.5.23
+.PHONY: install venv demo test test-0.5.23
+# The venv is created under an exclusive flock: two make runs started together on a fresh
+# machine (demo and test, say) would otherwise both remove and rebuild it, or install into it at once.
 install:
+	@mkdir -p $(dir $(VENV))
+	@flock $(VENV).lock $(MAKE) --no-print-directory venv
+
+venv:
 	@if ! $(VENV)/bin/python -c "import sglang, sys; sys.exit(sglang.__version__ != '$(SGLANG_VERSION)')" 2>/dev/null; then \
 	  rm -rf $(VENV) && $(PYTHON) -m venv $(VENV) && \
 	  $(VENV)/bin/pip install -q --upgrade pip 2>&1 | $(PIP_QUIET) && \

@@ -56,6 +56,7 @@ import requests
 import pyspy_summary
 import trace_summary
 from sglang_capture.testbed.cpu import server_env
+from sglang_capture.testbed.once import cache_dir
 from sglang_capture.testbed.server import Server, start_server, stop_server
 from sglang_capture.writer import read_stats
 
@@ -295,7 +296,7 @@ def summarize(results: List[dict], t0: float, t1: float) -> Dict:
 
 def run_server(cmd: List[str], out: str, name: str, capture_dir: str = "") -> Server:
     t0 = time.time()
-    env = server_env(os.path.expanduser("~/.cache/sglang-capture-tests"))  # unchanged on a GPU machine
+    env = server_env(cache_dir())  # unchanged on a GPU machine
     s = start_server(cmd, env, os.path.join(out, f"{name}.log"), capture_dir)
     print(f"{name} server up in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     return s

@@ -59,6 +59,12 @@ class RequestCapture:
     # sealed, because a finished Req is usually freed before a writer gets to its rows.
     finalizer: Optional[Any] = None
     pool: Optional["HostPool"] = None  # for rows that arrive still on the device
+    failure: Optional[str] = None  # why rows could not be taken; the request then gets status error
+
+    def fail(self, why: str) -> None:
+        """Rows of this request could not be placed: no file will be written (the first reason is kept)."""
+        if self.failure is None:
+            self.failure = why
 
     def add(self, start: int, rows: "torch.Tensor") -> None:
         """Hot path: keep a reference to the rows (a view of the batch's host buffer, no copy)

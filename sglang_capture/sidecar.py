@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from sglang_capture.assembler import RequestCapture
 from sglang_capture.aux_capture import AUX_ATTR, AuxCapture
+from sglang_capture.batch_rows import BatchRows, ResultRows
 from sglang_capture.config import CaptureConfig
 from sglang_capture.format import SCHEMA
 from sglang_capture.host_pool import HostPool
@@ -75,6 +76,10 @@ class Sidecar:
                                            "scheduler_thread": self.clock.stats()}
         self.model: Optional[ModelInfo] = None
         self.aux: Optional[AuxCapture] = None  # set up with the model
+        # the batch Scheduler.run_batch is launching, and the one whose result is being processed
+        # (hooks/batch.py, hooks/results.py; batch_rows.py says why this is not on the tensors)
+        self.launching: Optional[BatchRows] = None
+        self.processing: Optional[ResultRows] = None
         self._is_writer: Optional[bool] = None
         from sglang_capture import __version__
         from sglang_capture.instrumentor import installed_sglang_version
@@ -197,12 +202,15 @@ class Sidecar:
             "shapes": {k: [n_rows, hi - lo] for k, (lo, hi) in splits.items()},
         }
         reason = req.finished_reason.to_json() if req.finished_reason is not None else {}
-        if reason.get("type") == "abort":
+        if reason.get("type") == "abort" or capture.failure is not None:
             capture.release()
-            ref.update(status="aborted", error=str(reason.get("message", "request aborted")))
+            if capture.failure is not None:
+                ref.update(status="error", error=f"capture failed in the scheduler: {capture.failure}")
+            else:
+                ref.update(status="aborted", error=str(reason.get("message", "request aborted")))
             # the client may be gone (disconnect): leave the outcome where monitoring finds it
             self.writer.submit_outcome(req.rid, {"rid": req.rid, "name": capture.name, "path": path,
-                                                 "status": "aborted", "error": ref["error"]})
+                                                 "status": ref["status"], "error": ref["error"]})
             return ref
         meta = {
             "rid": req.rid,

@@ -7,10 +7,11 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 
 from sglang_capture.testbed.cpu import server_env
+from sglang_capture.testbed.once import cache_dir
 from sglang_capture.testbed.server import Server, plain_cmd, start_server, stop_server
 from sglang_capture.testbed.tiny_models import build_all
 
-CACHE = os.environ.get("SGLANG_CAPTURE_TEST_CACHE", os.path.expanduser("~/.cache/sglang-capture-tests"))
+CACHE = cache_dir()
 
 
 @pytest.fixture(scope="session")

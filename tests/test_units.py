@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import types
 import time
 
 import pytest
@@ -550,22 +551,52 @@ def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
     assert capture_rows(None, 3) is None
 
 
-def test_captured_rows_are_gathered_in_the_forward_beside_their_final_hidden_state():
-    from sglang_capture.hooks.transfer import GATHERED_ATTR, gather_in_forward, running
+def test_captured_rows_are_gathered_in_the_forward_beside_their_final_hidden_state(monkeypatch):
+    from sglang_capture import sidecar as sidecar_module
+    from sglang_capture.batch_rows import BatchRows
+    from sglang_capture.hooks.transfer import gather_in_forward
 
     req, batch = _fake_req, _fake_batch
+    state = types.SimpleNamespace(launching=None)
+    monkeypatch.setattr(sidecar_module, "_SIDECAR", state)
     aux = torch.arange(15 * 6, dtype=torch.float32).view(15, 6)  # 3 layers x hidden 2
     final = -torch.arange(15 * 2, dtype=torch.float32).view(15, 2)
-    b = batch("extend", [req(), req(True), req(True), req(), req(True)], [5, 3, 2, 4, 1])
-    with running(b):
-        out = gather_in_forward(aux, final)
-        assert gather_in_forward(aux[:14], final) is None  # aux and final disagree: keep the whole batch
-    rows = [5, 6, 7, 8, 9, 14]
-    assert torch.equal(out, torch.cat([aux[rows], final[rows]], dim=-1))
-    assert getattr(out, GATHERED_ATTR) == (15, {5: 0, 8: 3, 14: 5})
+    state.launching = rows = BatchRows(batch("extend", [req(), req(True), req(True), req(), req(True)], [5, 3, 2, 4, 1]),
+                                       captures=True)
+    assert gather_in_forward(aux[:14], final) is None  # aux and final disagree: keep the whole batch
+    out = gather_in_forward(aux, final)
+    kept = [5, 6, 7, 8, 9, 14]
+    assert torch.equal(out, torch.cat([aux[kept], final[kept]], dim=-1))
+    assert (rows.row_map, rows.kept_rows, rows.batch_rows, rows.gathered_in_forward) == ({5: 0, 8: 3, 14: 5}, 6, 15, True)
+    state.launching = None
     assert gather_in_forward(aux, final) is None  # no batch running (CUDA graph capture, warm-up)
-    with running(batch("extend", [req(True), req(json_hidden=True)], [5, 10])):
-        assert gather_in_forward(aux, final) is None  # SGLang's JSON request needs every row
+    state.launching = BatchRows(batch("extend", [req(True), req(json_hidden=True)], [5, 10]), captures=True)
+    assert gather_in_forward(aux, final) is None  # SGLang's JSON request needs every row
+
+
+def test_the_row_seams_find_kept_rows_through_the_batch_state_whatever_tensor_object_arrives():
+    """Under DP attention SGLang re-slices the result tensor (a new object): the map must not live on it."""
+    from sglang_capture.batch_rows import BatchRows, ResultRows, RowsMismatch
+
+    req, batch = _fake_req, _fake_batch
+    b = batch("extend", [req(), req(True), req(True), req(), req(True)], [5, 3, 2, 4, 1])
+    b.prefix_lens = [0, 7, 0, 0, 2]
+    rows = BatchRows(b, captures=True)
+    rows.keep(rows.selection(15), 15, in_forward=True)
+    result = types.SimpleNamespace()
+    rows.attach(result)
+    kept = torch.arange(6 * 3).view(6, 3)[:6]  # a fresh object, as SGLang's un-padding slice makes
+    processing = ResultRows.of(b, result)
+    assert [processing.row(kept, off, n) for off, n in ((5, 3), (8, 2), (14, 1))] == [0, 3, 5]
+    assert [processing.chunk_start(r) for r in (b.reqs[1], b.reqs[4])] == [7, 2]
+    with pytest.raises(RowsMismatch):
+        processing.row(kept[:5], 14, 1)  # fewer rows than were kept: never read another request's rows
+    with pytest.raises(RowsMismatch):
+        processing.row(kept, 0, 5)  # a request whose rows were not kept
+    whole = ResultRows.of(b, types.SimpleNamespace())  # nothing kept: batch offsets, checked against the end
+    assert whole.row(torch.zeros(15, 3), 14, 1) == 14
+    with pytest.raises(RowsMismatch):
+        whole.row(torch.zeros(14, 3), 14, 1)
 
 
 def test_temp_files_of_a_killed_server_are_removed_at_start_and_live_ones_kept(tmp_path):
@@ -709,10 +740,11 @@ def test_a_decode_batch_copies_no_hidden_states_when_its_only_capture_requests_e
 
     import sglang_capture.hooks.batch as batch_hook
     from sglang_capture.aux_capture import AUX_ATTR
+    from sglang_capture.batch_rows import RESULT_ATTR
     from sglang_capture.seam_clock import SeamClock
 
     clock = SeamClock()
-    monkeypatch.setattr(batch_hook, "get_sidecar", lambda: types.SimpleNamespace(aux=None, clock=clock))
+    monkeypatch.setattr(batch_hook, "get_sidecar", lambda: types.SimpleNamespace(aux=None, clock=clock, launching=None))
 
     def req(max_new, capture=True, json_hidden=False):
         r = types.SimpleNamespace(return_hidden_states=capture or json_hidden,
@@ -725,8 +757,9 @@ def test_a_decode_batch_copies_no_hidden_states_when_its_only_capture_requests_e
         fm = types.SimpleNamespace(name=mode.upper(), is_decode=lambda: mode == "decode")
         b = types.SimpleNamespace(reqs=reqs, forward_mode=fm, return_hidden_states=True,
                                   return_hidden_states_mode=CaptureHiddenMode.FULL)
-        seen = []
-        assert batch_hook.run_batch(lambda batch: seen.append(batch.return_hidden_states) or "result", None, (b,), {}) == "result"
+        seen, result = [], types.SimpleNamespace()
+        assert batch_hook.run_batch(lambda batch: seen.append(batch.return_hidden_states) or result, None, (b,), {}) is result
+        assert getattr(result, RESULT_ATTR).batch is b  # the batch's capture state rides on its result
         return b.return_hidden_states, b.return_hidden_states_mode, seen
 
     # a finished-at-prefill capture request beside a plain one: nothing of the batch goes to the host

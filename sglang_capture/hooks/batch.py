@@ -2,7 +2,8 @@
 
 Three steps depend on it: whether the model computes the aux layers for it (aux_capture.py),
 which of its result rows the copy to the host takes (transfer.py), and whether a decode batch
-needs its hidden states copied at all (below).
+needs its hidden states copied at all (below). Its ``BatchRows`` (batch_rows.py) is the running
+batch while the forward and the copy run, and rides on its result object afterwards.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import contextlib
 from typing import Any
 
 from sglang_capture.aux_capture import AUX_ATTR, batch_captures
-from sglang_capture.hooks.transfer import running
+from sglang_capture.batch_rows import BatchRows
 from sglang_capture.sidecar import get_sidecar
 
 
@@ -44,8 +45,16 @@ def run_batch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         batch.return_hidden_states, batch.return_hidden_states_mode = False, CaptureHiddenMode.NULL
         captures = False
 
+    rows = BatchRows(batch, captures)
+
     def run() -> Any:
-        with aux.for_batch(batch, captures) if aux is not None else contextlib.nullcontext(), running(batch):
-            return wrapped(*args, **kwargs)
+        sidecar.launching = rows
+        try:
+            with aux.for_batch(batch, captures) if aux is not None else contextlib.nullcontext():
+                result = wrapped(*args, **kwargs)
+        finally:
+            sidecar.launching = None
+        rows.attach(result)
+        return result
 
     return sidecar.clock.timed(f"run_batch/{batch.forward_mode.name.lower()}", captures, run)

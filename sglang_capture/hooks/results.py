@@ -7,31 +7,39 @@ they see only the final hidden state columns, exactly what plain SGLang would re
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Optional
+from typing import Any, Optional, Tuple
 
 from sglang_capture.aux_capture import batch_captures
-from sglang_capture.hooks.transfer import block_row
+from sglang_capture.batch_rows import ResultRows, RowsMismatch
 from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
 
-_batch: Dict[str, Any] = {"batch": None, "index": None}
 
-
-def prefill_batch_context(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Around ``process_batch_result_prefill``: remember the batch snapshot, whose ``prefix_lens``
-    give each request's chunk start (the live Req may already be scheduled further)."""
-    batch = _batch["batch"] = args[0] if args else kwargs["batch"]
-    _batch["index"] = None
+def batch_result_context(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``Scheduler.process_batch_result``: while a batch's result is processed, the row
+    seams read its snapshot (whose ``prefix_lens`` give each request's chunk start; the live Req
+    may already be scheduled further) and its ``BatchRows`` (which rows were kept)."""
+    batch = args[0] if args else kwargs["batch"]
+    result = args[1] if len(args) > 1 else kwargs["result"]
+    sidecar = get_sidecar()
+    mode = batch.forward_mode.name.lower()
+    sidecar.processing = ResultRows.of(batch, result)
     try:
-        return get_sidecar().clock.timed("process_prefill_result", batch_captures(batch), lambda: wrapped(*args, **kwargs))
+        return sidecar.clock.timed(f"process_result/{mode}", batch_captures(batch), lambda: wrapped(*args, **kwargs))
     finally:
-        _batch["batch"] = _batch["index"] = None
+        sidecar.processing = None
 
 
-def _chunk_start(req: Any) -> int:
-    batch = _batch["batch"]
-    if _batch["index"] is None:
-        _batch["index"] = {id(r): i for i, r in enumerate(batch.reqs)}
-    return batch.prefix_lens[_batch["index"][id(req)]]
+def _rows_of(req: Any, capture: Any, hidden: Any, offset: int, n: int) -> Optional[Tuple[int, ResultRows]]:
+    """Where ``req``'s rows lie in ``hidden``, or None (its capture then fails, naming why)."""
+    processing = get_sidecar().processing
+    if processing is None:
+        capture.fail(f"rows of batch offset {offset} arrived outside a batch's result processing")
+        return None
+    try:
+        return processing.row(hidden, offset, n), processing
+    except RowsMismatch as e:
+        capture.fail(str(e))
+        return None
 
 
 def _final_columns(hidden: Any) -> Any:
@@ -57,8 +65,10 @@ def take_prefill_rows(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
         raise RuntimeError("sglang_capture needs full hidden-state capture; start the server through sglang_capture.launch")
     if not req.finished() and not req.is_retracted:
         hidden = kwargs["logits_output"].hidden_states
-        row = block_row(hidden, start)
-        capture.add(_chunk_start(req), hidden[row:row + n])
+        found = _rows_of(req, capture, hidden, start, n)
+        if found is not None:
+            row, processing = found
+            capture.add(processing.chunk_start(req), hidden[row:row + n])
     return start + n
 
 
@@ -74,6 +84,7 @@ def take_decode_rows(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
         # output_ids already holds this step's tokens; the rows belong to the tokens fed in.
         position = len(req.origin_input_ids) + len(req.output_ids) - 1 - accept
         hidden = kwargs["hidden_states"]
-        row = block_row(hidden, start)
-        capture.add(position, hidden[row:row + accept])
+        found = _rows_of(req, capture, hidden, start, accept)
+        if found is not None:
+            capture.add(position, hidden[found[0]:found[0] + accept])
     return None

@@ -7,10 +7,10 @@ a capture request shares its prefill batch with several others, and the copy the
 captured bytes while the scheduler thread waited for it (bench/RESULTS.md, fifth round). Here the
 rows of the batch's capture requests are gathered on the device and queued into a pool block on
 the same stream; SGLang then copies the rest of the result (token ids, logprobs) as usual. The
-block's tensor carries the map from each request's row offset in the batch to its offset in the
-block, which the row seams (results.py) read. When no compaction is safe (another request wants
-SGLang's own hidden states) the whole batch is copied; when the pool is full, or in a process
-without one, SGLang's copy runs.
+batch's ``BatchRows`` records the map from each request's row offset in the batch to its offset
+among the kept rows, which the row seams (results.py) read. When no compaction is safe (another
+request wants SGLang's own hidden states) the whole batch is copied; when the pool is full, or
+in a process without one, SGLang's copy runs (of the kept rows).
 
 In an eager forward the rows are gathered earlier, where the final hidden state joins the aux
 layers (``gather_in_forward``, called by hooks/model.py): then only the captured rows are ever
@@ -19,37 +19,12 @@ concatenated, instead of a [batch tokens, (layers + 1) x hidden] tensor (940 MB 
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from sglang_capture.batch_rows import RESULT_ATTR, BatchRows, Selection
 from sglang_capture.sidecar import CAPTURE_ATTR, get_sidecar
-
-ROW_MAP_ATTR = "_sglang_capture_rows"  # on a host tensor: batch row offset -> row offset in it
-GATHERED_ATTR = "_sglang_capture_gathered"  # on a device tensor gathered in the forward: (batch rows, ROW_MAP)
-
-Selection = Tuple[List[Tuple[int, int]], Dict[int, int]]
-_running: Dict[str, Any] = {"batch": None, "selection": None}
-
-
-@contextlib.contextmanager
-def running(batch: Any) -> Iterator[None]:
-    """While ``Scheduler.run_batch`` runs ``batch``: the batch whose result ``copy_to_cpu`` copies."""
-    _running["batch"], _running["selection"] = batch, None
-    try:
-        yield
-    finally:
-        _running["batch"], _running["selection"] = None, None
-
-
-def _selection(n_rows: int) -> Optional[Selection]:
-    """``capture_rows`` of the running batch, computed once per batch (the forward and the copy ask)."""
-    cached = _running["selection"]
-    if cached is None or cached[0] != n_rows:
-        cached = (n_rows, capture_rows(_running["batch"], n_rows))
-        _running["selection"] = cached
-    return cached[1]
 
 
 def gather_in_forward(stored: torch.Tensor, final: torch.Tensor) -> Optional[torch.Tensor]:
@@ -57,14 +32,16 @@ def gather_in_forward(stored: torch.Tensor, final: torch.Tensor) -> Optional[tor
     whole batch must be kept (CUDA graph capture, no running batch, no compaction possible).
 
     Runs inside the forward, on the forward stream, so the result is ready when SGLang's copy
-    stream (which waits for the forward) reads it."""
+    stream (which waits for the forward) reads it. What was kept is recorded in the running
+    batch's ``BatchRows``, not on the tensor (batch_rows.py says why)."""
+    rows = get_sidecar().launching
     n_rows = final.shape[0]
-    if stored.shape[0] != n_rows or (final.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if rows is None or stored.shape[0] != n_rows or (final.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    selected = _selection(n_rows)
+    selected = rows.selection(n_rows)
     if selected is None:
         return None
-    runs, offsets = selected
+    runs, _ = selected
     width = stored.shape[-1]
     out = stored.new_empty((sum(b - a for a, b in runs), width + final.shape[-1]))
     at = 0
@@ -72,7 +49,7 @@ def gather_in_forward(stored: torch.Tensor, final: torch.Tensor) -> Optional[tor
         out[at:at + b - a, :width].copy_(stored[a:b])
         out[at:at + b - a, width:].copy_(final[a:b])
         at += b - a
-    setattr(out, GATHERED_ATTR, (n_rows, offsets))
+    rows.keep(selected, n_rows, in_forward=True)
     return out
 
 
@@ -123,45 +100,37 @@ def _bind(return_logprob: bool, return_hidden_states: bool = True) -> tuple:
 
 
 def copy_hidden_to_pool(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Around ``GenerationBatchResult.copy_to_cpu`` (scheduler thread, on SGLang's copy stream)."""
+    """Around ``GenerationBatchResult.copy_to_cpu`` (scheduler thread, on SGLang's copy stream).
+
+    Usually called inside ``run_batch``; with delayed sampling (grammars) after it, which is why
+    the batch's state is looked up on the result first."""
     return_logprob, return_hidden = _bind(*args, **kwargs)
     out = instance.logits_output
     if not return_hidden or out is None or out.hidden_states is None:
         return wrapped(*args, **kwargs)
-    return get_sidecar().clock.timed("copy_to_cpu", True, lambda: _copy_hidden(wrapped, out, return_logprob, args, kwargs))
+    sidecar = get_sidecar()
+    rows = getattr(instance, RESULT_ATTR, None) or sidecar.launching
+    if rows is None:
+        return wrapped(*args, **kwargs)
+    rows.attach(instance)
+    return sidecar.clock.timed("copy_to_cpu", True, lambda: _copy_hidden(wrapped, out, rows, return_logprob, args, kwargs))
 
 
-def _copy_hidden(wrapped: Any, out: Any, return_logprob: bool, args: tuple, kwargs: dict) -> Any:
+def _copy_hidden(wrapped: Any, out: Any, rows: BatchRows, return_logprob: bool, args: tuple, kwargs: dict) -> Any:
     sidecar = get_sidecar()
     pool = sidecar.pool
     hidden = out.hidden_states
-    gathered = getattr(hidden, GATHERED_ATTR, None)
-    if pool is None and gathered is None:
-        return wrapped(*args, **kwargs)
-    if gathered is not None:
-        batch_rows, offsets = gathered
-        src = hidden
-    else:
-        batch_rows, offsets, src = hidden.shape[0], None, hidden
-        selected = _selection(batch_rows)
+    if rows.row_map is None:  # not gathered in the forward: keep only the capture rows now, if that is safe
+        batch_rows = hidden.shape[0]
+        selected = rows.selection(batch_rows)
         if selected is not None:
-            runs, offsets = selected
+            runs, _ = selected
             parts = [hidden[a:b] for a, b in runs]
-            src = parts[0] if len(parts) == 1 else torch.cat(parts)
-    host = pool.take(src) if pool is not None else None
-    if host is None:
-        result = wrapped(*args, **kwargs)
-        if gathered is not None:  # SGLang's copy of the gathered rows: the row seams need the map
-            setattr(out.hidden_states, ROW_MAP_ATTR, offsets)
-        return result
-    if offsets is not None:
-        setattr(host, ROW_MAP_ATTR, offsets)
-    sidecar.count_copy(batch_rows, src.shape[0], in_forward=gathered is not None)
+            out.hidden_states = hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+            rows.keep(selected, batch_rows, in_forward=False)
+    host = pool.take(hidden) if pool is not None else None
+    if host is None:  # no pool, or the pool is full: SGLang's own copy, of the kept rows
+        return wrapped(*args, **kwargs)
+    sidecar.count_copy(rows.batch_rows or hidden.shape[0], hidden.shape[0], in_forward=rows.gathered_in_forward)
     out.hidden_states = host
     return wrapped(return_logprob, return_hidden_states=False)
-
-
-def block_row(hidden: Any, offset: int) -> int:
-    """Where the rows at batch offset ``offset`` lie in ``hidden`` (a compacted block, or not)."""
-    rows = getattr(hidden, ROW_MAP_ATTR, None)
-    return offset if rows is None else rows[offset]

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-from typing import Dict
+from typing import Dict, Optional
+
+from sglang_capture.testbed.once import build_once
 
 # The driver symbols the CUDA-built sgl_kernel wheel links against; each returns
 # CUDA_ERROR_STUB_LIBRARY (34), so torch sees no GPU and SGLang uses its native CPU ops.
@@ -19,20 +21,19 @@ def has_nvidia_driver() -> bool:
     return "libcuda.so.1 " in out
 
 
-def build_cuda_stub(cache_dir: str) -> str:
-    """Compile (once) a stub libcuda.so.1 into ``cache_dir``; returns its folder."""
-    os.makedirs(cache_dir, exist_ok=True)
-    lib = os.path.join(cache_dir, "libcuda.so.1")
-    if not os.path.exists(lib):
-        src = os.path.join(cache_dir, "stub.c")
+def build_cuda_stub(stub_dir: str) -> str:
+    """Compile (once, safe when servers start together) a stub libcuda.so.1 into ``stub_dir``; returns it."""
+    def build(tmp: str) -> None:
+        src = os.path.join(tmp, "stub.c")
         with open(src, "w") as f:
             f.writelines(f"int {s}(void) {{ return 34; }}\n" for s in _STUB_SYMBOLS)
-        subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib + ".tmp", src], check=True)
-        os.replace(lib + ".tmp", lib)
-    return cache_dir
+        subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", os.path.join(tmp, "libcuda.so.1"),
+                        src], check=True)
+
+    return build_once(stub_dir, build, stamp=" ".join(_STUB_SYMBOLS))
 
 
-def server_env(cache_dir: str, base: Dict[str, str] = None) -> Dict[str, str]:
+def server_env(cache_dir: str, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """Environment for a server subprocess: unchanged (offline) with a GPU, the CPU recipe without."""
     env = dict(os.environ if base is None else base)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -44,6 +45,9 @@ def server_env(cache_dir: str, base: Dict[str, str] = None) -> Dict[str, str]:
         SGLANG_USE_CPU_ENGINE="1",
         TORCHDYNAMO_DISABLE="1",  # else inductor compiles MoE top-k for ~40 s on the first request
         SGLANG_CAPTURE_CPU_TESTBED="1",
+        # Several ranks (TP, DP attention) talk over gloo on a CPU; a loadable NCCL (the pip wheel
+        # torch brings) would make SGLang set up a CUDA communicator and fail on the CPU device.
+        SGLANG_NCCL_SO_PATH=os.path.join(stub, "no-nccl-on-cpu"),
     )
     return env
 

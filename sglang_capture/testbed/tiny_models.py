@@ -12,6 +12,8 @@ from typing import Dict
 
 import torch
 
+from sglang_capture.testbed.once import build_once
+
 VOCAB = 1024
 _CORPUS = [
     "hello world, this is a tiny tokenizer for sglang cpu tests.",
@@ -258,22 +260,18 @@ def save_kimi_k25(path: str, tokenizer, layers: int = 8, hidden: int = 256, expe
 
 
 def build_all(out_dir: str) -> Dict[str, str]:
-    """Build (once) every tiny model under ``out_dir``; returns name -> path."""
-    paths = {name: os.path.join(out_dir, name) for name in ("tiny-llama", "tiny-dsv3", "tiny-kimi-k25")}
-    stamp = os.path.join(out_dir, "build.json")
-    try:
-        with open(stamp) as f:
-            if json.load(f) == {"version": BUILD_VERSION}:
-                return paths
-    except (OSError, ValueError):
-        pass
-    tok = build_tokenizer()
-    save_llama(paths["tiny-llama"], tok)
-    save_deepseek_v3(paths["tiny-dsv3"], tok)
-    save_kimi_k25(paths["tiny-kimi-k25"], tok)
-    with open(stamp, "w") as f:
-        json.dump({"version": BUILD_VERSION}, f)
-    return paths
+    """Build (once, safe when several processes ask at once) every tiny model under ``out_dir``;
+    returns name -> path."""
+    names = ("tiny-llama", "tiny-dsv3", "tiny-kimi-k25")
+
+    def build(tmp: str) -> None:
+        tok = build_tokenizer()
+        save_llama(os.path.join(tmp, "tiny-llama"), tok)
+        save_deepseek_v3(os.path.join(tmp, "tiny-dsv3"), tok)
+        save_kimi_k25(os.path.join(tmp, "tiny-kimi-k25"), tok)
+
+    build_once(out_dir, build, stamp=f"tiny models v{BUILD_VERSION}")
+    return {name: os.path.join(out_dir, name) for name in names}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""The test bed's cached builds are safe when several processes or threads start at once
+(a fresh machine, where two servers started together once raced on the stub's temporary name)."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import threading
+import time
+
+from sglang_capture.testbed.cpu import build_cuda_stub
+from sglang_capture.testbed.once import build_once
+
+
+def _slow_build(log: str):
+    def build(tmp: str) -> None:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        with open(os.path.join(tmp, "part1"), "w") as f:
+            f.write("1")
+        time.sleep(0.5)  # long enough for every other caller to arrive while this one builds
+        with open(os.path.join(tmp, "part2"), "w") as f:
+            f.write("2")
+    return build
+
+
+def _build_in_child(path: str, log: str, seen: "multiprocessing.Queue") -> None:
+    out = build_once(path, _slow_build(log), stamp="v1")
+    seen.put(sorted(os.listdir(out)))
+
+
+def test_processes_racing_for_one_artifact_build_it_once_and_all_see_it_whole(tmp_path):
+    path, log = str(tmp_path / "artifact"), str(tmp_path / "builds.log")
+    ctx = multiprocessing.get_context("fork")
+    seen = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child, args=(path, log, seen)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert len(open(log).read().split()) == 1
+    assert [seen.get(timeout=5) for _ in procs] == [[".built", "part1", "part2"]] * 4
+    assert sorted(os.listdir(tmp_path)) == ["artifact", "artifact.lock", "builds.log"]  # no temporary left
+
+
+def test_a_changed_stamp_rebuilds_the_artifact_whole(tmp_path):
+    path, log = str(tmp_path / "artifact"), str(tmp_path / "builds.log")
+    build_once(path, _slow_build(log), stamp="v1")
+    build_once(path, _slow_build(log), stamp="v1")
+    assert len(open(log).read().split()) == 1
+    build_once(path, _slow_build(log), stamp="v2")
+    assert len(open(log).read().split()) == 2
+    assert open(os.path.join(path, ".built")).read() == "v2"
+    assert sorted(os.listdir(tmp_path)) == ["artifact", "artifact.lock", "builds.log"]
+
+
+def test_a_failed_build_leaves_nothing_and_the_next_caller_builds_it(tmp_path):
+    path = str(tmp_path / "artifact")
+
+    def broken(tmp: str) -> None:
+        open(os.path.join(tmp, "half"), "w").close()
+        raise RuntimeError("compiler crashed")
+
+    try:
+        build_once(path, broken)
+    except RuntimeError:
+        pass
+    assert sorted(os.listdir(tmp_path)) == ["artifact.lock"]
+    build_once(path, lambda tmp: open(os.path.join(tmp, "whole"), "w").close())
+    assert sorted(os.listdir(path)) == [".built", "whole"]
+
+
+def test_servers_starting_together_on_a_fresh_machine_share_one_working_cuda_stub(tmp_path):
+    stub_dir = str(tmp_path / "cudastub")
+    results, errors = [], []
+
+    def start() -> None:
+        try:
+            results.append(build_cuda_stub(stub_dir))
+        except Exception as e:  # noqa: BLE001 - the test reports whatever a racing build raised
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and results == [stub_dir] * 4
+    lib = os.path.join(stub_dir, "libcuda.so.1")
+    assert open(lib, "rb").read(4) == b"\x7fELF"
+    symbols = subprocess.run(["nm", "-D", lib], capture_output=True, text=True, check=True).stdout
+    assert "cuInit" in symbols and "cuGetProcAddress_v2" in symbols
