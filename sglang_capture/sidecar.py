@@ -22,6 +22,7 @@ from sglang_capture.host_pool import HostPool
 from sglang_capture.layers import LAYER_CONVENTION, resolve_layers
 from sglang_capture.ledger import HostMemoryLedger
 from sglang_capture.loss_mask import BadLossMask, parse_spans
+from sglang_capture.node_budget import NodeBudget
 from sglang_capture.naming import FILE_SUFFIX, BadCaptureName, check_capture_name, name_for_rid
 from sglang_capture.publish import index_path
 from sglang_capture.seam_clock import SeamClock
@@ -115,15 +116,19 @@ class Sidecar:
         logger.info("sglang_capture: capturing layers %s of %s (%s), final hidden state %s",
                     layers, arch, type(model).__name__, "kept" if self.config.keep_last_hidden else "dropped")
         if self.is_writer and self.pool is None:
-            self._make_pool(pin=str(runner.device).startswith("cuda"))
+            budget = NodeBudget.for_server(self.config, runner.server_args)
+            logger.info("sglang_capture: %s", budget.describe())
+            self.ledger.cap_bytes = budget.pending_bytes
+            self.writer.processes = budget.writers
+            self._make_pool(budget.pending_bytes, pin=str(runner.device).startswith("cuda"))
             self.writer.pool = self.pool
             self.writer.start()
 
-    def _make_pool(self, pin: bool) -> None:
+    def _make_pool(self, size_bytes: int, pin: bool) -> None:
         """The host pool for capture batches, before the first request; without one (no memory to
         pin) capture still works, on SGLang's per-batch pinned buffers, only slower under load."""
         try:
-            self.pool = HostPool(self.config.max_pending_bytes, pin=pin)
+            self.pool = HostPool(size_bytes, pin=pin)
         except (RuntimeError, MemoryError, OSError) as e:
             logger.warning("sglang_capture: no host pool for pending rows (%s); capture goes on with SGLang's own "
                            "buffers. Lower --capture-max-pending-mb to get one", e)

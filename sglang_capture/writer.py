@@ -172,6 +172,7 @@ class CaptureWriter:
         self.config = config
         self.ledger = ledger
         self.pool = pool  # rows in it travel by offset; set before the first job
+        self.processes = config.threads_for_writing()  # this rank's share of the node's (node_budget.py)
         ledger.draining = lambda: self.pending() > 0
         self._queue: "queue.Queue[Union[CaptureJob, OutcomeOnly, None]]" = queue.Queue()
         self._threads: List[threading.Thread] = []
@@ -209,7 +210,7 @@ class CaptureWriter:
                 # Hand-off threads wake on pipe replies; behind SGLang's busy scheduler thread each
                 # wake-up waits up to a whole switch interval (5 ms by default) for the GIL.
                 sys.setswitchinterval(self.config.switch_interval_ms / 1000.0)
-            for i in range(self.config.threads_for_writing()):
+            for i in range(self.processes):
                 t = threading.Thread(target=self._run, args=(i,), name=f"sglang-capture-handoff-{i}", daemon=True)
                 t.start()
                 self._threads.append(t)

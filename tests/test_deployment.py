@@ -71,12 +71,19 @@ def _check_load(server, model: str) -> List[Dict]:
     return [o for _, o in captured]
 
 
-def _writer_counts(capture_dir: str) -> List[int]:
-    counts = []
-    for path in glob.glob(os.path.join(capture_dir, ".index", "writer-*.json")):
+def _check_two_writer_ranks(server, captured: List[Dict]) -> None:
+    """Each DP rank wrote its own requests' files, with half the node's memory and writers."""
+    stats = []
+    for path in glob.glob(os.path.join(server.capture_dir, ".index", "writer-*.json")):
         with open(path) as f:
-            counts.append(json.load(f)["written"])
-    return sorted(counts)
+            stats.append(json.load(f))
+    written = sorted(s["written"] for s in stats)
+    assert len(written) == 2 and sum(written) == len(captured) and min(written) > 0
+    # defaults: 8192 MiB for the node; writers auto = 2 on this 2-core machine
+    assert [s["cap_bytes"] for s in stats] == [4096 << 20] * 2
+    assert sum(len(s["writer_pids"]) for s in stats) == 2
+    assert server.log().count("node budget 8192 MiB of host memory and 2 writer processes, shared by 2 writer "
+                              "rank(s): 4096 MiB and 1 process(es) on this rank") == 2
 
 
 def _dsv3_server(make_test_server, tiny_models, tmp_path, *parallel: str, env=None):
@@ -94,8 +101,7 @@ def test_dp_attention_captures_every_request_once_on_its_own_rank_equal_to_trans
     server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--tp", "2", "--dp", "2", "--enable-dp-attention",
                           env=TWO_RANKS)
     captured = _check_load(server, tiny_models["tiny-dsv3"])
-    counts = _writer_counts(server.capture_dir)
-    assert len(counts) == 2 and sum(counts) == len(captured) and min(counts) > 0  # each DP rank wrote its own
+    _check_two_writer_ranks(server, captured)
     log = server.log()
     assert "chunked prefill size is adjusted from 128 to 64" in log
     assert "aux layers computed in every forward (DP attention is on)" in log
@@ -104,9 +110,7 @@ def test_dp_attention_captures_every_request_once_on_its_own_rank_equal_to_trans
 def test_two_data_parallel_schedulers_capture_every_request_once_equal_to_transformers(
         make_test_server, tiny_models, tmp_path):
     server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--dp", "2")
-    captured = _check_load(server, tiny_models["tiny-dsv3"])
-    counts = _writer_counts(server.capture_dir)
-    assert len(counts) == 2 and sum(counts) == len(captured) and min(counts) > 0
+    _check_two_writer_ranks(server, _check_load(server, tiny_models["tiny-dsv3"]))
 
 
 def test_capture_is_exact_without_overlap_scheduling(make_test_server, tiny_models, tmp_path):
