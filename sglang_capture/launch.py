@@ -124,7 +124,8 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-level", type=int, default=None, help="zstd level. Default: entropy-first settings tuned for activations (2-3x faster than level 1, same ratio).")
 @click.option("--capture-shuffle/--capture-no-shuffle", default=True, show_default=True, help="Byte-shuffle before zstd (better ratio on bf16).")
 @click.option("--capture-writers", "--capture-writer-threads", "capture_writer_threads", type=int, default=0, show_default=True,
-              help="Writer processes (0 = 3/4 of the cores, 2..16). --capture-writer-threads is the old name.")
+              help="Writer processes per node, split among its writer ranks (0 = 3/4 of the cores, 2..16). "
+                   "--capture-writer-threads is the old name.")
 @click.option("--capture-writer-nice", type=int, default=0, show_default=True,
               help="How much lower the writer processes' CPU priority is than the server's (0-19), for hosts short of cores.")
 @click.option("--capture-writer-cpus", default=None, help="CPUs the writer processes run on, as a list such as 8-15 "
@@ -136,7 +137,8 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 @click.option("--capture-gather-in-forward/--capture-gather-after-forward", default=True, show_default=True,
               help="Where a shared batch's captured rows are picked out: in an eager forward (only they are concatenated) "
                    "or after it, from the whole batch's concat (the earlier behaviour, kept for comparison).")
-@click.option("--capture-max-pending-mb", type=int, default=8192, show_default=True, help="Host memory for pending writes, allocated (on a GPU: pinned) once at start-up; the server waits beyond it.")
+@click.option("--capture-max-pending-mb", type=int, default=8192, show_default=True, help="Host memory per node for pending writes, split among its writer ranks, allocated (on a GPU: pinned) once at "
+                   "start-up; a rank waits beyond its share.")
 @click.option("--capture-wait-timeout", type=float, default=600.0, show_default=True, help="Seconds a response waits for its file.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def main(capture_dir: str, capture_layers: Optional[str], capture_keep_last: bool, capture_codec: str,

@@ -10,8 +10,10 @@ on before it answers the client. Files are written by the writer processes
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -61,9 +63,15 @@ def unlink_quietly(name: str, dir_fd: Optional[int] = None) -> None:
         pass
 
 
+def host_tag() -> str:
+    """This host, as a token without dots: ``h`` and 8 hex digits of its name's SHA-256."""
+    return "h" + hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
 def _temp_name(name: str) -> str:
-    """``<name>.<pid>.<random>.part``: the pid tells ``remove_orphans`` whose file it is."""
-    return f"{name}.{os.getpid()}.{uuid.uuid4().hex}.part"
+    """``<name>.<host>.<pid>.<random>.part``: host and pid tell ``remove_orphans`` whose file it is
+    (a capture dir may be shared by several hosts, whose pids mean nothing here)."""
+    return f"{name}.{host_tag()}.{os.getpid()}.{uuid.uuid4().hex}.part"
 
 
 def _pid_running(pid: int) -> bool:
@@ -77,13 +85,15 @@ def _pid_running(pid: int) -> bool:
 
 
 def remove_orphans(dirs: DirFds) -> int:
-    """Remove temp files left in ``.tmp/`` and ``.index/`` by processes that no longer run (a
-    server killed mid-write); returns how many. Another live server's files are kept."""
-    removed = 0
+    """Remove temp files left in ``.tmp/`` and ``.index/`` by this host's processes that no longer
+    run (a server killed mid-write); returns how many. Files of a live process, or of another host
+    sharing the directory, are kept."""
+    removed, here = 0, host_tag()
     for dir_fd in (dirs.tmp, dirs.index):
         for entry in os.listdir(dir_fd):
             parts = entry.split(".")
-            if len(parts) < 4 or parts[-1] != "part" or not parts[-3].isdigit() or _pid_running(int(parts[-3])):
+            if (len(parts) < 5 or parts[-1] != "part" or parts[-4] != here or not parts[-3].isdigit()
+                    or _pid_running(int(parts[-3]))):
                 continue
             try:
                 os.unlink(entry, dir_fd=dir_fd)

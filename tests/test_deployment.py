@@ -1,4 +1,4 @@
-"""Deployment configurations on real SGLang (CPU, float32): DP attention and data-parallel schedulers.
+"""Deployment configurations on real SGLang (CPU, float32): DP attention, data-parallel schedulers, two nodes.
 
 Each server gets concurrent capture and plain requests of mixed lengths, with chunked prefill
 (every prompt over the chunk size is split) and radix-cache hits (plain requests sharing a
@@ -11,19 +11,25 @@ import glob
 import json
 import os
 import random
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
 
+import pytest
 import torch
 
 import sglang_capture
-from sglang_capture.testbed.server import capture_cmd
+from sglang_capture.instrumentor import installed_sglang_version
+from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd, start_server, stop_server
 from tests.reference import max_abs_diff, reference_states
 
 LAYERS = [0, 2, 3]
 TOL = 1e-4
 CHUNK = 128  # DP attention halves it per rank: 64
-TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}  # SGLang's CPU check for a TP group wider than the NUMA nodes
+# SGLang's CPU check for more ranks than NUMA nodes: 0.5.17 counts the TP group, 0.5.23 every rank
+# (dp x tp), and each refuses a bind list of another length
+TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+TWO_REPLICAS = TWO_RANKS if installed_sglang_version() != "0.5.17" else None
 
 
 def _requests() -> List[Dict]:
@@ -109,7 +115,7 @@ def test_dp_attention_captures_every_request_once_on_its_own_rank_equal_to_trans
 
 def test_two_data_parallel_schedulers_capture_every_request_once_equal_to_transformers(
         make_test_server, tiny_models, tmp_path):
-    server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--dp", "2")
+    server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--dp", "2", env=TWO_REPLICAS)
     _check_two_writer_ranks(server, _check_load(server, tiny_models["tiny-dsv3"]))
 
 
@@ -118,3 +124,58 @@ def test_capture_is_exact_without_overlap_scheduling(make_test_server, tiny_mode
     and the row seams must still find them through the batch's state."""
     server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--disable-overlap-schedule")
     _check_load(server, tiny_models["tiny-dsv3"])
+
+
+def _node_args(addr: str, rank: int) -> List[str]:
+    return ["--tp", "2", "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", addr]
+
+
+def _start_node1(cmd: List[str], env: Dict[str, str], log_path: str) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    stop_server(Server("node1", proc, ""))
+
+
+def test_tp_across_two_nodes_writes_every_file_where_the_response_says(make_test_server, tiny_models, tmp_path, env):
+    """Two "nodes" on loopback, one rank each; only node 0's TP rank 0 writes, next to the HTTP front."""
+    model, capture_dir = tiny_models["tiny-dsv3"], str(tmp_path / "capture")
+    os.makedirs(capture_dir)
+    addr = f"127.0.0.1:{free_port()}"
+    layers = ["--capture-layers", ",".join(map(str, LAYERS)), "--dtype", "float32"]
+    node1 = _start_node1(capture_cmd(model, capture_dir, *layers, *_node_args(addr, 1)), {**env, **TWO_RANKS},
+                         str(tmp_path / "node1.log"))
+    try:
+        server = make_test_server(capture_cmd(model, capture_dir, *layers, *_node_args(addr, 0)), capture_dir,
+                                  extra_env=TWO_RANKS)
+        ids = list(range(20, 120))
+        out = _send(server, {"i": 0, "ids": ids, "capture": True, "new": 3})
+        ref = out["meta_info"]["capture"]
+        assert ref["status"] == "ok" and os.path.dirname(ref["path"]) == capture_dir
+        data = sglang_capture.load(ref["path"])
+        aux, last = reference_states(model, torch.float32, ids + out["output_ids"][:-1], LAYERS)
+        assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL and max_abs_diff(data["last_hidden_states"], last) <= TOL
+        assert len(glob.glob(os.path.join(capture_dir, ".index", "writer-*.json"))) == 1  # node 1 writes nothing
+    finally:
+        _stop(node1)
+
+
+def test_a_plain_sglang_node_beside_a_launcher_node_is_refused_at_start(tiny_models, tmp_path, env):
+    """Its ranks would keep capture requests in the shared radix cache and the ranks' batches would part."""
+    model, capture_dir = tiny_models["tiny-dsv3"], str(tmp_path / "capture")
+    os.makedirs(capture_dir)
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = _start_node1(plain_cmd(model, "--dtype", "float32", *_node_args(addr, 1)), {**env, **TWO_RANKS},
+                         str(tmp_path / "node1.log"))
+    log = str(tmp_path / "node0.log")
+    try:
+        with pytest.raises(RuntimeError, match="server exited"):
+            server = start_server(capture_cmd(model, capture_dir, "--capture-layers", "1,2,3", *_node_args(addr, 0)),
+                                  {**env, **TWO_RANKS, "SGLANG_CAPTURE_PEER_WAIT_S": "15"}, log, capture_dir)
+            stop_server(server)
+        assert ("sglang_capture: rank(s) [1] of 2 run without the capture patches (a node started with plain "
+                "sglang.launch_server?)") in open(log).read()
+    finally:
+        _stop(node1)

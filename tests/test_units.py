@@ -433,9 +433,10 @@ def test_the_ledger_counts_each_pool_block_once_by_its_size():
 def test_without_memory_for_the_pool_capture_goes_on_and_says_how_to_get_one(tmp_path, caplog):
     from sglang_capture.sidecar import Sidecar
 
-    sidecar = Sidecar(CaptureConfig(capture_dir=str(tmp_path), max_pending_mb=1 << 32))  # 4 PiB
+    config = CaptureConfig(capture_dir=str(tmp_path), max_pending_mb=1 << 32)  # 4 PiB
+    sidecar = Sidecar(config)
     with caplog.at_level("WARNING", logger="sglang_capture.sidecar"):
-        sidecar._make_pool(pin=False)
+        sidecar._make_pool(config.max_pending_bytes, pin=False)
     assert sidecar.pool is None
     assert "Lower --capture-max-pending-mb" in caplog.text
     sidecar.writer.close()
@@ -604,14 +605,18 @@ def test_temp_files_of_a_killed_server_are_removed_at_start_and_live_ones_kept(t
     import subprocess
     import sys
 
-    from sglang_capture.publish import prepare_capture_dir
+    from sglang_capture.publish import host_tag, prepare_capture_dir
     from sglang_capture.writer import CaptureWriter
 
     prepare_capture_dir(str(tmp_path))
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)  # a process that has exited
-    orphans = [tmp_path / ".tmp" / f"req.7.{dead_pid}.{'a' * 32}.part", tmp_path / ".index" / f"x.json.{dead_pid}.{'b' * 32}.part"]
-    live = [tmp_path / ".tmp" / f"other.{os.getpid()}.{'c' * 32}.part", tmp_path / ".tmp" / "notes.part"]
+    here = host_tag()
+    orphans = [tmp_path / ".tmp" / f"req.7.{here}.{dead_pid}.{'a' * 32}.part",
+               tmp_path / ".index" / f"x.json.{here}.{dead_pid}.{'b' * 32}.part"]
+    live = [tmp_path / ".tmp" / f"other.{here}.{os.getpid()}.{'c' * 32}.part", tmp_path / ".tmp" / "notes.part",
+            # another host sharing the directory: its pids mean nothing here, its files stay
+            tmp_path / ".tmp" / f"req.8.h0badc0de.{dead_pid}.{'d' * 32}.part"]
     for path in orphans + live:
         path.write_bytes(b"half a file")
     writer = CaptureWriter(CaptureConfig(capture_dir=str(tmp_path), writer_threads=1), HostMemoryLedger(1 << 20))

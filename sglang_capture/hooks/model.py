@@ -6,12 +6,14 @@ from typing import Any
 import torch
 
 from sglang_capture.hooks.transfer import gather_in_forward
+from sglang_capture.peers import announce_and_check
 from sglang_capture.sidecar import get_sidecar
 
 
 def set_capture_layers(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Before ``ModelRunner.init_attention_backends``: weights are loaded, CUDA graphs not yet captured."""
     if not instance.is_draft_worker:
+        announce_and_check()  # every rank, on every node, must run the patches
         get_sidecar().configure_model(instance)
     return wrapped(*args, **kwargs)
 

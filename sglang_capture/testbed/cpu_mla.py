@@ -5,7 +5,8 @@
   prefill; the torch_native backend then reads the latent MLA cache and fails on the head size.
 - DP attention pads each rank's forward batch to the size the ranks agreed on, asking the
   attention backend for the sequence length of a padding slot; ``torch_native`` does not say
-  (base class: ``NotImplementedError``). 1 is what SGLang's CUDA backends answer. It then pins
+  (base class: ``NotImplementedError``; 0.5.23 asks ``get_cpu_graph_seq_len_fill_value`` on a
+  CPU). 1 is what SGLang's CUDA backends answer. It then pins
   the ranks' token counts (``torch.tensor(..., pin_memory=True)``), which needs a CUDA driver:
   on a CPU the module sees a ``torch`` whose ``tensor`` leaves memory unpinned. The ranks'
   hidden states are then gathered with a Triton copy kernel, which has no CPU driver: the
@@ -79,6 +80,7 @@ def register() -> None:
 
     AttentionBackendRegistry.register("torch_native", lambda attn, forward_batch: _dispatch_mla_subtype(attn, forward_batch))
     TorchNativeAttnBackend.get_cuda_graph_seq_len_fill_value = lambda self: 1
+    TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = lambda self: 1
     forward_batch_info.torch = _unpinned_torch()
     dp_attention.memcpy_triton = _memcpy_rows
     GroupCoordinator.all_gather_into_tensor = _cpu_all_gather(GroupCoordinator.all_gather_into_tensor)
