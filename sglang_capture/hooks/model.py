@@ -13,10 +13,8 @@ from sglang_capture.sidecar import get_sidecar
 def set_capture_layers(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Before ``ModelRunner.init_attention_backends``: weights are loaded, CUDA graphs not yet captured."""
     if not instance.is_draft_worker:
-        sidecar = get_sidecar()
-        # every rank, on every node, runs the patches; every writer rank's files are visible on node 0
-        announce_and_check(sidecar.config.capture_dir, sidecar.is_writer, instance.server_args.nnodes > 1)
-        sidecar.configure_model(instance)
+        announce_and_check()  # every rank, on every node, must run the patches
+        get_sidecar().configure_model(instance)
     return wrapped(*args, **kwargs)
 
 
