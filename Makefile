@@ -29,6 +29,7 @@ demo: install
 	$(VENV)/bin/sglang-capture demo
 
 test: install
+	$(VENV)/bin/ruff check sglang_capture patches tests bench
 	$(VENV)/bin/python -m pytest -q --durations=12 tests
 
 test-0.5.23:

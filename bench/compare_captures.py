@@ -36,7 +36,7 @@ def main(argv: List[str]) -> int:
         # greedy outputs may part under rounding; rows are compared up to where the sequences agree
         sx = x["input_ids"].tolist() + x["output_ids"].tolist()
         sy = y["input_ids"].tolist() + y["output_ids"].tolist()
-        n = next((i for i, (u, v) in enumerate(zip(sx, sy)) if u != v), min(len(sx), len(sy)))
+        n = next((i for i, (u, v) in enumerate(zip(sx, sy, strict=False)) if u != v), min(len(sx), len(sy)))
         n = min(n, x["last_hidden_states"].shape[0], y["last_hidden_states"].shape[0])
         cos = {k: torch.nn.functional.cosine_similarity(x[k][:n].float(), y[k][:n].float(), dim=-1).min().item()
                for k in ("aux_hidden_states", "last_hidden_states")}
@@ -44,7 +44,8 @@ def main(argv: List[str]) -> int:
         ok &= good
         rows.append({"file": name, "same_ids": same_ids, "rows_compared": n, "same_output": sx == sy,
                      "min_cos": {k: round(v, 6) for k, v in cos.items()}, "pass": good})
-        print(f"{'PASS' if good else 'FAIL'} {name} prompt ids {'equal' if same_ids else 'DIFFER'}, {n} rows, outputs {'equal' if sx == sy else 'part'}, min cos {rows[-1]['min_cos']}")
+        print(f"{'PASS' if good else 'FAIL'} {name} prompt ids {'equal' if same_ids else 'DIFFER'}, {n} rows, "
+              f"outputs {'equal' if sx == sy else 'part'}, min cos {rows[-1]['min_cos']}")
     print(f"{'PASS' if ok else 'FAIL'}: {len(names)} files compared")
     if a.json:
         with open(a.json, "w") as f:

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -119,7 +119,7 @@ def run_config(name: str, model: str, out_dir: str, captures: str, reqs: List[Di
     finally:
         for s in reversed(servers):
             stop_server(s)
-    caps = {r["name"]: o for r, o in zip(reqs, outs) if r["capture"]}
+    caps = {r["name"]: o for r, o in zip(reqs, outs, strict=False) if r["capture"]}
     files = sorted(os.path.basename(p)[:-len(".capture.msgpack")]
                    for p in glob.glob(os.path.join(capture_dir, "*.capture.msgpack")))
     return {"startup_s": round(startup, 1), "capture_dir": capture_dir,
@@ -138,7 +138,7 @@ def compare(ref_dir: str, dir_: str, names: List[str]) -> Dict:
         a = sglang_capture.load(os.path.join(ref_dir, name + ".capture.msgpack"))
         b = sglang_capture.load(os.path.join(dir_, name + ".capture.msgpack"))
         ga, gb = a["output_ids"].tolist(), b["output_ids"].tolist()
-        common = next((k for k, (u, v) in enumerate(zip(ga, gb)) if u != v), min(len(ga), len(gb)))
+        common = next((k for k, (u, v) in enumerate(zip(ga, gb, strict=False)) if u != v), min(len(ga), len(gb)))
         n = min(a["aux_hidden_states"].shape[0], b["aux_hidden_states"].shape[0], len(a["input_ids"]) + common)
         x = torch.cat([a["aux_hidden_states"][:n], a["last_hidden_states"][:n]], -1).float()
         y = torch.cat([b["aux_hidden_states"][:n], b["last_hidden_states"][:n]], -1).float()

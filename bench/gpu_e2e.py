@@ -26,8 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sglang_capture
+from sglang_capture.core.capture_dir import read_stats
 from sglang_capture.testbed.server import start_server, stop_server
-from sglang_capture.writer import read_stats
 
 LAYERS = [1, 2, 3]
 CHUNK = 256
@@ -93,7 +93,8 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16") -> 
                     "rows_at_own_position": aligned,
                     "misplaced_rows": [(k, int(other.indices[k]), round(own[k].item(), 4), round(other.values[k].item(), 4))
                                        for k in misplaced[:8]],
-                    "rows_below_0.999": int((torch.nn.functional.cosine_similarity(d["last_hidden_states"].float(), last, dim=-1) < MIN_COS).sum()),
+                    "rows_below_0.999": int((torch.nn.functional.cosine_similarity(
+                        d["last_hidden_states"].float(), last, dim=-1) < MIN_COS).sum()),
                     "max_abs_last": round((d["last_hidden_states"].float() - last).abs().max().item(), 6)}
 
     def body(ids, n, capture=None, json_hs=False):
@@ -116,7 +117,7 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16") -> 
         # rows agree up to the first generated token that differs (a different fed-back token
         # legitimately gives a different row)
         P, a, b_ = len(d_batch["input_ids"]), d_batch["output_ids"].tolist(), d_solo["output_ids"].tolist()
-        common = next((k for k, (u, v) in enumerate(zip(a, b_)) if u != v), min(len(a), len(b_)))
+        common = next((k for k, (u, v) in enumerate(zip(a, b_, strict=False)) if u != v), min(len(a), len(b_)))
         n = min(len(x), len(y), P + common)
         nearest = (x[:n] @ y[:n].T).argmax(-1)
         wrong = (nearest != torch.arange(n)).nonzero().flatten().tolist()

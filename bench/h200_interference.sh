@@ -5,7 +5,7 @@
 W=/tmp/bench-work
 source bench/device_setup.sh "$@"
 cd /tmp
-python "$R/.devkit/mk_tiny_model.py" /tmp/mk deepseek_v3 ${MODEL_LAYERS:-4} 7168 > $W/mk.log 2>&1
+tiny_model /tmp/mk --arch deepseek_v3 --shape gpu --layers ${MODEL_LAYERS:-4} --hidden 7168 > $W/mk.log 2>&1
 python "$R/bench/interference.py" /tmp/mk $OUT/interference --procs ${LOAD_PROCS:-5} --rounds ${ROUNDS:-2} --seconds ${SECONDS_PER_WINDOW:-8} \
   --sglang-args "$SGLANG_GPU_ARGS --mem-fraction-static ${MEM_FRACTION:-0.4}" \
   2> $W/interference.log | tee "$OUT/interference.md"

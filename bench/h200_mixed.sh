@@ -12,7 +12,7 @@ source bench/device_setup.sh "$@"
 cd /tmp
 lscpu > $W/lscpu.txt 2>&1; cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list >> $W/lscpu.txt 2>&1
 # MODEL_LAYERS: a deeper model makes the GPU, not the scheduler thread, the bottleneck (as for Kimi-K2.5)
-python "$R/.devkit/mk_tiny_model.py" /tmp/mk deepseek_v3 ${MODEL_LAYERS:-4} 7168 > $W/mk.log 2>&1
+tiny_model /tmp/mk --arch deepseek_v3 --shape gpu --layers ${MODEL_LAYERS:-4} --hidden 7168 > $W/mk.log 2>&1
 python "$R/bench/e2e.py" /tmp/mk $OUT/e2e --phases ${MIXED_PHASES:-mixed} --seconds ${E2E_SECONDS:-16} --ab-rounds ${AB_ROUNDS:-3} --mixed-rounds ${MIXED_ROUNDS:-1} --client-procs ${CLIENT_PROCS:-4} --profile-steps ${PROFILE_STEPS:-0} --profile-activities ${PROFILE_ACTIVITIES:-GPU} ${IDLE_MIXED:+--idle-mixed} --py-spy-seconds ${PY_SPY_SECONDS:-0} --capture-dir /tmp/caps \
   --capture-args "--capture-layers ${CAPTURE_LAYERS:-1,2,3} --capture-writers ${WRITER_THREADS:-16}" \
   --sglang-args "$SGLANG_GPU_ARGS --mem-fraction-static ${MEM_FRACTION:-0.9}" \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: host and disk facts, the writer's host-side ceiling (bench/writer.py), then the
 # end-to-end benchmark (bench/e2e.py) with the writer count that the sweep found fastest.
-# Run from the repo root on the GPU machine, with the device kit and a wheel of the package in .whl/:
+# Run from the repo root on the GPU machine, with the device kit (carry .devkit):
 #   source .devkit/env.sh; bash bench/h200_throughput.sh $OUT
 # Leaves at most 8 files in OUT (the device tool's limit): writer.json, e2e.md, host.txt, logs.tgz and
 # e2e/ (e2e.json, rewritten after every window so a call cut short keeps it, and the two server logs).
@@ -12,7 +12,7 @@ source bench/device_setup.sh "$@"
   findmnt -T /tmp; for q in rotational write_cache scheduler nr_requests; do echo "$q: $(cat /sys/block/vda/queue/$q 2>/dev/null)"; done
   sysctl vm.dirty_ratio vm.dirty_background_ratio vm.dirty_expire_centisecs; } > "$OUT/host.txt" 2>&1
 cd /tmp
-python "$R/.devkit/mk_tiny_model.py" /tmp/mk deepseek_v3 4 7168 > $W/mk.log 2>&1 &
+tiny_model /tmp/mk --arch deepseek_v3 --shape gpu --layers 4 --hidden 7168 > $W/mk.log 2>&1 &
 MK=$!
 python "$R/bench/writer.py" $W/writer.json --codecs ${WRITER_CODECS:-zstd+shuffle,zstd1+shuffle,none} \
   --threads ${WRITER_THREADS:-8,12,16} --durability ${WRITER_DURABILITY:-file,group,none} --files ${WRITER_FILES:-72} \

@@ -6,7 +6,7 @@
 W=/tmp/tp-work
 source bench/device_setup.sh "$@"
 cd /tmp
-python "$R/.devkit/mk_tiny_model.py" /tmp/ml llama 4 > $W/mk.log 2>&1
+tiny_model /tmp/ml --arch llama --layers 4 --hidden 256 > $W/mk.log 2>&1
 nvidia-smi -L > "$OUT/gpus.txt"
 rc=0
 for tp in 1 2; do

@@ -26,10 +26,11 @@ import sys
 import time
 from typing import Dict, List
 
+import e2e
+import e2e_load
 import numpy
 
-import e2e
-from sglang_capture.format import Codec, HostTensor, write_capture
+from sglang_capture.core.format import Codec, HostTensor, write_capture
 
 LOADS = ("spin", "stream", "writer")
 
@@ -76,7 +77,7 @@ def main(argv: List[str]) -> int:
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     cfg = json.load(open(os.path.join(a.model, "config.json")))
-    prompts = e2e._PROMPTS["run"] = e2e.Prompts(a.tokens, cfg["vocab_size"])
+    prompts = e2e_load.PROMPTS["run"] = e2e_load.Prompts(a.tokens, cfg["vocab_size"])
     spec = lambda kind, max_new: {"kind": kind, "tokens": a.tokens, "max_new": max_new, "capture": False, "json": False}
     others, stream = [spec("mixed-other", 16)] * a.concurrency, spec("mixed-capture", 1)
     server = e2e.run_server([sys.executable, "-m", "sglang.launch_server", *shlex.split(a.sglang_args), "--model-path", a.model],
@@ -84,7 +85,7 @@ def main(argv: List[str]) -> int:
     ctx = multiprocessing.get_context("fork")
     res: Dict = {"config": vars(a), "windows": []}
     try:
-        e2e.Load(server.url, prompts).run(others, 5, procs=4, open_spec=stream, rate=a.rate)  # new batch shapes
+        e2e_load.Load(server.url, prompts).run(others, 5, procs=4, open_spec=stream, rate=a.rate)  # new batch shapes
         order = [w for _ in range(a.rounds) for w in ("none", *LOADS)] + ["none"]
         for load in order:
             stop = ctx.Event()
@@ -94,7 +95,7 @@ def main(argv: List[str]) -> int:
             for pr in procs:
                 pr.start()
             time.sleep(1.0 if procs else 0.0)  # the load running before the window opens
-            r = e2e.Load(server.url, prompts).run(others, a.seconds, procs=4, open_spec=stream, rate=a.rate)
+            r = e2e_load.Load(server.url, prompts).run(others, a.seconds, procs=4, open_spec=stream, rate=a.rate)
             stop.set()
             for pr in procs:
                 pr.join(10)
@@ -114,7 +115,7 @@ def ratios(windows: List[Dict]) -> Dict[str, List[float]]:
     """Each loaded window against the mean of the unloaded windows that open and close its round."""
     out: Dict[str, List[float]] = {}
     base = [i for i, w in enumerate(windows) if w["load"] == "none"]
-    for lo, hi in zip(base, base[1:]):
+    for lo, hi in zip(base, base[1:], strict=False):
         ref = (windows[lo]["others_tok_per_s"] + windows[hi]["others_tok_per_s"]) / 2
         for w in windows[lo + 1:hi]:
             out.setdefault(w["load"], []).append(round(w["others_tok_per_s"] / ref, 3))

@@ -1,6 +1,6 @@
 """Throughput per mode from a ``bench/e2e.py`` result, as a log-scale bar chart (PNG).
 
-    python bench/plot.py bench/results/e2e-h200-2026-11-29.json bench/results/e2e-h200-2026-11-29.png
+    python bench/plot.py bench/results/e2e-h200-2026-11-30-r14-headline.json bench/results/e2e-h200-2026-11-30-r14-headline.png
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def main(src: str, dst: str) -> None:
     ax.set_ylabel("prompt tokens / s (log)")
     ax.set_title(f"One H200, DeepSeek-V3 4 layers at Kimi width (hidden {cfg['hidden']}), "
                  f"{cfg['concurrency']} clients x {cfg['tokens']}-token prompts", fontsize=9)
-    for b, (_, v, _) in zip(bars, rows):
+    for b, (_, v, _) in zip(bars, rows, strict=False):
         ax.text(b.get_x() + b.get_width() / 2, v * 1.1, f"{v:,.0f}", ha="center", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()

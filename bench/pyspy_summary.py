@@ -1,6 +1,6 @@
 """Summarize py-spy samples of an SGLang scheduler process: where its main thread spends wall time.
 
-The seam clock (sglang_capture/seam_clock.py) times the patched seams only; it cannot say whether
+The seam clock (sglang_capture/server/seam_clock.py) times the patched seams only; it cannot say whether
 a slower seam ran more Python, waited for the GPU, or waited for the GIL that a hand-off thread
 held. py-spy can: ``bench/e2e.py --py-spy-seconds S`` records the scheduler process twice at
 once, with ``--idle`` (every sample: wall time) and without (only samples where a thread was on

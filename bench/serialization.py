@@ -30,7 +30,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from sglang_capture.format import Codec, write_capture
+from sglang_capture.core.format import Codec, write_capture
 
 
 def activation_like(tokens: int, width: int, seed: int, device: str) -> torch.Tensor:

@@ -64,7 +64,7 @@ def summarize(events: List[dict], steps: int = 0) -> Dict:
     t1 = max(e["ts"] + e["dur"] for e in gpu)
     busy = _merged((e["ts"], e["ts"] + e["dur"]) for e in gpu)
     busy_us = sum(b - a for a, b in busy)
-    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
+    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:], strict=False)]
     big = [g for g in gaps if g >= GAP_US]
     kernels: Dict[str, List[float]] = collections.defaultdict(list)
     copies: Dict[str, Dict[str, float]] = collections.defaultdict(lambda: {"count": 0, "ms": 0.0, "bytes": 0})

@@ -4,10 +4,10 @@ turn into published files, with no server and no GPU in the way.
     python bench/writer.py OUT.json [--tokens 2048] [--hidden 7168] [--files 24]
                            [--threads 4,8,12,16] [--codecs zstd+shuffle,zstd,none]
                            [--compress-threads 0] [--gil-hog 0,1] [--switch-interval-ms 1]
-                           [--durability group,file,none]
+                           [--durability file,none]
                            [--dir /tmp/writer-bench]
 
-Every configuration drives the package's real ``CaptureWriter`` (hand-off, assembly in a writer
+Every configuration drives the package's real ``WriterPool`` (hand-off, assembly in a writer
 process, encoding, hashing, temp file, flush (``--durability``), link, outcome record) with
 ``--files`` jobs of ``--tokens`` rows of activation-like bf16 (3 aux layers + final = 4 × hidden
 columns), each first copied into the package's host pool (pinned when a GPU is present), as the
@@ -33,14 +33,14 @@ from typing import Dict, List
 
 import torch
 
-from sglang_capture.assembler import RequestCapture
-from sglang_capture.config import CaptureConfig
-from sglang_capture import format as capture_format
-from sglang_capture.format import Codec, compressor_for, byte_planes, host_tensor
-from sglang_capture.host_pool import HostPool
-from sglang_capture.ledger import HostMemoryLedger
-from sglang_capture.publish import prepare_capture_dir
-from sglang_capture.writer import CaptureJob, CaptureWriter
+from sglang_capture.core import format as capture_format
+from sglang_capture.core.capture_dir import prepare_capture_dir
+from sglang_capture.core.config import CaptureConfig
+from sglang_capture.core.format import Codec, byte_planes, compressor_for, host_tensor
+from sglang_capture.server.host_pool import HostPool
+from sglang_capture.server.ledger import HostMemoryLedger
+from sglang_capture.server.request_capture import RequestCapture
+from sglang_capture.server.writer_pool import CaptureJob, WriterPool
 
 # name -> (codec, shuffle, zstd level); level None is the package's default activation preset
 CODEC_PRESETS = {"zstd+shuffle": ("zstd", True, None), "zstd": ("zstd", False, None),
@@ -103,7 +103,7 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
                compress_threads: int, hog: bool, switch_ms: float, durability: str, base_dir: str) -> Dict:
     name, shuffle, level = CODEC_PRESETS[codec]
     d = tempfile.mkdtemp(dir=base_dir)
-    cfg = CaptureConfig(capture_dir=d, codec=name, shuffle=shuffle, level=level, writer_threads=threads,
+    cfg = CaptureConfig(capture_dir=d, codec=name, shuffle=shuffle, level=level, writers=threads,
                         compress_threads=compress_threads, max_pending_mb=1 << 20,
                         switch_interval_ms=switch_ms, durability=durability)
     default_interval = sys.getswitchinterval()
@@ -111,8 +111,8 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
     ledger = HostMemoryLedger(cfg.max_pending_bytes)
     per_file = tokens * 4 * hidden * 2
     pool = HostPool(min(files, 2 * threads) * (per_file + (1 << 20)), pin=torch.cuda.is_available())
-    writer = CaptureWriter(cfg, ledger, pool)
-    writer.start()
+    writer = WriterPool(cfg, ledger)
+    writer.start(pool)
     splits = {"aux_hidden_states": (0, 3 * hidden), "hidden_states": (3 * hidden, 4 * hidden)}
     stop = threading.Event()
     hog_thread = threading.Thread(target=gil_hog, args=(stop,), daemon=True) if hog else None
@@ -136,14 +136,12 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
     pool.close()
     sys.setswitchinterval(default_interval)
     stats = dict(writer.stats)
-    with open(os.path.join(d, ".index", f"writer-{os.getpid()}.json")) as f:
-        flushes = json.load(f)["flushes"]
     shutil.rmtree(d)
     os.sync()  # no dirty pages from this configuration left to slow the next one down
     raw = files * tokens * 4 * hidden * 2
     n = max(stats["written"], 1)
     return {"threads": threads, "codec": codec, "compress_threads": compress_threads, "gil_hog": hog,
-            "durability": durability, "flushes": flushes if flushes is not None else (2 * files if durability == "file" else 0),
+            "durability": durability, "flushes": 2 * files if durability == "file" else 0,
             "switch_interval_ms": switch_ms or default_interval * 1000, "files": files, "failed": stats["failed"], "wall_s": round(wall, 3),
             "tok_per_s": round(files * tokens / wall), "raw_gb_per_s": round(raw / wall / 1e9, 3),
             "ratio": round(stats["raw_bytes"] / max(stats["bytes"], 1), 3), "minor_faults_per_file": faults // files,
@@ -162,7 +160,7 @@ def main(argv: List[str]) -> int:
     p.add_argument("--compress-threads", default="0")
     p.add_argument("--gil-hog", default="0,1")
     p.add_argument("--switch-interval-ms", default="1", help="0 = Python's default (5 ms)")
-    p.add_argument("--durability", default="group", help="comma-separated: group, file, none")
+    p.add_argument("--durability", default="file", help="comma-separated: file, none")
     p.add_argument("--dir", default=None, help="where files are written (default: a temp dir)")
     a = p.parse_args(argv)
     base = a.dir or tempfile.mkdtemp(prefix="writer-bench-")
@@ -188,11 +186,13 @@ def main(argv: List[str]) -> int:
 
 
 def report(res: Dict) -> str:
-    rows = ["| codec | frame MB | durability | flushes | writers | zstd threads | GIL hog | switch ms | tok/s | raw GB/s | ratio | ms/file: assemble / encode+write / flush+publish | minor faults/file |",
+    rows = ["| codec | frame MB | durability | flushes | writers | zstd threads | GIL hog | switch ms | tok/s | raw GB/s | ratio "
+            "| ms/file: assemble / encode+write / flush+publish | minor faults/file |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         ms = r["ms_per_file"]
-        rows.append(f"| {r['codec']} | {r['frame_mb']} | {r['durability']} | {r['flushes']} | {r['threads']} | {r['compress_threads']} | {'yes' if r['gil_hog'] else 'no'} | {r['switch_interval_ms']:g} | "
+        rows.append(f"| {r['codec']} | {r['frame_mb']} | {r['durability']} | {r['flushes']} | {r['threads']} | "
+                    f"{r['compress_threads']} | {'yes' if r['gil_hog'] else 'no'} | {r['switch_interval_ms']:g} | "
                     f"{r['tok_per_s']:,} | {r['raw_gb_per_s']:.2f} | {r['ratio']:.2f} | "
                     f"{ms['assemble']} / {ms['encode_write']} / {ms['fsync_publish']} | {r['minor_faults_per_file']:,} |")
     return "\n".join(rows)

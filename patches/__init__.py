@@ -1,11 +1,11 @@
 """The seam table: which SGLang functions sglang_capture patches, per supported SGLang version.
 
 Each supported release has one JSON file here (``sglang_<version>.json``) listing, per seam, the
-SGLang module and qualified name that is wrapped, the hook in ``sglang_capture.hooks`` that wraps
+SGLang module and qualified name that is wrapped, the hook in ``sglang_capture.server.hooks`` that wraps
 it, the process it matters in, and a fingerprint (sha256 of the function's source). The
 instrumentor refuses to patch a function whose source no longer matches its fingerprint, so an
 SGLang upgrade fails loudly at start instead of writing misaligned rows. Installed as the
-``sglang_capture.patches`` package (see setup.py's package_dir).
+``sglang_capture.patches`` package (see setup.cfg's ``package_dir``).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Seam:
     process: str  # "scheduler" or "main"
     module: str
     target: str  # qualified name inside ``module``, e.g. "Req.__init__"
-    hook: str  # "sglang_capture.hooks.<module>:<function>"
+    hook: str  # "sglang_capture.server.hooks.<module>:<function>"
     fingerprint: str  # "sha256:<hex>" of inspect.getsource(target)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
-from sglang_capture.instrumentor import _resolve, fingerprint
 from sglang_capture.patches import Seam
+from sglang_capture.server.instrumentor import _resolve, fingerprint
 
 
 def refresh(path: str) -> None:

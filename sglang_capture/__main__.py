@@ -1,4 +1,4 @@
 """``python -m sglang_capture`` = the ``sglang-capture`` command."""
-from sglang_capture.cli import main
+from sglang_capture.tools.cli import main
 
 main()

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-import e2e  # noqa: E402
+import e2e_report  # noqa: E402
 import interference  # noqa: E402
 import pyspy_summary  # noqa: E402
 
@@ -46,7 +46,7 @@ def test_a_missed_mixed_target_names_the_scheduler_thread_with_the_windows_measu
     d = [_window(430_000, 52, 0.83, 41, writers=4.8)]
     spy = {"d_mixed": {"main_on_cpu_pct": 88.9, "other_threads_cpu_pct": {},
                        "frames": {"[sglang_capture]": {"wall_pct": 1.6, "cpu_pct": 1.4}}}}
-    lines = e2e.report(_results(a, d, spy)).splitlines()
+    lines = e2e_report.report(_results(a, d, spy)).splitlines()
     verdict = next(i for i, l in enumerate(lines) if l.startswith("mixed load, capture stream"))
     assert lines[verdict].endswith("MISS") and "(d)/(a) = 0.878" in lines[verdict]
     why = lines[verdict + 1]
@@ -57,11 +57,11 @@ def test_a_missed_mixed_target_names_the_scheduler_thread_with_the_windows_measu
 
 
 def test_a_busy_gpu_is_named_as_the_bottleneck_and_a_met_target_needs_no_explanation():
-    busy = e2e.mixed_bottleneck(_mode([_window(100, 95, 0.6, 9)]), _mode([_window(90, 96, 0.6, 30, 5.0)]))
+    busy = e2e_report.mixed_bottleneck(_mode([_window(100, 95, 0.6, 9)]), _mode([_window(90, 96, 0.6, 30, 5.0)]))
     assert busy.startswith("bottleneck: the GPU (GPU 95% busy") and "interference" not in busy
-    met = e2e.report(_results([_window(500_000, 60, 0.87, 11)] * 2, [_window(490_000, 60, 0.87, 40, 4.0)]))
+    met = e2e_report.report(_results([_window(500_000, 60, 0.87, 11)] * 2, [_window(490_000, 60, 0.87, 40, 4.0)]))
     assert "(>= 0.95): PASS" in met and "bottleneck" not in met
-    assert e2e.mixed_bottleneck({}, {}).startswith("bottleneck: not measured")
+    assert e2e_report.mixed_bottleneck({}, {}).startswith("bottleneck: not measured")
 
 
 def _raw(path, lines):
@@ -71,22 +71,24 @@ def _raw(path, lines):
 
 LOOP = ("thread (1): MainThread;run_scheduler_process (/x/site-packages/sglang/srt/managers/scheduler.py:1);"
         "Scheduler.event_loop_overlap (/x/site-packages/sglang/srt/managers/scheduler.py:2)")
-WRAPPED = LOOP + ";run_batch (/tmp/sc/sglang_capture/hooks/batch.py:3);Scheduler.run_batch (/opt/sglang/srt/managers/scheduler.py:4)"
+WRAPPED = LOOP + ";run_batch (/tmp/sc/sglang_capture/server/hooks/batch.py:3);Scheduler.run_batch (/opt/sglang/srt/managers/scheduler.py:4)"
 
 
 def test_pyspy_samples_split_wall_time_into_key_frames_and_the_packages_own_code(tmp_path):
     every = _raw(tmp_path / "all.txt", [
         (WRAPPED + ";TpModelWorker.forward_batch_generation (/opt/sglang/srt/managers/tp_worker.py:5)", 50),  # SGLang under our wrapper
-        (WRAPPED + ";copy_hidden_to_pool (/tmp/sc/sglang_capture/hooks/transfer.py:6);Event.record (/t/torch/cuda/streams.py:7)", 10),
+        (WRAPPED + ";copy_hidden_to_pool (/tmp/sc/sglang_capture/server/hooks/transfer.py:6);"
+                   "Event.record (/t/torch/cuda/streams.py:7)", 10),
         (LOOP + ";Event.synchronize (/t/site-packages/torch/cuda/streams.py:8)", 40),
-        ("thread (2): sglang-capture-handoff-0;_run (/tmp/sc/sglang_capture/writer.py:9)", 100),
-        ("thread (3): sglang-capture-handoff-1;_run (/tmp/sc/sglang_capture/writer.py:9)", 100),
+        ("thread (2): sglang-capture-handoff-0;_run (/tmp/sc/sglang_capture/server/writer_pool.py:9)", 100),
+        ("thread (3): sglang-capture-handoff-1;_run (/tmp/sc/sglang_capture/server/writer_pool.py:9)", 100),
     ])
     active = _raw(tmp_path / "active.txt", [
         (WRAPPED + ";TpModelWorker.forward_batch_generation (/opt/sglang/srt/managers/tp_worker.py:5)", 48),
-        (WRAPPED + ";copy_hidden_to_pool (/tmp/sc/sglang_capture/hooks/transfer.py:6);Event.record (/t/torch/cuda/streams.py:7)", 10),
-        ("thread (2): sglang-capture-handoff-0;_run (/tmp/sc/sglang_capture/writer.py:9)", 3),
-        ("thread (3): sglang-capture-handoff-1;_run (/tmp/sc/sglang_capture/writer.py:9)", 2),
+        (WRAPPED + ";copy_hidden_to_pool (/tmp/sc/sglang_capture/server/hooks/transfer.py:6);"
+                   "Event.record (/t/torch/cuda/streams.py:7)", 10),
+        ("thread (2): sglang-capture-handoff-0;_run (/tmp/sc/sglang_capture/server/writer_pool.py:9)", 3),
+        ("thread (3): sglang-capture-handoff-1;_run (/tmp/sc/sglang_capture/server/writer_pool.py:9)", 2),
     ])
     s = pyspy_summary.summarize(active, every, seconds=1.0, rate=100)
     assert s["samples"] == 100 and s["sampled_pct_of_expected"] == 100.0 and s["main_on_cpu_pct"] == 58.0
@@ -111,7 +113,7 @@ def test_interference_windows_are_each_compared_with_the_unloaded_windows_around
 
 @pytest.mark.parametrize("text,cpus", [("8-11", [8, 9, 10, 11]), ("0,2-3", [0, 2, 3])])
 def test_the_writer_cpu_list_is_parsed_as_the_kernel_writes_it(text, cpus):
-    from sglang_capture.config import parse_cpu_list
+    from sglang_capture.core.config import parse_cpu_list
 
     assert parse_cpu_list(text) == cpus
 

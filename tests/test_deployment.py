@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import sglang_capture
-from sglang_capture.instrumentor import installed_sglang_version
+from sglang_capture.server.instrumentor import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd, start_server, stop_server
 from tests.reference import max_abs_diff, reference_states
 
@@ -59,8 +59,8 @@ def _check_load(server, model: str) -> List[Dict]:
     reqs = _requests()
     with ThreadPoolExecutor(12) as pool:
         outs = list(pool.map(lambda r: _send(server, r), reqs))
-    captured = [(r, o) for r, o in zip(reqs, outs) if r["capture"]]
-    assert all("capture" not in o["meta_info"] for r, o in zip(reqs, outs) if not r["capture"])
+    captured = [(r, o) for r, o in zip(reqs, outs, strict=False) if r["capture"]]
+    assert all("capture" not in o["meta_info"] for r, o in zip(reqs, outs, strict=False) if not r["capture"])
     bad = [(r["i"], o["meta_info"]["capture"].get("error")) for r, o in captured if o["meta_info"]["capture"]["status"] != "ok"]
     assert bad == []
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(server.capture_dir, "*.capture.msgpack")))

@@ -1,112 +1,86 @@
-"""Durability policies: group commit covers every caller, failures reach every caller, and the
-writer publishes readable files under each policy; a failed flush publishes nothing."""
+"""Durable files (core/durable.py) and the durability policies (writer/durability.py): files
+appear whole or not at all, flushes happen where promised, a failed flush publishes nothing."""
 from __future__ import annotations
 
 import errno
 import json
 import os
-import threading
-import time
 
 import pytest
 import torch
 
-from sglang_capture.config import CaptureConfig, ConfigError
-from sglang_capture.durability import Durability, GroupSync, NoSync, durability_for
-from tests.test_units import _job
+from sglang_capture.core.config import CaptureConfig, ConfigError
+from sglang_capture.writer.durability import Durability, NoSync, durability_for
+from tests.jobs import make_job
 
 
-class SlowFlush:
-    """A flush that takes ``seconds`` and records when each one started and ended."""
+class FailingFlush(Durability):
+    """The ``file`` policy on a disk whose flush fails (EIO), recording what it was asked to flush."""
 
-    def __init__(self, seconds: float, fail_first: bool = False) -> None:
-        self.seconds = seconds
-        self.fail_first = fail_first
-        self.spans = []
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
+        self.calls = []
 
-    def __call__(self, fd: int) -> None:
-        start = time.monotonic()
-        time.sleep(self.seconds)
-        with self._lock:
-            self.spans.append((start, time.monotonic()))
-            fail = self.fail_first and len(self.spans) == 1
-        if fail:
-            raise OSError(errno.EIO, "Input/output error")
+    def sync_data(self, fd: int) -> None:
+        self.calls.append("data")
+        raise OSError(errno.EIO, "Input/output error")
 
 
-def _call_concurrently(sync: GroupSync, callers: int):
-    """Start ``callers`` threads a few ms apart; return (arrival, return, error) per caller."""
-    results = [None] * callers
-
-    def call(i: int) -> None:
-        arrived = time.monotonic()
-        try:
-            sync.sync_data(0)
-            results[i] = (arrived, time.monotonic(), None)
-        except OSError as e:
-            results[i] = (arrived, time.monotonic(), e)
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
-    for t in threads:
-        t.start()
-        time.sleep(0.004)
-    for t in threads:
-        t.join(10)
-    return results
-
-
-def test_group_sync_returns_only_after_a_flush_that_began_after_the_caller_arrived():
-    flush = SlowFlush(0.05)
-    sync = GroupSync(flush)
-    results = _call_concurrently(sync, 12)
-    assert all(r is not None and r[2] is None for r in results)
-    for arrived, returned, _ in results:
-        assert any(arrived <= start and end <= returned for start, end in flush.spans), (arrived, flush.spans)
-    # 12 callers over ~48 ms with 50 ms flushes: batching must have shared flushes
-    assert sync.flushes == len(flush.spans) < 12
-    starts = sorted(s for s, _ in flush.spans)
-    ends = sorted(e for _, e in flush.spans)
-    assert all(starts[i + 1] >= ends[i] for i in range(len(starts) - 1)), "flushes must not overlap"
-
-
-def test_a_failed_group_flush_fails_every_caller_of_that_batch_and_not_later_ones():
-    flush = SlowFlush(0.05, fail_first=True)
-    sync = GroupSync(flush)
-    results = _call_concurrently(sync, 6)
-    first_start, first_end = flush.spans[0]
-    failed = [r for r in results if r[2] is not None]
-    assert failed and all(r[2].errno == errno.EIO and "flushing the capture filesystem failed" in str(r[2]) for r in failed)
-    # only callers that arrived before the failing flush began can have been served by it;
-    # the first one was, and everyone arriving later got a flush of their own
-    assert all(r[0] <= first_start for r in failed)
-    assert min(results, key=lambda r: r[0])[2] is not None
-    assert all(r[2] is None for r in results if r[0] > first_start)
-
-
-def test_durability_policies_by_name_and_a_real_syncfs(tmp_path):
+def test_durability_policies_by_name(tmp_path):
     assert isinstance(durability_for("none"), NoSync)
     assert type(durability_for("file")) is Durability
-    group = durability_for("group")
-    assert group.name in ("group", "file")  # "file" only where syncfs(2) cannot report errors
-    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        group.sync_data(fd)
-        group.sync_names(fd)
-    finally:
-        os.close(fd)
-    with pytest.raises(ConfigError, match="--capture-durability must be one of group, file, none"):
+    with pytest.raises(ValueError, match="unknown durability"):
+        durability_for("group")
+    with pytest.raises(ConfigError, match="--capture-durability must be one of file, none"):
         CaptureConfig(capture_dir=str(tmp_path), durability="sometimes")
 
 
-@pytest.mark.parametrize("mode", ["group", "file", "none"])
+def test_publish_new_never_replaces_a_file_and_leaves_nothing_when_it_fails(tmp_path, monkeypatch):
+    from sglang_capture.core.durable import publish_new
+
+    dst = tmp_path / "sample.bin"
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.path.isdir(f"/proc/self/fd/{fd}")))
+    assert publish_new(str(dst), lambda f: f.write(b"first")) == 5
+    assert dst.read_bytes() == b"first" and synced == [False, True]  # the file, then its directory
+    with pytest.raises(FileExistsError, match="already exists"):
+        publish_new(str(dst), lambda f: f.write(b"second"))
+    assert dst.read_bytes() == b"first"
+
+    def broken(f):
+        f.write(b"half")
+        raise RuntimeError("encoder failed")
+
+    with pytest.raises(RuntimeError):
+        publish_new(str(tmp_path / "other.bin"), broken)
+    assert sorted(os.listdir(tmp_path)) == ["sample.bin"]
+
+
+def test_replace_atomic_swaps_the_whole_file_and_flushes_file_and_directory(tmp_path, monkeypatch):
+    from sglang_capture.core.durable import replace_atomic
+
+    dst = tmp_path / "manifest.jsonl"
+    dst.write_text("old\n")
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.path.isdir(f"/proc/self/fd/{fd}")))
+    replace_atomic(str(dst), lambda f: f.write(b"new\n"))
+    assert dst.read_text() == "new\n" and synced == [False, True]
+    synced.clear()
+    replace_atomic(str(dst), lambda f: f.write(b"newer\n"), sync=False)  # outcome records and stats
+    assert dst.read_text() == "newer\n" and synced == []
+    with pytest.raises(ZeroDivisionError):
+        replace_atomic(str(dst), lambda f: f.write(b"torn") and 1 / 0)
+    assert dst.read_text() == "newer\n" and os.listdir(tmp_path) == ["manifest.jsonl"]
+
+
+@pytest.mark.parametrize("mode", ["file", "none"])
 def test_writer_publishes_readable_files_under_each_policy(tmp_path, mode):
     from sglang_capture import load
-    from sglang_capture.writer import CaptureWriter, index_path
+    from sglang_capture.core.capture_dir import index_path
+    from sglang_capture.server.writer_pool import WriterPool
 
-    cfg = CaptureConfig(capture_dir=str(tmp_path), writer_threads=3, durability=mode)
-    jobs = [_job(tmp_path, [(0, torch.full((2, 4), float(i)))], 2, name=f"req-{i}") for i in range(6)]
-    writer = CaptureWriter(cfg, jobs[0][1])
+    cfg = CaptureConfig(capture_dir=str(tmp_path), writers=3, durability=mode)
+    jobs = [make_job(tmp_path, [(0, torch.full((2, 4), float(i)))], 2, name=f"req-{i}") for i in range(6)]
+    writer = WriterPool(cfg, jobs[0][1])
     for job, _ in jobs:
         writer.submit(job)
     writer.close()
@@ -116,18 +90,19 @@ def test_writer_publishes_readable_files_under_each_policy(tmp_path, mode):
         assert torch.equal(load(outcome["path"])["aux_hidden_states"], torch.full((2, 2), float(i)))
     stats = json.load(open(tmp_path / ".index" / f"writer-{os.getpid()}.json"))
     assert stats["durability"] == mode
-    if mode == "group":
-        assert 1 <= stats["flushes"] <= 12  # at most one per file and per published name
 
 
 def test_a_failed_flush_publishes_nothing(tmp_path):
-    from sglang_capture.format import Codec, host_tensor
-    from sglang_capture.publish import DirFds, publish
+    from sglang_capture.core.capture_dir import DirFds
+    from sglang_capture.core.format import Codec, host_tensor
+    from sglang_capture.writer.capture_file import write_capture_file
 
     dirs = DirFds.open(str(tmp_path))
-    with pytest.raises(OSError, match="flushing the capture filesystem failed"):
-        publish(dirs, "unflushed", {"rid": "unflushed"}, {"x": host_tensor(torch.zeros(2, 4))}, Codec("zstd"),
-                GroupSync(SlowFlush(0.0, fail_first=True)))
+    flush = FailingFlush()
+    with pytest.raises(OSError, match="Input/output error"):
+        write_capture_file(dirs, "unflushed", {"rid": "unflushed"}, {"x": host_tensor(torch.zeros(2, 4))}, Codec("zstd"),
+                           flush)
+    assert flush.calls == ["data"]
     assert sorted(os.listdir(tmp_path)) == [".index", ".tmp"]
     assert os.listdir(tmp_path / ".tmp") == []
 
@@ -151,12 +126,13 @@ def _resident_pages(path) -> int:
 
 @pytest.mark.parametrize("keep", [False, True], ids=["dropped", "kept"])
 def test_flushed_files_leave_the_page_cache_unless_asked_to_stay(tmp_path, keep):
-    from sglang_capture.format import Codec, host_tensor
-    from sglang_capture.publish import DirFds, publish
+    from sglang_capture.core.capture_dir import DirFds
+    from sglang_capture.core.format import Codec, host_tensor
+    from sglang_capture.writer.capture_file import write_capture_file
 
     dirs = DirFds.open(str(tmp_path))
     rows = host_tensor(torch.randn(256, 1024))  # 1 MiB of incompressible floats
-    publish(dirs, "paged", {"rid": "paged"}, {"x": rows}, Codec("none"), durability_for("file"), keep_page_cache=keep)
+    write_capture_file(dirs, "paged", {"rid": "paged"}, {"x": rows}, Codec("none"), durability_for("file"), keep_page_cache=keep)
     resident = _resident_pages(tmp_path / "paged.capture.msgpack")
     if keep:
         assert resident > 200  # the written pages are still cached, as without the package

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoTokenizer
 
 import sglang_capture
-from sglang_capture.instrumentor import installed_sglang_version
+from sglang_capture.core.capture_dir import read_stats
+from sglang_capture.server.instrumentor import installed_sglang_version
 from sglang_capture.testbed.server import capture_cmd
-from sglang_capture.writer import read_stats
 from tests.reference import max_abs_diff, reference_states
 
 LAYERS = [0, 2, 3]
@@ -297,7 +297,7 @@ def test_client_disconnect_aborts_without_a_file(dsv3):
 
     import requests
 
-    from sglang_capture.writer import index_path
+    from sglang_capture.core.capture_dir import index_path
 
     body = {"text": "hello world", "rid": "disconnect-me", "sampling_params": {
         "max_new_tokens": 3900, "temperature": 0, "ignore_eos": True,

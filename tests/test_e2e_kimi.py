@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 import sglang_capture
-from sglang_capture.layers import default_layers
+from sglang_capture.core.layers import default_layers
 from sglang_capture.testbed.server import capture_cmd
 from tests.reference import max_abs_diff, reference_states
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import sglang_capture
-from sglang_capture.layers import default_layers
+from sglang_capture.core.capture_dir import read_stats
+from sglang_capture.core.layers import default_layers
 from sglang_capture.testbed.server import capture_cmd
-from sglang_capture.writer import read_stats
 from tests.reference import min_row_cosine, reference_states
 
 PROMPTS = ["hello world, this is a tiny tokenizer", "The quick brown fox jumps over the lazy dog."]
@@ -52,7 +52,8 @@ def test_bf16_capture_with_default_layers_matches_transformers(llama, tiny_model
 def test_openai_endpoints_capture_by_custom_params(llama, endpoint):
     import requests
 
-    body = {"model": "tiny", "max_tokens": 3, "temperature": 0, "custom_params": {"capture": True, "capture_name": f"oai{endpoint.count('chat')}"}}
+    body = {"model": "tiny", "max_tokens": 3, "temperature": 0,
+            "custom_params": {"capture": True, "capture_name": f"oai{endpoint.count('chat')}"}}
     if "chat" in endpoint:
         body["messages"] = [{"role": "user", "content": "hello world"}]
     else:

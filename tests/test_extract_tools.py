@@ -15,9 +15,9 @@ import torch
 from transformers import AutoTokenizer
 
 import sglang_capture
-from sglang_capture.dataset import CaptureDataset
-from sglang_capture.manifest import MANIFEST, read_manifest
 from sglang_capture.testbed.server import capture_cmd, free_port
+from sglang_capture.tools.dataset import CaptureDataset
+from sglang_capture.tools.manifest import MANIFEST, read_manifest
 
 LAYERS = [0, 2, 3]
 N_SAMPLES = 50
@@ -349,7 +349,7 @@ def test_extract_spreads_work_over_several_servers(server, tiny_models, make_ser
             "--concurrency", "4", env=env)
     assert r.returncode == 0, r.stderr
     assert len(_files(out)) == 10 and cli("verify", out, "--no-progress").returncode == 0
-    from sglang_capture.writer import index_path
+    from sglang_capture.core.capture_dir import index_path
 
     per_server = {d: 0 for d in (server.capture_dir, second_dir)}
     for name in _files(out):  # the server that captured a sample recorded its outcome under the rid
@@ -362,7 +362,7 @@ def test_extract_spreads_work_over_several_servers(server, tiny_models, make_ser
 def test_one_extract_per_directory_and_the_lock_is_released(server, conversations, reference_run, env):
     import fcntl
 
-    from sglang_capture.extract import LOCK_FILE, Extractor
+    from sglang_capture.tools.extract import LOCK_FILE, Extractor
 
     for _ in range(2):  # in one process, twice: the first run must give the lock back
         report = Extractor(conversations[0], [server.url], reference_run, progress=False).run()

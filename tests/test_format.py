@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import torch
 
-import sglang_capture.format as fmt
+import sglang_capture.core.format as fmt
 from sglang_capture import CaptureFileError, load
 
 

@@ -11,10 +11,10 @@ import pytest
 import wrapt
 from click.testing import CliRunner
 
-import sglang_capture.instrumentor as inst
-from sglang_capture.config import CaptureConfig
-from sglang_capture.launch import main
+import sglang_capture.server.instrumentor as inst
+from sglang_capture.core.config import CaptureConfig
 from sglang_capture.patches import load_table, supported_versions
+from sglang_capture.server.launch import main
 
 
 def _launch(*args):
@@ -27,7 +27,8 @@ def test_missing_capture_dir_exits_non_zero_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", str(tmp_path / "nope"),
                            "--model-path", "x"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1] == f"Error: --capture-dir {tmp_path / 'nope'} does not exist; create it first (mkdir -p {tmp_path / 'nope'})"
+    nope = tmp_path / "nope"
+    assert proc.stderr.strip().splitlines()[-1] == f"Error: --capture-dir {nope} does not exist; create it first (mkdir -p {nope})"
     assert "Traceback" not in proc.stderr
 
 
@@ -111,16 +112,22 @@ def test_changed_sglang_function_fails_loudly():
         probe._patch(seam)
 
 
-def test_instrument_is_idempotent_and_uninstrument_restores():
+def test_instrument_is_idempotent_binds_each_hook_to_its_process_state_and_uninstrument_restores(tmp_path):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor as P
 
+    from sglang_capture.server.scheduler_capture import SchedulerCapture
+
     original_init, original_decode = Req.__dict__["__init__"], P.__dict__["_append_decode_hidden_states"]
     probe = inst.CaptureInstrumentor()
-    probe.instrument(processes=("scheduler",))
-    probe.instrument(processes=("scheduler",))
+    config = CaptureConfig(capture_dir=str(tmp_path))
+    probe.instrument(config, processes=("scheduler",))
+    probe.instrument(config, processes=("scheduler",))
     try:
         assert isinstance(Req.__dict__["__init__"], wrapt.FunctionWrapper)
+        state = Req.__dict__["__init__"]._self_wrapper.args[0]  # state passes explicitly, bound at install
+        assert isinstance(state, SchedulerCapture) and state.config is config
+        assert P.__dict__["_append_decode_hidden_states"]._self_wrapper.args[0] is state  # one per process
         assert not isinstance(Req.__dict__["__init__"].__wrapped__, wrapt.FunctionWrapper)  # wrapped once
         assert "request" in probe.patched_seams() and "response" not in probe.patched_seams()
     finally:
@@ -139,14 +146,14 @@ def test_doctor_reports_version_fingerprints_plugin_and_configuration():
     assert "supported SGLang: 0.5.17, 0.5.23" in r.stdout
     assert r.stdout.count("matches its fingerprint") == 10 and "FAIL" not in r.stdout
     assert "plugin entry point sglang.srt.plugins: sglang_capture" in r.stdout
-    assert f"writer_threads = auto ({CaptureConfig(capture_dir='.').threads_for_writing()} here)" in r.stdout and "max_pending_mb = 8192" in r.stdout
+    assert f"writers = auto ({CaptureConfig(capture_dir='.').writer_processes()} here)" in r.stdout and "max_pending_mb = 8192" in r.stdout
 
 
 def test_doctor_fails_on_a_changed_sglang_function():
     import dataclasses
 
-    from sglang_capture.doctor import diagnose
-    from sglang_capture.instrumentor import seams_for_installed
+    from sglang_capture.server.instrumentor import seams_for_installed
+    from sglang_capture.tools.doctor import diagnose
 
     seams = seams_for_installed()
     seams[2] = dataclasses.replace(seams[2], fingerprint="sha256:" + "0" * 64)

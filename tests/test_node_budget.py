@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-from sglang_capture.config import CaptureConfig
-from sglang_capture.node_budget import NodeBudget, writer_ranks_on_node
+from sglang_capture.core.config import CaptureConfig
+from sglang_capture.server.node_budget import NodeBudget, writer_ranks_on_node
 
 
 def _args(dp=1, nnodes=1, dp_attention=False):
@@ -25,7 +25,7 @@ def test_writer_ranks_per_node(args, ranks):
 
 
 def test_dp8_shares_the_default_budget_instead_of_multiplying_it(tmp_path):
-    config = CaptureConfig(capture_dir=str(tmp_path), writer_threads=16)
+    config = CaptureConfig(capture_dir=str(tmp_path), writers=16)
     budget = NodeBudget.for_server(config, _args(dp=8, dp_attention=True))
     assert (budget.pending_bytes, budget.writers) == (1024 << 20, 2)  # 8 GiB and 16 processes over 8 ranks
     assert budget.ranks * budget.pending_bytes == 8192 << 20 and budget.ranks * budget.writers == 16
@@ -36,6 +36,6 @@ def test_dp8_shares_the_default_budget_instead_of_multiplying_it(tmp_path):
 
 
 def test_every_rank_keeps_at_least_one_writer_and_one_mib(tmp_path):
-    config = CaptureConfig(capture_dir=str(tmp_path), writer_threads=3, max_pending_mb=1)
+    config = CaptureConfig(capture_dir=str(tmp_path), writers=3, max_pending_mb=1)
     budget = NodeBudget.for_server(config, _args(dp=8, dp_attention=True))
     assert (budget.writers, budget.pending_bytes) == (1, 1 << 20)

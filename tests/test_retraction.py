@@ -13,10 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import sglang_capture
-from sglang_capture.instrumentor import installed_sglang_version
+from sglang_capture.server.instrumentor import installed_sglang_version
 from sglang_capture.testbed.server import capture_cmd
 from tests.test_e2e_deepseek import LAYERS, check_against_transformers
-
 
 # natural: retraction because the small KV pool is full (SGLang 0.5.17 does this here);
 # test_mode: SGLang's own SGLANG_TEST_RETRACT forces the same retract_decode path (both releases)

@@ -24,7 +24,7 @@ def _slow_build(log: str):
     return build
 
 
-def _build_in_child(path: str, log: str, seen: "multiprocessing.Queue") -> None:
+def _build_in_child(path: str, log: str, seen: multiprocessing.Queue) -> None:
     out = build_once(path, _slow_build(log), stamp="v1")
     seen.put(sorted(os.listdir(out)))
 

@@ -7,6 +7,8 @@ from typing import Dict, Optional
 
 from sglang_capture.testbed.once import build_once
 
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")  # sitecustomize.py: cpu_mla.py's patches
+
 # The driver symbols the CUDA-built sgl_kernel wheel links against; each returns
 # CUDA_ERROR_STUB_LIBRARY (34), so torch sees no GPU and SGLang uses its native CPU ops.
 _STUB_SYMBOLS = (
@@ -45,6 +47,7 @@ def server_env(cache_dir: str, base: Optional[Dict[str, str]] = None) -> Dict[st
         SGLANG_USE_CPU_ENGINE="1",
         TORCHDYNAMO_DISABLE="1",  # else inductor compiles MoE top-k for ~40 s on the first request
         SGLANG_CAPTURE_CPU_TESTBED="1",
+        PYTHONPATH=os.pathsep.join(p for p in (SITE_DIR, env.get("PYTHONPATH")) if p),
         # Several ranks (TP, DP attention) talk over gloo on a CPU; a loadable NCCL (the pip wheel
         # torch brings) would make SGLang set up a CUDA communicator and fail on the CPU device.
         SGLANG_NCCL_SO_PATH=os.path.join(stub, "no-nccl-on-cpu"),

@@ -1,4 +1,4 @@
-"""SGLang plugin, CPU test bed only: what real SGLang needs to serve tiny models on a CPU.
+"""CPU test bed only: what real SGLang needs to serve tiny models on a CPU.
 
 - DeepSeek MLA on ``torch_native`` must use the absorbed path. DeepSeek's attention registry
   has no ``torch_native`` handler and falls back to the triton one, which picks MHA for a fresh
@@ -14,11 +14,11 @@
   CUDA only: on CPU tensors the group's own gather (gloo) runs directly, and a reduce-scatter
   (which gloo lacks) is an all-reduce of which each rank keeps its slice.
 
-Active only with ``SGLANG_CAPTURE_CPU_TESTBED=1`` (the test bed's ``server_env`` sets it).
+Applied by ``site/sitecustomize.py`` in the processes of test-bed servers only (``server_env``
+puts it on their ``PYTHONPATH``); a user's install never loads this module.
 """
 from __future__ import annotations
 
-import os
 import types
 
 import torch
@@ -66,9 +66,8 @@ def _cpu_reduce_scatter(original):
     return reduce_scatter_tensor
 
 
-def register() -> None:
-    if os.environ.get("SGLANG_CAPTURE_CPU_TESTBED") != "1":
-        return
+def apply() -> None:
+    """Patch SGLang for a CPU (in a scheduler process, once SGLang's model runner is imported)."""
     from sglang.srt.distributed.parallel_state import GroupCoordinator
     from sglang.srt.layers import dp_attention
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend

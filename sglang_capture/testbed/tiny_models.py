@@ -69,14 +69,29 @@ def save_llama(path: str, tokenizer, layers: int = 4, hidden: int = 256) -> str:
     return path
 
 
-def deepseek_v3_config(tokenizer, layers: int = 4, hidden: int = 256, experts: int = 8) -> Dict:
+# Shapes of the DeepSeek-V3 family. "cpu": everything shrunk (the CPU test bed's MLA path takes any
+# head dims). "gpu": MLA head dims as in DeepSeek-V3 / Kimi-K2.5, which SGLang's GPU attention
+# kernels require, the rest shrunk (4 heads, MoE of 8 experts of 256, top-2). "kimi": Kimi-K2.5's
+# per-token compute (64 MLA heads, q_lora 1536, dense layer 0 of 18,432, routed experts of 2,048,
+# top-8, one shared), for ``--load-format dummy`` servers: config only, no weights.
+SHAPES = {
+    "cpu": dict(heads=4, q_lora=64, kv_lora=64, nope=32, rope=16, vdim=32, inter=None, moe_inter=None, top_k=2),
+    "gpu": dict(heads=4, q_lora=256, kv_lora=512, nope=128, rope=64, vdim=128, inter=1024, moe_inter=256, top_k=2),
+    "kimi": dict(heads=64, q_lora=1536, kv_lora=512, nope=128, rope=64, vdim=128, inter=18432, moe_inter=2048, top_k=8),
+}
+
+
+def deepseek_v3_config(tokenizer, layers: int = 4, hidden: int = 256, experts: int = 8, shape: str = "cpu") -> Dict:
     """A DeepSeek-V3 config (MLA + MoE, noaux_tc sigmoid router, one shared expert, first layer dense)."""
-    heads, q_lora, kv_lora, nope, rope, vdim = 4, 64, 64, 32, 16, 32
-    return {
+    sh = SHAPES[shape]
+    heads, q_lora, kv_lora, nope, rope, vdim = (sh[k] for k in ("heads", "q_lora", "kv_lora", "nope", "rope", "vdim"))
+    inter, moe_inter = sh["inter"] or 2 * hidden, sh["moe_inter"] or hidden // 2
+    config = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
-        "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": 2 * hidden, "moe_intermediate_size": hidden // 2,
+        "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": inter, "moe_intermediate_size": moe_inter,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
-        "n_shared_experts": 1, "n_routed_experts": experts, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+        "n_shared_experts": 1, "n_routed_experts": experts, "num_experts_per_tok": sh["top_k"], "n_group": 1,
+        "topk_group": 1,
         "routed_scaling_factor": 2.5, "kv_lora_rank": kv_lora, "q_lora_rank": q_lora, "qk_rope_head_dim": rope,
         "qk_nope_head_dim": nope, "v_head_dim": vdim, "first_k_dense_replace": 1, "norm_topk_prob": True,
         "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1, "hidden_act": "silu",
@@ -88,6 +103,12 @@ def deepseek_v3_config(tokenizer, layers: int = 4, hidden: int = 256, experts: i
         "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                          "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
     }
+    if shape != "cpu":
+        # With YaRN, SGLang's GPU rows of a request differed from transformers' at cos 0.97 while
+        # equal to SGLang's own JSON output bit for bit (bench/RESULTS.md, r35); the plain rope of
+        # the earlier GPU runs kept them within the bar.
+        config.update(rope_scaling=None, max_position_embeddings=4096)
+    return config
 
 
 class _Random:
@@ -154,10 +175,17 @@ def _finish_checkpoint(path: str, config: Dict, weights: Dict[str, torch.Tensor]
     return path
 
 
-def save_deepseek_v3(path: str, tokenizer, layers: int = 4, hidden: int = 256, experts: int = 8) -> str:
-    """A DeepSeek-V3 checkpoint (see ``deepseek_v3_config``)."""
+def save_deepseek_v3(path: str, tokenizer, layers: int = 4, hidden: int = 256, experts: int = 8,
+                     shape: str = "cpu") -> str:
+    """A DeepSeek-V3 checkpoint (see ``deepseek_v3_config``); for shape "kimi" the config and
+    tokenizer only, for servers started with ``--load-format dummy``."""
     os.makedirs(path, exist_ok=True)
-    config = deepseek_v3_config(tokenizer, layers, hidden, experts)
+    config = deepseek_v3_config(tokenizer, layers, hidden, experts, shape)
+    if shape == "kimi":
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        tokenizer.save_pretrained(path)
+        return path
     return _finish_checkpoint(path, config, deepseek_v3_weights(config, _Random(0)), tokenizer)
 
 
@@ -274,7 +302,27 @@ def build_all(out_dir: str) -> Dict[str, str]:
     return {name: os.path.join(out_dir, name) for name in names}
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv=None) -> None:
+    """``python -m sglang_capture.testbed.tiny_models OUT [--arch ...]``: the test suite's models
+    (no --arch), or one model, as the GPU scripts in bench/ build theirs."""
+    import argparse
 
-    print(build_all(sys.argv[1] if len(sys.argv) > 1 else "tiny-models"))
+    p = argparse.ArgumentParser(prog="python -m sglang_capture.testbed.tiny_models")
+    p.add_argument("out")
+    p.add_argument("--arch", choices=("llama", "deepseek_v3"), default=None,
+                   help="one model at OUT instead of the suite's set under OUT")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="gpu", help="DeepSeek-V3 shape (see SHAPES)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--experts", type=int, default=8)
+    a = p.parse_args(argv)
+    if a.arch is None:
+        print(build_all(a.out))
+    elif a.arch == "llama":
+        print(save_llama(a.out, build_tokenizer(), a.layers, a.hidden))
+    else:
+        print(save_deepseek_v3(a.out, build_tokenizer(), a.layers, a.hidden, a.experts, a.shape))
+
+
+if __name__ == "__main__":
+    main()

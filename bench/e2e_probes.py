@@ -1,0 +1,188 @@
+"""What bench/e2e.py samples during a window besides the load's own numbers: GPU clocks and
+utilisation, the server tree's memory and cores, py-spy of the scheduler, host memory reclaim."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional
+
+import psutil
+import pyspy_summary
+
+from sglang_capture.testbed.server import Server
+
+
+class GpuSampler:
+    """GPU utilisation, SM clock, power and temperature over a window, from ``nvidia-smi -lms``:
+    whether two windows of the same server differ because the GPU ran slower (clocks, power
+    cap, heat) or because it was given less work. Reports nothing where there is no nvidia-smi."""
+
+    FIELDS = ("utilization.gpu", "clocks.sm", "power.draw", "temperature.gpu")
+
+    def __init__(self, interval_ms: int = 250) -> None:
+        self.rows: List[List[float]] = []
+        try:
+            self.proc: Optional[subprocess.Popen] = subprocess.Popen(
+                ["nvidia-smi", "--id=0", f"--query-gpu={','.join(self.FIELDS)}", "--format=csv,noheader,nounits",
+                 f"-lms={interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.rows.append([float(x) for x in line.split(",")])
+            except ValueError:  # "[N/A]" fields
+                continue
+
+    def stop(self) -> Optional[Dict[str, float]]:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        self.proc.wait()
+        if not self.rows:
+            return None
+        cols = list(zip(*self.rows, strict=False))
+        return {"util_pct": round(statistics.mean(cols[0]), 1), "sm_mhz_mean": round(statistics.mean(cols[1])),
+                "sm_mhz_min": min(cols[1]), "power_w": round(statistics.mean(cols[2]), 1), "temp_c_max": max(cols[3]),
+                "samples": len(self.rows)}
+
+
+class RssSampler(threading.Thread):
+    """Peak resident memory of a server's whole process tree, sampled every 0.2 s, plus the CPU
+    the tree and the whole host used over the window (which stage is starved of cores)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self.stop_event = threading.Event()
+        self.cpu_first: Dict[int, float] = {}
+        self.cpu_last: Dict[int, float] = {}
+        self.sched_first: Dict[int, float] = {}
+        self.sched_last: Dict[int, float] = {}
+        self.writer_pids: Dict[int, bool] = {}  # pid -> is it one of the package's writer processes
+        psutil.cpu_percent(None)
+        self.t0 = time.monotonic()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                procs = [self.root] + self.root.children(recursive=True)
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+                for p in procs:
+                    t = p.cpu_times()
+                    self.cpu_first.setdefault(p.pid, t.user + t.system)
+                    self.cpu_last[p.pid] = t.user + t.system
+                    if p.pid not in self.writer_pids:
+                        self.writer_pids[p.pid] = "sglang_capture.writer.process" in p.cmdline()
+                    if "scheduler" in p.name():  # SGLang names it sglang::scheduler
+                        for th in p.threads():
+                            self.sched_first.setdefault(th.id, th.user_time + th.system_time)
+                            self.sched_last[th.id] = th.user_time + th.system_time
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+
+    def cpu(self) -> Dict[str, float]:
+        """Cores busy on average: the server's process tree, and the whole host."""
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        used = sum(last - self.cpu_first[pid] for pid, last in self.cpu_last.items())
+        threads = sorted((last - self.sched_first[tid] for tid, last in self.sched_last.items()), reverse=True)
+        writers = sum(last - self.cpu_first[pid] for pid, last in self.cpu_last.items() if self.writer_pids.get(pid))
+        return {"server_cores": round(used / wall, 2), "host_busy_pct": psutil.cpu_percent(None),
+                "writer_processes_cores": round(writers / wall, 2),
+                # the busiest threads of the scheduler process (the first is usually SGLang's own)
+                "scheduler_top_threads_cores": [round(t / wall, 2) for t in threads[:4]],
+                "scheduler_threads_cores": round(sum(threads) / wall, 2)}
+
+
+PY_SPY_RATE = 200  # samples/s: enough for ms-scale seams over a 10 s window, little load on the host
+
+
+def _py_spy() -> Optional[str]:
+    """The py-spy executable: on PATH, or in a bin/ beside an installed package (pip --target)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    return next((p for p in (os.path.join(d, "bin", "py-spy") for d in sys.path if d) if os.path.exists(p)), None)
+
+
+def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: Dict) -> threading.Thread:
+    """Sample ``server``'s scheduler process for ``seconds``, 2 s from now, with and without idle
+    samples at once (``pyspy_summary`` says why both); the summary goes to ``res['pyspy'][name]``.
+    ``--nonblocking``: the process is never paused, so the window's throughput is not disturbed."""
+    def record() -> None:
+        summaries = res.setdefault("pyspy", {})
+        exe = _py_spy()
+        sched = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True) if "scheduler" in p.name()]
+        if exe is None or not sched:
+            summaries[name] = {"error": "no py-spy executable" if exe is None else "no scheduler process found"}
+            return
+        time.sleep(2.0)
+        os.makedirs(out_dir, exist_ok=True)
+        paths = {kind: os.path.join(out_dir, f"{name}.{kind}.txt") for kind in ("active", "all")}
+        procs = [subprocess.Popen([exe, "record", "--pid", str(sched[0]), "--duration", f"{seconds:g}", "--rate",
+                                   str(PY_SPY_RATE), "--nonblocking", "--threads", "--full-filenames", "--format", "raw",
+                                   "-o", path, *(["--idle"] if kind == "all" else [])],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for kind, path in paths.items()]
+        errors = [p.communicate(timeout=seconds + 60)[1] for p in procs]
+        if not all(os.path.exists(p) for p in paths.values()):
+            summaries[name] = {"error": " | ".join(e.strip().splitlines()[-1] for e in errors if e.strip()) or "no output"}
+            return
+        summaries[name] = pyspy_summary.summarize(pyspy_summary.load(paths["active"]), pyspy_summary.load(paths["all"]),
+                                                  seconds, PY_SPY_RATE)
+        print(f"py-spy {name}: " + json.dumps({k: v for k, v in summaries[name].items() if k != "leaves_top"}),
+              file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=record, daemon=True)
+    thread.start()
+    return thread
+
+
+_VM_KEYS = ("allocstall", "pgscan_direct", "pgscan_kswapd", "pgsteal_direct", "pgsteal_kswapd")
+
+
+def vmstat() -> Dict[str, int]:
+    """The host's memory-reclaim counters (summed over zones/kinds), where /proc has them."""
+    out = dict.fromkeys(_VM_KEYS, 0)
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                key, value = line.split()
+                for k in _VM_KEYS:
+                    if key == k or key.startswith(k + "_"):
+                        out[k] += int(value)
+    except OSError:
+        pass
+    return out
+
+
+def vm_window(before: Dict[str, int]) -> Dict[str, float]:
+    """Reclaim over a window (direct reclaim stalls whoever allocates, the server included) and
+    the page cache at its end, in GB."""
+    after = vmstat()
+    out: Dict[str, float] = {k: after[k] - before[k] for k in _VM_KEYS}
+    try:
+        mem = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        for k in ("MemFree", "Cached", "Dirty"):
+            out[k + "_GB"] = round(int(mem[k].split()[0]) / 1e6, 1)
+    except (OSError, KeyError, ValueError):
+        pass
+    return out
+
+
+def client_cpu_s() -> float:
+    """CPU seconds of this load generator and its finished client processes."""
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))

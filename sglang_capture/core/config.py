@@ -1,0 +1,232 @@
+"""Capture options: one table, validated once, carried to SGLang's spawned processes by env.
+
+Each option is declared once, as a ``CaptureConfig`` field whose metadata (``option``) names
+its command-line flag, help, and how its text is parsed; the launcher builds its click options
+from this table (``click_options``), so adding an option touches this file only.
+
+The launcher validates the options and stores them as JSON in ``SGLANG_CAPTURE_CONFIG``; every
+process SGLang spawns inherits the environment, and the plugin entry point reads it back. The
+variable's presence is what switches capture on: without it, installing the package changes
+nothing in a plain ``python -m sglang.launch_server``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from sglang_capture.core.format import CODECS, Codec
+
+ENV_VAR = "SGLANG_CAPTURE_CONFIG"
+DURABILITY_MODES = ("file", "none")
+
+
+class ConfigError(ValueError):
+    """A capture option that cannot work; the message is one actionable line."""
+
+
+def option(flag: str, help: str, *, type: Any = None, choices: Sequence[str] = (),
+           parse: Optional[Callable[[str], Any]] = None, default: Any = MISSING) -> Dict[str, Any]:
+    """A field of ``CaptureConfig`` that is also a launcher option (``--capture-x/--capture-no-x``
+    for a boolean); ``parse`` turns the option's text into the field's value."""
+    meta = {"flag": flag, "help": help, "type": type, "choices": tuple(choices), "parse": parse}
+    return field(default=default, metadata={"option": meta}) if default is not MISSING else field(metadata={"option": meta})
+
+
+def parse_layers(text: str) -> List[int]:
+    """Parse ``--capture-layers`` ("3,31,59") with a one-line error for anything else."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise ConfigError(f"--capture-layers must be comma-separated integers such as 3,31,59, got {text!r}") from None
+    if not ids:
+        raise ConfigError("--capture-layers is empty; give comma-separated layer ids such as 3,31,59")
+    return ids
+
+
+def parse_cpu_list(text: str) -> List[int]:
+    """Parse ``--capture-writer-cpus`` in the kernel's cpulist form ("8-15", "2,4-6") with a one-line error."""
+    cpus: List[int] = []
+    try:
+        for part in (p.strip() for p in text.split(",")):
+            first, _, last = part.partition("-")
+            lo, hi = int(first), int(last or first)
+            if lo < 0 or hi < lo:
+                raise ValueError
+            cpus.extend(range(lo, hi + 1))
+    except ValueError:
+        raise ConfigError(f"--capture-writer-cpus must be a CPU list such as 8-15 or 2,4-6, got {text!r}") from None
+    return cpus
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """Everything the patched server needs to know about capture.
+
+    ``layers`` uses the package's single convention: i is the residual stream entering decoder
+    layer i (= transformers' ``output_hidden_states[i]``); ``None`` means the model default,
+    resolved by ``layers.resolve_layers`` once the model's depth is known.
+    """
+
+    capture_dir: str = option("--capture-dir", "Existing directory for capture files.")
+    layers: Optional[List[int]] = option(
+        "--capture-layers", "Comma-separated layer ids (input of layer i = HF hidden_states[i]). "
+        "Default: EAGLE-3's, 3,31,59 for a 61-layer model.", parse=parse_layers, default=None)
+    keep_last_hidden: bool = option("--capture-keep-last/--capture-no-keep-last",
+                                    "Also keep the final post-norm hidden state.", default=True)
+    codec: str = option("--capture-codec", "Compression of the hidden states on disk.", choices=CODECS, default="zstd")
+    level: Optional[int] = option("--capture-level", "zstd level. Default: entropy-first settings tuned for "
+                                  "activations (2-3x faster than level 1, same ratio).", type=int, default=None)
+    shuffle: bool = option("--capture-shuffle/--capture-no-shuffle", "Byte-shuffle before zstd (better ratio on bf16).",
+                           default=True)
+    writers: int = option("--capture-writers", "Writer processes per node, split among its writer ranks "
+                          "(0 = 3/4 of the cores, 2..16).", type=int, default=0)
+    writer_nice: int = option("--capture-writer-nice", "How much lower the writer processes' CPU priority is than "
+                              "the server's (0-19), for hosts short of cores.", type=int, default=0)
+    writer_cpus: Optional[List[int]] = option(
+        "--capture-writer-cpus", "CPUs the writer processes run on, as a list such as 8-15 (default: the "
+        "server's): keeps their compression off the cores SGLang's scheduler runs on.", parse=parse_cpu_list,
+        default=None)
+    compress_threads: int = option("--capture-compress-threads", "zstd threads per file (0 = in the writer "
+                                   "process, -1 = all cores).", type=int, default=0)
+    switch_interval_ms: float = option("--capture-switch-interval-ms", "GIL switch interval of the scheduler "
+                                       "process once writers run (0 = leave Python's 5 ms).", type=float, default=1.0)
+    durability: str = option("--capture-durability", "How files reach the disk before a response says ok: file "
+                             "(fsync each file and its name), none (no flush: a power loss can lose the last files).",
+                             choices=DURABILITY_MODES, default="file")
+    keep_page_cache: bool = option("--capture-keep-page-cache/--capture-drop-page-cache", "Leave written files in "
+                                   "the page cache (by default their pages are dropped once flushed).", default=False)
+    max_pending_mb: int = option("--capture-max-pending-mb", "Host memory per node for pending writes, split among "
+                                 "its writer ranks, allocated (on a GPU: pinned) once at start-up; a rank waits "
+                                 "beyond its share.", type=int, default=8192)
+    wait_timeout_s: float = option("--capture-wait-timeout", "Seconds a response waits for its file.", type=float,
+                                   default=600.0)
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.capture_dir):
+            object.__setattr__(self, "capture_dir", os.path.abspath(self.capture_dir))
+        if self.codec not in CODECS:
+            raise ConfigError(f"--capture-codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        try:
+            self.codec_spec()
+        except ValueError as e:
+            raise ConfigError(f"--capture-level: {e}") from None
+        if self.durability not in DURABILITY_MODES:
+            raise ConfigError(f"--capture-durability must be one of {', '.join(DURABILITY_MODES)}, got {self.durability!r}")
+        if self.writers < 0:
+            raise ConfigError(f"--capture-writers must be 0 (auto) or a positive count, got {self.writers}")
+        if not 0 <= self.writer_nice <= 19:
+            raise ConfigError(f"--capture-writer-nice must be 0 (the server's priority) to 19 (the lowest), got {self.writer_nice}")
+        if self.writer_cpus is not None:
+            if not self.writer_cpus or min(self.writer_cpus) < 0:
+                raise ConfigError(f"--capture-writer-cpus must name CPUs such as 8-15, got {self.writer_cpus}")
+            object.__setattr__(self, "writer_cpus", sorted(set(self.writer_cpus)))
+        if self.compress_threads < -1:
+            raise ConfigError("--capture-compress-threads must be -1 (all cores), 0 (inline) or a positive count")
+        if self.switch_interval_ms < 0:
+            raise ConfigError("--capture-switch-interval-ms must be zero (leave Python's) or positive")
+        if self.max_pending_mb < 1:
+            raise ConfigError(f"--capture-max-pending-mb must be at least 1, got {self.max_pending_mb}")
+        if self.wait_timeout_s < 0:
+            raise ConfigError("--capture-wait-timeout must be zero or positive")
+        if self.layers is not None:
+            if not self.layers:
+                raise ConfigError("--capture-layers is empty; give comma-separated layer ids such as 3,31,59")
+            if len(set(self.layers)) != len(self.layers):
+                raise ConfigError(f"--capture-layers has duplicates: {self.layers}")
+            object.__setattr__(self, "layers", sorted(self.layers))
+
+    def writer_processes(self) -> int:
+        """Writer processes to run: the configured count, or for 0 three quarters of the cores this
+        process may use (of ``writer_cpus`` when set), between 2 and 16 (on the 16-core H200 host
+        16 writers used ~8 cores at full capture, bench/RESULTS.md; beyond that the disk, not the
+        CPU, bounds the writer)."""
+        if self.writers:
+            return self.writers
+        try:
+            cores = len(self.writer_cpus or os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 2
+        return max(2, min(16, 3 * cores // 4))
+
+    def codec_spec(self) -> Codec:
+        """The on-disk codec these options select."""
+        return Codec(name=self.codec, level=self.level, shuffle=self.shuffle, threads=self.compress_threads)
+
+    @property
+    def max_pending_bytes(self) -> int:
+        return self.max_pending_mb * (1 << 20)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict] = None) -> Optional[CaptureConfig]:
+        """The configuration the launcher published, or None when capture is not switched on."""
+        raw = (os.environ if environ is None else environ).get(ENV_VAR)
+        if not raw:
+            return None
+        try:
+            return cls.from_json(raw)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{ENV_VAR} is not a valid capture configuration: {e}") from None
+
+    @classmethod
+    def from_json(cls, raw: str) -> CaptureConfig:
+        """The inverse of ``to_env`` (raises TypeError or JSONDecodeError on a bad document)."""
+        return cls(**json.loads(raw))
+
+
+def check_writer_cpus(cpus: Optional[List[int]], allowed: Optional[set] = None) -> None:
+    """The writer CPUs must be ones the server may run on: any other is a typo or another host's numbering,
+    and the writers would quietly run on the server's CPUs instead."""
+    if cpus is None:
+        return
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    missing = sorted(set(cpus) - set(allowed))
+    if missing:
+        raise ConfigError(f"--capture-writer-cpus names CPUs {_ranges(missing)} that this server may not use; "
+                          f"it may use {_ranges(sorted(allowed))}")
+
+
+def _ranges(cpus: List[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (the form the option takes)."""
+    runs: List[List[int]] = []
+    for cpu in cpus:
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
+def click_options(command: Callable) -> Callable:
+    """Decorate a click command with one option per ``CaptureConfig`` field, in table order; the
+    command then receives each as a keyword named after its field (``config_from_options``)."""
+    import click
+
+    for f in reversed(fields(CaptureConfig)):
+        meta = f.metadata["option"]
+        kwargs: Dict[str, Any] = {"help": meta["help"]}
+        if meta["choices"]:
+            kwargs["type"] = click.Choice(meta["choices"])
+        elif meta["type"] is not None:
+            kwargs["type"] = meta["type"]
+        if f.default is MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = f.default if meta["parse"] is None else None
+            kwargs["show_default"] = f.default is not None
+        command = click.option(meta["flag"], f.name, **kwargs)(command)
+    return command
+
+
+def config_from_options(values: Dict[str, Any]) -> CaptureConfig:
+    """The configuration from ``click_options``' keywords (raises ConfigError)."""
+    kwargs = {}
+    for f in fields(CaptureConfig):
+        value, parse = values[f.name], f.metadata["option"]["parse"]
+        kwargs[f.name] = parse(value) if parse is not None and value is not None else value
+    return CaptureConfig(**kwargs)

@@ -1,0 +1,333 @@
+"""How capture files are laid out on disk (schema v1): encoding and decoding, nothing else.
+
+A file is one msgpack map::
+
+    {"schema": "sglang_capture/v1",
+     "meta":    {...plain msgpack values...},
+     "tensors": {name: {"dtype": str, "shape": [int, ...], "byteorder": "little",
+                        "codec": "zstd" | "none", "shuffle": int, "nbytes": int,
+                        "data": bin}}}
+
+``data`` holds the tensor's raw little-endian bytes; with ``shuffle = k > 0`` the bytes of
+each k-byte element are first split into k planes (all first bytes, then all second bytes,
+...), which lets zstd find the low-entropy exponent bytes of bf16 activations. ``zstd`` data
+is one zstd frame with the content size and a content checksum. The writer streams the map
+(headers first, then each payload) so a multi-GB tensor is never copied into a msgpack
+buffer; any msgpack reader can still parse the whole file. See docs/format.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import struct
+import sys
+import threading
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
+
+import msgpack
+import numpy
+import zstandard
+
+from sglang_capture.core.durable import checksum_tag
+
+if TYPE_CHECKING:
+    import torch
+
+SCHEMA = "sglang_capture/v1"
+CODECS = ("zstd", "none")
+
+# Stored dtype names, which are also torch's attribute names. torch itself is imported only where a
+# torch tensor is made or read: the writer processes encode numpy arrays and never load it.
+DTYPES = ("bfloat16", "float16", "float32", "int64", "int32", "uint8")
+_RECORD_FIELDS = {"dtype", "shape", "byteorder", "codec", "shuffle", "nbytes", "frame_rows", "data"}
+
+if sys.byteorder != "little":  # pragma: no cover - every platform SGLang runs on is little-endian
+    raise ImportError("sglang_capture writes little-endian tensors and needs a little-endian host")
+
+
+def row_count(num_prompt_tokens: int, num_output_tokens: int) -> int:
+    """Rows a file holds: one per prompt token and one per output token fed back into the model
+    (the last output token was sampled, never fed back, so it has no row)."""
+    return num_prompt_tokens + max(num_output_tokens - 1, 0)
+
+
+class CaptureFileError(ValueError):
+    """A capture file that cannot be trusted: truncated, corrupted, or not schema v1."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How tensors are compressed: ``name`` zstd or none, zstd ``level``, byte ``shuffle``, ``threads``.
+
+    ``level=None`` selects ACTIVATION_PARAMS instead of a numbered zstd level.
+    """
+
+    name: str = "zstd"
+    level: Optional[int] = None
+    shuffle: bool = True
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in CODECS:
+            raise ValueError(f"unknown codec {self.name!r}; choose one of {', '.join(CODECS)}")
+        if self.name == "zstd" and self.level is not None and not -7 <= self.level <= 22:
+            raise ValueError(f"zstd level must be between -7 and 22, got {self.level}")
+
+
+# Byte-shuffled bf16 activations compress through entropy coding of the exponent plane; zstd's
+# match search finds almost nothing there and is most of level 1's time. Tiny match tables and
+# a long minimum match keep the entropy coding and drop the search: on activation-like bf16 this
+# ran 2-3x faster than level 1 with a slightly better ratio (1.485 vs 1.459; bench/RESULTS.md).
+# The frames are ordinary zstd frames: any zstd decoder reads them.
+ACTIVATION_PARAMS = dict(strategy=zstandard.STRATEGY_FAST, window_log=20, hash_log=6, chain_log=6,
+                         search_log=1, min_match=7, target_length=0)
+
+_local = threading.local()
+
+
+def compressor_for(codec: Codec) -> zstandard.ZstdCompressor:
+    """One compressor per thread and setting: ZstdCompressor objects are not thread-safe."""
+    key = (codec.level, codec.threads)
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    if key not in cache:
+        threads = (os.cpu_count() or 1) if codec.threads < 0 else codec.threads
+        if codec.level is None:
+            params = zstandard.ZstdCompressionParameters(
+                **ACTIVATION_PARAMS, threads=threads, write_checksum=1, write_content_size=1)
+            cache[key] = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cache[key] = zstandard.ZstdCompressor(
+                level=codec.level, threads=threads, write_checksum=True, write_content_size=True)
+    return cache[key]
+
+
+FRAME_BYTES = 64 << 20  # raw bytes per zstd frame: bounds temp memory, keeps bins under 4 GiB
+
+@dataclass(frozen=True)
+class HostTensor:
+    """A host array plus the dtype name the file stores for it.
+
+    The writer works on numpy arrays rather than torch tensors: writer processes never load torch
+    (its import costs seconds and hundreds of MB per process), and numpy views can map the shared
+    host pool in place.
+    """
+
+    dtype: str
+    array: numpy.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def to_torch(self) -> torch.Tensor:
+        """The same bytes as a torch tensor of the stored dtype (a copy)."""
+        import torch
+
+        t = torch.from_numpy(numpy.ascontiguousarray(self.array).copy())
+        return t.view(torch.int16).view(torch.bfloat16) if self.dtype == "bfloat16" else t
+
+
+def host_tensor(t: Union[torch.Tensor, HostTensor, numpy.ndarray]) -> HostTensor:
+    """A HostTensor sharing ``t``'s memory (no copy; strides kept)."""
+    if isinstance(t, HostTensor):
+        return t
+    if isinstance(t, numpy.ndarray):
+        # numpy's dtype names are the file's; numpy has no native bfloat16 (bf16 travels as uint16)
+        if t.dtype.name not in DTYPES or t.dtype.name == "bfloat16" or not t.dtype.isnative:
+            raise ValueError(f"unsupported array dtype {t.dtype}")
+        return HostTensor(t.dtype.name, t)
+    if t.device.type != "cpu":
+        raise ValueError("encode_tensor takes host tensors; copy to the CPU first")
+    name = str(t.dtype).replace("torch.", "")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported tensor dtype {t.dtype}")
+    t = t.detach()
+    if name == "bfloat16":
+        import torch
+
+        return HostTensor(name, t.view(torch.int16).numpy().view(numpy.uint16))
+    return HostTensor(name, t.numpy())
+
+
+def byte_planes(block: numpy.ndarray, shuffle: int) -> memoryview:
+    """The block's bytes in row-major order, split into ``shuffle`` byte planes when > 1."""
+    if shuffle == 2:  # one vectorised pass per plane, reading strided rows directly
+        u = block.view(numpy.uint16)
+        planes = numpy.empty((2,) + block.shape, dtype=numpy.uint8)
+        numpy.bitwise_and(u, 0xFF, out=planes[0], casting="unsafe")
+        numpy.right_shift(u, 8, out=planes[1], casting="unsafe")
+        return memoryview(planes.reshape(-1))
+    flat = numpy.ascontiguousarray(block).reshape(-1).view(numpy.uint8)
+    if shuffle > 1 and flat.size:
+        elements = flat.reshape(-1, shuffle)
+        planes = numpy.empty((shuffle, elements.shape[0]), dtype=numpy.uint8)
+        for k in range(shuffle):
+            planes[k] = elements[:, k]
+        flat = planes.reshape(-1)
+    return memoryview(flat)
+
+
+def encode_tensor(tensor: Union[torch.Tensor, HostTensor], codec: Codec
+                  ) -> Tuple[Dict[str, Any], Iterator[memoryview], int]:
+    """Return the tensor's header fields, a lazy iterator over its frames' payloads, and their count.
+
+    The tensor is cut into blocks of whole rows (first dimension) of about FRAME_BYTES each;
+    every block is shuffled and compressed on its own, so the writer never holds more than one
+    block's worth of temporary bytes and no payload reaches msgpack's 4 GiB bin limit.
+    """
+    ht = host_tensor(tensor)
+    a = ht.array
+    itemsize = a.itemsize
+    shuffle = itemsize if (codec.shuffle and codec.name == "zstd" and itemsize > 1) else 0
+    rows = a.shape[0] if a.ndim else 1
+    row_bytes = a.nbytes // rows if rows else 0
+    frame_rows = max(1, FRAME_BYTES // max(row_bytes, 1))
+    n_frames = max(1, math.ceil(rows / frame_rows))
+    header = {
+        "dtype": ht.dtype,
+        "shape": list(a.shape),
+        "byteorder": "little",
+        "codec": codec.name,
+        "shuffle": shuffle,
+        "nbytes": int(a.nbytes),
+        "frame_rows": frame_rows,
+    }
+    flat = a.reshape(rows, -1) if a.size else a.reshape(-1)
+
+    def frames() -> Iterator[memoryview]:
+        for i in range(n_frames):
+            raw = byte_planes(flat[i * frame_rows:(i + 1) * frame_rows], shuffle)
+            yield memoryview(compressor_for(codec).compress(raw)) if codec.name == "zstd" else raw
+
+    return header, frames(), n_frames
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack bin8/16/32 header, so a payload can be written after it without a copy."""
+    if n < 1 << 8:
+        return struct.pack(">BB", 0xC4, n)
+    if n < 1 << 16:
+        return struct.pack(">BH", 0xC5, n)
+    if n < 1 << 32:
+        return struct.pack(">BI", 0xC6, n)
+    raise ValueError(f"a tensor of {n} bytes exceeds msgpack's 4 GiB bin limit; capture fewer tokens per request")
+
+
+class _HashingWriter:
+    """File wrapper that counts and hashes every byte written, so the checksum costs no re-read."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, data: Any) -> None:
+        self._f.write(data)
+        self.sha256.update(data)
+        self.nbytes += memoryview(data).nbytes
+
+
+def write_capture(
+    f: IO[bytes], meta: Mapping[str, Any], tensors: Mapping[str, Union[torch.Tensor, HostTensor]], codec: Codec
+) -> Tuple[int, str]:
+    """Stream one schema-v1 file into ``f``; returns (bytes written, "sha256:<hex>")."""
+    out = _HashingWriter(f)
+    packer = msgpack.Packer(use_bin_type=True)
+    out.write(packer.pack_map_header(3))
+    out.write(packer.pack("schema") + packer.pack(SCHEMA))
+    out.write(packer.pack("meta") + packer.pack(dict(meta)))
+    out.write(packer.pack("tensors") + packer.pack_map_header(len(tensors)))
+    for name, tensor in tensors.items():
+        header, frames, n_frames = encode_tensor(tensor, codec)
+        out.write(packer.pack(name) + packer.pack_map_header(len(header) + 1))
+        for key, value in header.items():
+            out.write(packer.pack(key) + packer.pack(value))
+        out.write(packer.pack("data") + packer.pack_array_header(n_frames))
+        for payload in frames:
+            out.write(_bin_header(payload.nbytes))
+            out.write(payload)
+    return out.nbytes, checksum_tag(out.sha256)
+
+
+def _fail(path: str, why: str) -> CaptureFileError:
+    return CaptureFileError(f"{path}: {why}")
+
+
+def decode_tensor(name: str, rec: Any, path: str = "<capture>") -> torch.Tensor:
+    """Validate one tensor record against schema v1 and rebuild the tensor (dtype kept as stored)."""
+    import torch
+
+    if not isinstance(rec, dict) or set(rec) != _RECORD_FIELDS:
+        raise _fail(path, f"tensor {name!r} is not a schema v1 tensor record")
+    dtype = getattr(torch, rec["dtype"]) if rec["dtype"] in DTYPES else None
+    shape = rec["shape"]
+    if dtype is None:
+        raise _fail(path, f"tensor {name!r} has unknown dtype {rec['dtype']!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise _fail(path, f"tensor {name!r} has an invalid shape {shape!r}")
+    frames = rec["data"]
+    if rec["byteorder"] != "little" or rec["codec"] not in CODECS or not isinstance(frames, list) \
+            or not all(isinstance(fr, bytes) for fr in frames):
+        raise _fail(path, f"tensor {name!r} has an unsupported byteorder, codec or data layout")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    rows = shape[0] if shape else 1
+    frame_rows = rec["frame_rows"]
+    if rec["nbytes"] != nbytes or rec["shuffle"] not in (0, itemsize) or not isinstance(frame_rows, int) \
+            or frame_rows < 1 or len(frames) != max(1, math.ceil(rows / frame_rows)):
+        raise _fail(path, f"tensor {name!r}: header sizes disagree with its shape and dtype")
+    row_bytes = nbytes // rows if rows else 0
+    out = bytearray(nbytes)
+    view = memoryview(out)
+    pos = 0
+    for i, frame in enumerate(frames):
+        want = min(frame_rows, rows - i * frame_rows) * row_bytes
+        if rec["codec"] == "zstd":
+            try:
+                frame = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(want, 1))
+            except zstandard.ZstdError as e:
+                raise _fail(path, f"tensor {name!r} failed to decompress ({e}); the file is corrupted") from None
+        if len(frame) != want:
+            raise _fail(path, f"tensor {name!r} frame {i} holds {len(frame)} bytes, expected {want}; the file is corrupted")
+        if rec["shuffle"] > 1 and want:
+            planes = numpy.frombuffer(frame, dtype=numpy.uint8).reshape(rec["shuffle"], -1)
+            numpy.frombuffer(view[pos:pos + want], dtype=numpy.uint8).reshape(-1, rec["shuffle"])[:] = planes.T
+        else:
+            view[pos:pos + want] = frame
+        pos += want
+    if not nbytes:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(out, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def read_records(buf: bytes, path: str = "<capture>") -> Tuple[dict, dict]:
+    """Parse a whole file's bytes into (meta, raw tensor records) without decompressing anything."""
+    try:
+        doc = msgpack.unpackb(buf, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise _fail(path, f"not a complete msgpack document ({type(e).__name__}); truncated or corrupted") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise _fail(path, f"not a {SCHEMA} capture file")
+    meta, recs = doc.get("meta"), doc.get("tensors")
+    if not isinstance(meta, dict) or not isinstance(recs, dict):
+        raise _fail(path, "missing 'meta' or 'tensors' section")
+    return meta, recs
+
+
+def record_stats(rec: Dict[str, Any]) -> Dict[str, Any]:
+    """Sizes of one raw tensor record (for ``inspect``): raw bytes, stored bytes, frame count."""
+    stored = sum(len(fr) for fr in rec.get("data", []))
+    return {"dtype": rec.get("dtype"), "shape": rec.get("shape"), "codec": rec.get("codec"),
+            "shuffle": rec.get("shuffle"), "frames": len(rec.get("data", [])), "raw_bytes": rec.get("nbytes"),
+            "stored_bytes": stored}
+
+
+def parse_capture(buf: bytes, path: str = "<capture>", names: Optional[Iterable[str]] = None) -> Tuple[dict, dict]:
+    """Parse a whole file's bytes into (meta, tensors); ``names`` limits which tensors are decoded."""
+    meta, recs = read_records(buf, path)
+    wanted = set(recs) if names is None else set(names) & set(recs)
+    return meta, {k: decode_tensor(k, v, path) for k, v in recs.items() if k in wanted}

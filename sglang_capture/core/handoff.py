@@ -1,0 +1,105 @@
+"""The hand-off between the scheduler process and its writer processes: messages on pipes, rows
+by reference.
+
+A job's message says where each captured chunk lies in the shared host pool (host_pool.py):
+offset, shape and dtype, a few dozen bytes per chunk. Only rows outside the pool (it was full,
+or the server has none) travel inline as bytes. Messages are length-prefixed msgpack maps.
+
+Protocol, per writer process: ``hello`` (configuration, pool descriptor), then per job
+``write`` → ``copied`` (the rows are read out of the pool: the scheduler side may free it) →
+``done`` (the outcome). EOF on either side ends it.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import msgpack
+import numpy
+
+from sglang_capture.core.format import HostTensor, host_tensor
+
+if TYPE_CHECKING:
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.server.request_capture import RowChunk
+
+_HEADER = struct.Struct(">Q")
+
+
+def send(fd: int, message: Dict[str, Any]) -> None:
+    """Write one message (raises BrokenPipeError when the other side is gone)."""
+    body = msgpack.packb(message, use_bin_type=True)
+    header = _HEADER.pack(len(body))
+    if len(body) < (1 << 16):  # one write
+        _write_all(fd, memoryview(header + body))
+    else:  # a large inline chunk: not copied once more to prepend the header
+        _write_all(fd, memoryview(header))
+        _write_all(fd, memoryview(body))
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_exact(fd: int, n: int) -> Optional[bytearray]:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = os.readv(fd, [view[got:]])
+        if not k:
+            return None
+        got += k
+    return buf
+
+
+def recv(fd: int) -> Optional[Dict[str, Any]]:
+    """Read one message; None when the other side closed its end (or died)."""
+    header = _read_exact(fd, _HEADER.size)
+    if header is None:
+        return None
+    body = _read_exact(fd, _HEADER.unpack(header)[0])
+    return None if body is None else msgpack.unpackb(body, raw=False, strict_map_key=False)
+
+
+def describe_chunks(chunks: List[RowChunk], pool: Optional[HostPool]) -> Tuple[List[list], int]:
+    """Wire form of a request's chunks, and how many bytes of them travel inline.
+
+    Waits for any device-to-host copy still in flight (the writer process cannot see CUDA events).
+    """
+    wire, inline = [], 0
+    for chunk in chunks:
+        if chunk.ready is not None:
+            chunk.ready.synchronize()
+        ht = host_tensor(chunk.rows)
+        offset = pool.offset_of(chunk.rows) if pool is not None else None
+        data = None
+        if offset is None:
+            data = numpy.ascontiguousarray(ht.array).tobytes()
+            inline += len(data)
+        wire.append([chunk.start, ht.dtype, ht.array.dtype.str, list(ht.array.shape), offset, data])
+    return wire, inline
+
+
+def chunk_arrays(wire: List[list], pool: Optional[mmap.mmap]) -> List[Tuple[int, HostTensor]]:
+    """``(start, rows)`` pieces for ``assemble_rows``: views of the mapped pool, or inline bytes."""
+    pieces = []
+    for start, dtype, np_dtype, shape, offset, data in wire:
+        if offset is None:
+            array = numpy.frombuffer(data, dtype=np_dtype).reshape(shape)
+        else:
+            if pool is None:
+                raise RuntimeError("rows in the host pool were handed to a writer process without the pool")
+            array = numpy.ndarray(shape, dtype=np_dtype, buffer=pool, offset=offset)
+        pieces.append((start, HostTensor(dtype, array)))
+    return pieces
+
+
+def ids_bytes(ids: List[int]) -> bytes:
+    return numpy.asarray(ids, dtype=numpy.int64).tobytes()
+
+
+def ids_array(data: bytes) -> numpy.ndarray:
+    return numpy.frombuffer(data, dtype=numpy.int64)

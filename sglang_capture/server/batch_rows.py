@@ -1,0 +1,92 @@
+"""Per-batch capture state, carried explicitly from a batch's launch to its result processing.
+
+Which rows of a batch's hidden states a capture request owns depends on what the capture path
+did to that tensor: in a shared batch only the capture requests' rows are kept (gathered in the
+forward, or before the copy to the host), so a request's rows no longer start at its batch
+offset. The map from batch offsets to rows in the kept tensor used to travel as an attribute on
+the tensor itself. SGLang does not keep tensor objects: under DP attention
+``ForwardBatch.post_forward_mlp_sync_batch`` un-pads the result with
+``logits_output.hidden_states = logits_output.hidden_states[:n]``, a new tensor object without the
+attribute, and the row seams then indexed the kept rows by batch offset: rows missing past the
+end, other requests' rows inside it (the DP-attention defect of issue 16).
+
+So the map lives in a ``BatchRows`` object: created when ``Scheduler.run_batch`` launches the
+batch, filled by the forward or the copy, attached to the batch's result object (which SGLang
+passes unchanged from ``run_batch`` to ``process_batch_result``), and read by the row seams
+through the ``ResultRows`` that the result seam builds for the batch being processed.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+Selection = Tuple[List[Tuple[int, int]], Dict[int, int]]  # kept row runs, batch offset -> kept offset
+RESULT_ATTR = "_sglang_capture_batch"  # on a GenerationBatchResult: its BatchRows
+
+
+class BatchRows:
+    """What the capture path did to one launched batch's hidden states (scheduler thread)."""
+
+    def __init__(self, batch: Any, captures: bool) -> None:
+        self.batch = batch
+        self.captures = captures
+        self._selection: Optional[Tuple[int, Optional[Selection]]] = None
+        self.row_map: Optional[Dict[int, int]] = None  # set once only capture rows are kept
+        self.kept_rows: Optional[int] = None
+        self.batch_rows: Optional[int] = None
+        self.gathered_in_forward = False
+
+    def selection(self, n_rows: int) -> Optional[Selection]:
+        """The capture rows to keep out of ``n_rows`` (computed once; the forward and the copy ask)."""
+        if self._selection is None or self._selection[0] != n_rows:
+            from sglang_capture.server.hooks.transfer import capture_rows
+
+            self._selection = (n_rows, capture_rows(self.batch, n_rows) if self.captures else None)
+        return self._selection[1]
+
+    def keep(self, selection: Selection, batch_rows: int, in_forward: bool) -> None:
+        """Record that only ``selection``'s rows of the ``batch_rows`` rows are kept from now on."""
+        runs, offsets = selection
+        self.row_map = offsets
+        self.kept_rows = sum(b - a for a, b in runs)
+        self.batch_rows = batch_rows
+        self.gathered_in_forward = in_forward
+
+    def attach(self, result: Any) -> None:
+        """Hang this on the batch's result object, where the result seam finds it."""
+        if result is not None:
+            setattr(result, RESULT_ATTR, self)
+
+
+class RowsMismatch(RuntimeError):
+    """The hidden states handed to a row seam are not the rows this batch's state describes."""
+
+
+class ResultRows:
+    """The batch whose result is being processed: its snapshot and its row map."""
+
+    def __init__(self, batch: Any, rows: Optional[BatchRows]) -> None:
+        self.batch = batch  # the snapshot SGLang took at launch (its prefix_lens are each chunk's start)
+        self.rows = rows
+        self._index: Optional[Dict[int, int]] = None
+
+    @classmethod
+    def of(cls, batch: Any, result: Any) -> ResultRows:
+        return cls(batch, getattr(result, RESULT_ATTR, None))
+
+    def chunk_start(self, req: Any) -> int:
+        """Absolute position of ``req``'s first row in this prefill batch."""
+        if self._index is None:
+            self._index = {id(r): i for i, r in enumerate(self.batch.reqs)}
+        return self.batch.prefix_lens[self._index[id(req)]]
+
+    def row(self, hidden: Any, offset: int, n: int) -> int:
+        """Where the ``n`` rows at batch offset ``offset`` lie in ``hidden``; checks that they are there."""
+        kept = self.rows is not None and self.rows.row_map is not None
+        if kept:
+            if offset not in self.rows.row_map or hidden.shape[0] != self.rows.kept_rows:
+                raise RowsMismatch(f"kept rows do not match: offset {offset}, {hidden.shape[0]} rows handed, "
+                                   f"{self.rows.kept_rows} kept")
+            offset = self.rows.row_map[offset]
+        if offset + n > hidden.shape[0]:
+            raise RowsMismatch(f"rows {offset}-{offset + n - 1} asked of {hidden.shape[0]}")
+        return offset

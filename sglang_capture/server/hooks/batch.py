@@ -1,0 +1,59 @@
+"""Batch seam: the batch ``Scheduler.run_batch`` is about to run on the device.
+
+Three steps depend on it: whether the model computes the aux layers for it (aux_capture.py),
+which of its result rows the copy to the host takes (transfer.py), and whether a decode batch
+needs its hidden states copied at all (below). Its ``BatchRows`` (batch_rows.py) is the running
+batch while the forward and the copy run, and rides on its result object afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from sglang_capture.server.aux_capture import AUX_ATTR, batch_captures
+from sglang_capture.server.batch_rows import BatchRows
+from sglang_capture.server.scheduler_capture import SchedulerCapture
+
+
+def _wants_decode_row(req: Any) -> bool:
+    """Whether ``req`` uses the hidden state a decode step computes for it.
+
+    A capture request limited to one new token (``sglang_capture extract`` sends only those)
+    never does: its file holds the prompt's rows, and its one token is sampled by the prefill.
+    SGLang 0.5.17's overlap scheduler still puts it into the next decode batch, launched before
+    the prefill's result says the request finished (0.5.23 does not); that batch would copy its
+    row to the host and hand it to the result seams for nothing (+0.5 ms of the scheduler thread
+    per capture on the H200, bench/RESULTS.md).
+    """
+    if not req.return_hidden_states:
+        return False
+    return not (getattr(req, AUX_ATTR, False) and req.sampling_params.max_new_tokens == 1)
+
+
+def run_batch(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``Scheduler.run_batch`` (scheduler thread; the forward is launched inside it)."""
+    batch = args[0] if args else kwargs["batch"]
+    aux = state.aux
+    captures = batch_captures(batch)
+    if captures and batch.forward_mode.is_decode() and batch.return_hidden_states \
+            and not any(_wants_decode_row(req) for req in batch.reqs):
+        # SGLang reads these two when it copies the result and processes it (on a copy of the
+        # batch taken after this call); the forward itself captures at the server's mode anyway.
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+        batch.return_hidden_states, batch.return_hidden_states_mode = False, CaptureHiddenMode.NULL
+        captures = False
+
+    rows = BatchRows(batch, captures)
+
+    def run() -> Any:
+        state.launching = rows
+        try:
+            with aux.for_batch(batch, captures) if aux is not None else contextlib.nullcontext():
+                result = wrapped(*args, **kwargs)
+        finally:
+            state.launching = None
+        rows.attach(result)
+        return result
+
+    return state.clock.timed(f"run_batch/{batch.forward_mode.name.lower()}", captures, run)

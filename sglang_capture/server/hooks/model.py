@@ -1,0 +1,38 @@
+"""Model seams: switch aux-layer capture on, and keep the final (post-norm) hidden state too."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sglang_capture.server.hooks.transfer import gather_in_forward
+from sglang_capture.server.peers import announce_and_check
+from sglang_capture.server.scheduler_capture import SchedulerCapture
+
+
+def set_capture_layers(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Before ``ModelRunner.init_attention_backends``: weights are loaded, CUDA graphs not yet captured."""
+    if not instance.is_draft_worker:
+        announce_and_check()  # every rank, on every node, must run the patches
+        state.configure_model(instance)
+    return wrapped(*args, **kwargs)
+
+
+def _bind(hidden_states, hidden_states_before_norm, aux_hidden_states, pruned_states, pruned_states_before_norm,
+          aux_pruned_states, sample_indices, logits_metadata):
+    return hidden_states, hidden_states_before_norm, aux_hidden_states, logits_metadata
+
+
+def append_final_hidden(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``LogitsProcessor._get_hidden_states_to_store``: in full mode with aux capture, SGLang
+    returns only the aux concat; append the post-norm final hidden state as the last H columns.
+    In an eager forward only the capture requests' rows are kept (transfer.gather_in_forward).
+    (Also runs while CUDA graphs are captured, so that path must stay a pure tensor op.)"""
+    stored = wrapped(*args, **kwargs)
+    hidden, before_norm, aux, meta = _bind(*args, **kwargs)
+    if stored is None or aux is None or before_norm is not None or not meta.capture_hidden_mode.is_full():
+        return stored
+    gathered = gather_in_forward(state, stored, hidden)
+    if gathered is not None:
+        return gathered
+    return torch.cat([stored, hidden], dim=-1)

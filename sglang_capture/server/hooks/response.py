@@ -1,0 +1,84 @@
+"""Response seam (HTTP process): answer only once the capture file is published.
+
+The scheduler's reference says ``pending`` while a writer process is still at work. Wrapping the
+tokenizer manager's per-request response generator, this waits (asynchronously, without
+blocking other requests) for the writer's outcome record, then moves the completed reference
+from ``meta_info["hidden_states"]`` to ``meta_info["capture"]``. OpenAI endpoints go through
+the same generator, so their responses, too, arrive after the file is complete.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any, AsyncIterator, Dict, Optional
+
+from sglang_capture.core.capture_dir import UNRECORDED_SUFFIX
+from sglang_capture.core.config import CaptureConfig
+
+
+def _wants_capture(obj: Any) -> bool:
+    params = getattr(obj, "sampling_params", None)
+    custom = params.get("custom_params") if isinstance(params, dict) else None
+    return isinstance(custom, dict) and custom.get("capture") is True
+
+
+async def wait_for_outcome(ref: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
+    """Fill a pending reference from the writer's outcome record, polling until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while True:
+        try:
+            with open(ref["index"]) as f:
+                outcome = json.load(f)
+            break
+        except (FileNotFoundError, json.JSONDecodeError):
+            if os.path.exists(ref["index"] + UNRECORDED_SUFFIX):
+                return {**ref, "status": "error", "error": "the writer could not record this capture's outcome "
+                        "(capture dir's filesystem full or unwritable): check whether 'path' exists"}
+            if time.monotonic() >= deadline:
+                return {**ref, "status": "pending",
+                        "error": f"not written after {timeout_s:g} s; the file appears at 'path' when done"}
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+    done = {**ref, "status": outcome.get("status", "error")}
+    for key in ("bytes", "checksum", "error"):
+        if key in outcome:
+            done[key] = outcome[key]
+    return done
+
+
+def _take_ref(out: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    meta = out.get("meta_info")
+    if not isinstance(meta, dict):
+        return None
+    hidden = meta.pop("hidden_states", None)
+    if isinstance(hidden, list) and hidden and isinstance(hidden[0], dict) and hidden[0].get("sglang_capture"):
+        return hidden[0]
+    return None
+
+
+def await_capture_file(config: CaptureConfig, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``TokenizerManager._wait_one_response``, which returns an async generator.
+
+    SGLang 0.5.23 looks the request state up when the generator is *created* (a batch builds every
+    waiter before advancing any), so the original is called right away and only its output is
+    wrapped; requests that do not capture get SGLang's generator untouched.
+    """
+    obj = args[0] if args else kwargs.get("obj")
+    responses = wrapped(*args, **kwargs)
+    if not _wants_capture(obj):
+        return responses
+    return _with_capture_refs(responses, config.wait_timeout_s)
+
+
+async def _with_capture_refs(responses: AsyncIterator[Any], timeout_s: float) -> AsyncIterator[Any]:
+    async for out in responses:
+        if isinstance(out, dict):
+            ref = _take_ref(out)
+            if ref is not None:
+                if ref.get("status") == "pending":
+                    ref = await wait_for_outcome(ref, timeout_s)
+                out["meta_info"]["capture"] = ref
+        yield out

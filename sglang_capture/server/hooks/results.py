@@ -1,0 +1,89 @@
+"""Result seams: take captured rows as tensors instead of SGLang's ``.tolist()``.
+
+Capture requests hand views of the (already host-side) hidden states to their RequestCapture,
+keyed by absolute position. Other requests go through SGLang's own code unchanged, except that
+they see only the final hidden state columns, exactly what plain SGLang would return them.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional, Tuple
+
+from sglang_capture.server.aux_capture import batch_captures
+from sglang_capture.server.batch_rows import ResultRows, RowsMismatch
+from sglang_capture.server.scheduler_capture import CAPTURE_ATTR, SchedulerCapture
+
+
+def batch_result_context(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``Scheduler.process_batch_result``: while a batch's result is processed, the row
+    seams read its snapshot (whose ``prefix_lens`` give each request's chunk start; the live Req
+    may already be scheduled further) and its ``BatchRows`` (which rows were kept)."""
+    batch = args[0] if args else kwargs["batch"]
+    result = args[1] if len(args) > 1 else kwargs["result"]
+    mode = batch.forward_mode.name.lower()
+    state.processing = ResultRows.of(batch, result)
+    try:
+        return state.clock.timed(f"process_result/{mode}", batch_captures(batch), lambda: wrapped(*args, **kwargs))
+    finally:
+        state.processing = None
+
+
+def _rows_of(state: SchedulerCapture, req: Any, capture: Any, hidden: Any, offset: int, n: int) -> Optional[Tuple[int, ResultRows]]:
+    """Where ``req``'s rows lie in ``hidden``, or None (its capture then fails, naming why)."""
+    processing = state.processing
+    if processing is None:
+        capture.fail(f"rows of batch offset {offset} arrived outside a batch's result processing")
+        return None
+    try:
+        return processing.row(hidden, offset, n), processing
+    except RowsMismatch as e:
+        capture.fail(str(e))
+        return None
+
+
+def _final_columns(state: SchedulerCapture, hidden: Any) -> Any:
+    model = state.model
+    if model is None or hidden is None or hidden.shape[-1] == model.hidden_size:
+        return hidden
+    return hidden[..., -model.hidden_size:]
+
+
+def take_prefill_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``_append_prefill_hidden_states`` (keyword-only): store every chunk, middle ones too."""
+    req = kwargs["req"]
+    capture = getattr(req, CAPTURE_ATTR, None)
+    if capture is None:
+        if req.return_hidden_states:
+            out = copy.copy(kwargs["logits_output"])
+            out.hidden_states = _final_columns(state, out.hidden_states)
+            kwargs = {**kwargs, "logits_output": out}
+        return wrapped(*args, **kwargs)
+    start = kwargs["hidden_state_offset"]
+    n = kwargs["extend_input_len"]
+    if not kwargs["capture_hidden_mode"].is_full():
+        raise RuntimeError("sglang_capture needs full hidden-state capture; start the server through sglang_capture.launch")
+    if not req.finished() and not req.is_retracted:
+        hidden = kwargs["logits_output"].hidden_states
+        found = _rows_of(state, req, capture, hidden, start, n)
+        if found is not None:
+            row, processing = found
+            capture.add(processing.chunk_start(req), hidden[row:row + n])
+    return start + n
+
+
+def take_decode_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Optional[Any]:
+    """Around the static ``_append_decode_hidden_states``: one row per fed-back token."""
+    req = kwargs["req"]
+    capture = getattr(req, CAPTURE_ATTR, None)
+    if capture is None:
+        return wrapped(*args, **{**kwargs, "hidden_states": _final_columns(state, kwargs["hidden_states"])})
+    accept = kwargs["accept_len"]
+    if accept > 0:
+        start = kwargs["start"]
+        # output_ids already holds this step's tokens; the rows belong to the tokens fed in.
+        position = len(req.origin_input_ids) + len(req.output_ids) - 1 - accept
+        hidden = kwargs["hidden_states"]
+        found = _rows_of(state, req, capture, hidden, start, accept)
+        if found is not None:
+            capture.add(position, hidden[found[0]:found[0] + accept])
+    return None

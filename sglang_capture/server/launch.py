@@ -1,0 +1,143 @@
+"""``python -m sglang_capture.launch [--capture-* options] <sglang.launch_server args>``.
+
+Validates the capture options against the model and the installed SGLang *before* anything
+is started (each problem is one line and a non-zero exit), publishes the configuration in the
+environment, switches on SGLang's ``--enable-return-hidden-states`` and runs SGLang's normal
+HTTP server. The scheduler processes pick the configuration up through the plugin entry point.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, List, Sequence, Tuple
+
+import click
+
+from sglang_capture.core.capture_dir import prepare_capture_dir
+from sglang_capture.core.config import (
+    ENV_VAR,
+    CaptureConfig,
+    ConfigError,
+    check_writer_cpus,
+    click_options,
+    config_from_options,
+)
+from sglang_capture.core.layers import LayerError, resolve_layers
+from sglang_capture.server.capture_info import add_route, capture_info_body
+from sglang_capture.server.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
+
+
+def check_capture_dir(path: str) -> str:
+    """An existing, writable directory, or a one-line ConfigError."""
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"--capture-dir {path} does not exist; create it first (mkdir -p {path})")
+    if not os.path.isdir(path):
+        raise ConfigError(f"--capture-dir {path} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".sglang-capture-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--capture-dir {path} is not writable ({e.strerror})") from None
+    try:
+        prepare_capture_dir(path)
+    except OSError as e:
+        raise ConfigError(f"--capture-dir: {e}") from None
+    return path
+
+
+def read_model_shape(model_path: str, trust_remote_code: bool) -> Tuple[str, int]:
+    """(architecture, number of decoder layers) from the model's config, text part for VLMs."""
+    cfg_file = os.path.join(model_path, "config.json")
+    try:
+        if os.path.isfile(cfg_file):
+            with open(cfg_file) as f:
+                cfg = json.load(f)
+        else:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).to_dict()
+        arch = (cfg.get("architectures") or ["<unknown>"])[0]
+        text = cfg.get("text_config") or cfg
+        return arch, int(text["num_hidden_layers"])
+    except Exception as e:  # many unrelated failure types: missing files, hub access, bad JSON
+        raise ConfigError(f"cannot read the model config of {model_path} to check the capture layers: {e}") from None
+
+
+def check_server_args(server_args) -> None:
+    """Reject SGLang settings under which captured rows would be wrong or incomplete."""
+    if getattr(server_args, "speculative_algorithm", None):
+        raise ConfigError("capture does not support speculative decoding; drop --speculative-algorithm")
+    if getattr(server_args, "pp_size", 1) > 1:
+        raise ConfigError("capture needs --pp-size 1 (aux layers must all live on one pipeline stage)")
+    if getattr(server_args, "enable_two_batch_overlap", False):
+        raise ConfigError("capture does not support --enable-two-batch-overlap (it skips the aux capture)")
+    # 0.5.17 resolves an unset mode to "full" when parsing; 0.5.23 leaves it None until resolution
+    if getattr(server_args, "return_hidden_states_mode", None) not in (None, "full"):
+        raise ConfigError("capture needs --return-hidden-states-mode full (or leave it unset)")
+    if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
+        raise ConfigError("capture does not support --disaggregation-mode yet: a prefill server's results bypass "
+                          "the seams that take the rows, so every capture would fail; capture on a server without it")
+    if getattr(server_args, "nnodes", 1) > 1 and getattr(server_args, "dp_size", 1) > 1:
+        raise ConfigError("capture does not support --dp > 1 across several nodes yet: a DP group on another node "
+                          "writes to that node's disk while node 0 answers; use --nnodes 1, or --dp 1 across nodes")
+    if os.environ.get("SGLANG_USE_PICKLE_IPC", "1") == "0":
+        raise ConfigError("capture needs SGLang's default pickle IPC; unset SGLANG_USE_PICKLE_IPC")
+
+
+def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
+    """Validate everything, publish the configuration, and return SGLang's parsed server args."""
+    try:
+        seams = seams_for_installed()
+    except UnsupportedSGLang as e:
+        raise ConfigError(str(e)) from None
+    problems = [p for p in (check_seam(s) for s in seams) if p]
+    if problems:
+        raise ConfigError(f"the installed SGLang differs from the supported release: {problems[0]}")
+    argv: List[str] = list(sglang_args)
+    if "--enable-return-hidden-states" not in argv:
+        argv.append("--enable-return-hidden-states")
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(argv)
+    check_server_args(server_args)
+    arch, num_layers = read_model_shape(server_args.model_path, server_args.trust_remote_code)
+    try:
+        layers = resolve_layers(config.layers, num_layers, arch)
+    except LayerError as e:
+        raise ConfigError(str(e)) from None
+    os.environ[ENV_VAR] = config.to_env()
+    add_route(capture_info_body(config, str(server_args.model_path), arch, layers))
+    return server_args
+
+
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True, "max_content_width": 100},
+    epilog="Every other argument is passed to sglang.launch_server unchanged.",
+)
+@click_options
+@click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
+def main(sglang_args: Tuple[str, ...], **options: Any) -> None:
+    """Start an SGLang server that writes captured hidden states to CAPTURE_DIR."""
+    try:
+        config = config_from_options(options)
+        check_capture_dir(config.capture_dir)
+        check_writer_cpus(config.writer_cpus)
+        if not sglang_args:
+            raise ConfigError("no SGLang arguments given; add at least --model-path PATH")
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        server_args = prepare(config, sglang_args)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    INSTRUMENTOR.instrument(config)
+    from sglang.launch_server import run_server
+    from sglang.srt.utils import kill_process_tree
+
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)

@@ -1,0 +1,84 @@
+"""Per-request capture state in the scheduler: hidden-state rows keyed by absolute token position.
+
+The scheduler thread only appends ``(position, rows)`` pairs (``RequestCapture.add``); ordering,
+overlap resolution and the completeness check happen later in a writer process
+(``writer/assemble.py``). Rows arrive out of the plain prompt-then-decode order on several SGLang
+paths: chunked prefill (one pair per chunk), mixed batches, and retraction (a retracted request
+is prefilled again, so positions repeat: the later rows win).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.server.ledger import HostMemoryLedger
+
+
+@dataclass
+class RowChunk:
+    """Rows for positions ``start .. start+len(rows)``; ``ready`` is set when they are still in flight."""
+
+    start: int
+    rows: torch.Tensor
+    ready: Optional[Any] = None  # a torch.cuda.Event for a device-to-host copy not yet waited on
+
+
+def _to_host(rows: torch.Tensor, pool: Optional[HostPool]) -> Tuple[torch.Tensor, Any]:
+    """Queue a copy of device rows to the host on the current stream (stream order keeps a
+    CUDA-graph output buffer from being overwritten before the copy has read it): into the pool,
+    or into pinned memory of its own when the pool is full."""
+    import torch
+
+    host = pool.take(rows) if pool is not None else None
+    if host is None:
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+@dataclass
+class RequestCapture:
+    """Capture state of one request inside the scheduler process."""
+
+    rid: str
+    name: str
+    ledger: HostMemoryLedger
+    chunks: List[RowChunk] = field(default_factory=list)
+    loss_spans: Optional[List[Tuple[int, int]]] = None  # from custom_params.capture_loss_mask
+    # Frees the rows if the Req is dropped unfinished (aborts); detached once the request is
+    # sealed, because a finished Req is usually freed before a writer gets to its rows.
+    finalizer: Optional[Any] = None
+    pool: Optional[HostPool] = None  # for rows that arrive still on the device
+    failure: Optional[str] = None  # why rows could not be taken; the request then gets status error
+
+    def fail(self, why: str) -> None:
+        """Rows of this request could not be placed: no file will be written (the first reason is kept)."""
+        if self.failure is None:
+            self.failure = why
+
+    def add(self, start: int, rows: torch.Tensor) -> None:
+        """Hot path: keep a reference to the rows (a view of the batch's host buffer, no copy)
+        and account for the host memory it keeps."""
+        ready = None
+        if rows.device.type == "cuda":
+            rows, ready = _to_host(rows, self.pool)
+        self.ledger.hold(rows)
+        self.chunks.append(RowChunk(start, rows, ready))
+
+    def seal(self) -> None:
+        """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""
+        if self.finalizer is not None:
+            self.finalizer.detach()
+            self.finalizer = None
+
+    def release(self) -> None:
+        """Give the rows' host memory back (after writing, or when the request is dropped)."""
+        chunks, self.chunks = self.chunks, []
+        for chunk in chunks:
+            self.ledger.release(chunk.rows)

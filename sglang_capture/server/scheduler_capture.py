@@ -1,0 +1,241 @@
+"""The capture state of one scheduler process: model facts, per-request state, the writer pool.
+
+The instrumentor binds the one ``SchedulerCapture`` of its process to every scheduler hook. Everything here that runs on the
+scheduler thread is bookkeeping only; rows go to the writer processes by reference.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from sglang_capture.core.capture_dir import index_path
+from sglang_capture.core.config import CaptureConfig
+from sglang_capture.core.format import SCHEMA, row_count
+from sglang_capture.core.layers import LAYER_CONVENTION, resolve_layers
+from sglang_capture.core.loss_mask import BadLossMask, parse_spans
+from sglang_capture.core.names import FILE_SUFFIX, BadCaptureName, check_capture_name, name_for_rid
+from sglang_capture.server.aux_capture import AUX_ATTR, AuxCapture
+from sglang_capture.server.batch_rows import BatchRows, ResultRows
+from sglang_capture.server.host_pool import HostPool
+from sglang_capture.server.ledger import HostMemoryLedger
+from sglang_capture.server.node_budget import NodeBudget
+from sglang_capture.server.request_capture import RequestCapture
+from sglang_capture.server.seam_clock import SeamClock
+from sglang_capture.server.writer_pool import CaptureJob, WriterPool
+
+logger = logging.getLogger(__name__)
+
+CAPTURE_ATTR = "_sglang_capture"  # the RequestCapture hung on a captured Req
+EXTRA_KEY_TAG = "\x00sglang_capture:"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the model loaded in this scheduler captures, recorded in every file."""
+
+    model_path: str
+    architecture: str
+    model_class: str
+    hidden_size: int
+    num_layers: int
+    layers: Tuple[int, ...]
+    dtype: str
+
+    @property
+    def aux_width(self) -> int:
+        return len(self.layers) * self.hidden_size
+
+
+def _model_facts(runner: Any) -> Tuple[str, int, int, str]:
+    cfg = runner.model_config
+    hf = cfg.hf_config
+    arch = (getattr(hf, "architectures", None) or [type(runner.model).__name__])[0]
+    text = getattr(cfg, "hf_text_config", hf)
+    return arch, int(cfg.hidden_size), int(text.num_hidden_layers), str(cfg.dtype).replace("torch.", "")
+
+
+class SchedulerCapture:
+    """Capture state for the scheduler process it lives in."""
+
+    def __init__(self, config: CaptureConfig) -> None:
+        self.config = config
+        self.ledger = HostMemoryLedger(config.max_pending_bytes)
+        self.writer = WriterPool(config, self.ledger)
+        self.pool: Optional[HostPool] = None  # set up with the model, on the writer rank
+        # result copies of capture batches: rows of the batch, rows copied (capture requests' only),
+        # batches whose rows were gathered inside the forward (hooks/transfer.py)
+        self.copies = {"batches": 0, "batch_rows": 0, "copied_rows": 0, "gathered_in_forward": 0}
+        self.clock = SeamClock()
+        self.model: Optional[ModelInfo] = None
+        self.aux: Optional[AuxCapture] = None  # set up with the model
+        # the batch Scheduler.run_batch is launching, and the one whose result is being processed
+        # (hooks/batch.py, hooks/results.py; batch_rows.py says why this is not on the tensors)
+        self.launching: Optional[BatchRows] = None
+        self.processing: Optional[ResultRows] = None
+        self._is_writer: Optional[bool] = None
+        from sglang_capture import __version__
+        from sglang_capture.server.instrumentor import installed_sglang_version
+
+        self._versions = {"sglang": installed_sglang_version(), "sglang_capture": __version__}
+
+    @property
+    def is_writer(self) -> bool:
+        """Only the rank that owns the request outputs copies and writes (TP>1: one rank)."""
+        if self._is_writer is None:
+            from sglang.srt.runtime_context import get_parallel
+
+            p = get_parallel()
+            self._is_writer = p.pp_rank == 0 and p.attn_tp_rank == 0 and p.attn_cp_rank == 0
+        return self._is_writer
+
+    def configure_model(self, runner: Any) -> None:
+        """Switch aux capture on for the target model, before its CUDA graphs are captured."""
+        model = runner.model
+        arch, hidden, num_layers, dtype = _model_facts(runner)
+        layers = resolve_layers(self.config.layers, num_layers, arch)
+        self.aux = AuxCapture(runner, layers)
+        self.aux.enable()
+        self.model = ModelInfo(
+            model_path=str(runner.server_args.model_path),
+            architecture=arch,
+            model_class=type(model).__name__,
+            hidden_size=hidden,
+            num_layers=num_layers,
+            layers=tuple(layers),
+            dtype=dtype,
+        )
+        logger.info("sglang_capture: capturing layers %s of %s (%s), final hidden state %s",
+                    layers, arch, type(model).__name__, "kept" if self.config.keep_last_hidden else "dropped")
+        if self.is_writer and self.pool is None:
+            budget = NodeBudget.for_server(self.config, runner.server_args)
+            logger.info("sglang_capture: %s", budget.describe())
+            self.ledger.cap_bytes = budget.pending_bytes
+            self._make_pool(budget.pending_bytes, pin=str(runner.device).startswith("cuda"))
+            self.writer.start(self.pool, budget.writers, self.stats)
+
+    def _make_pool(self, size_bytes: int, pin: bool) -> None:
+        """The host pool for capture batches, before the first request; without one (no memory to
+        pin) capture still works, on SGLang's per-batch pinned buffers, only slower under load."""
+        try:
+            self.pool = HostPool(size_bytes, pin=pin)
+        except (RuntimeError, MemoryError, OSError) as e:
+            logger.warning("sglang_capture: no host pool for pending rows (%s); capture goes on with SGLang's own "
+                           "buffers. Lower --capture-max-pending-mb to get one", e)
+            return
+        atexit.register(self.pool.close)
+        logger.info("sglang_capture: %d MiB of host memory for pending rows (%s, %.1f s)", self.pool.size_bytes >> 20,
+                    "pinned" if self.pool.pinned else "not pinned", self.pool.setup_s)
+
+    def stats(self) -> Dict[str, Any]:
+        """This process's counters for the writer's stats file (core/capture_dir.py: write_stats)."""
+        return {"host_pool": self.pool.stats() if self.pool else None, "result_copy": dict(self.copies),
+                "aux_capture": self.aux.stats() if self.aux else None, "scheduler_thread": self.clock.stats()}
+
+    def count_copy(self, batch_rows: int, copied_rows: int, in_forward: bool = False) -> None:
+        """Account one capture batch's copy to the host (scheduler thread)."""
+        self.copies["batches"] += 1
+        self.copies["batch_rows"] += batch_rows
+        self.copies["copied_rows"] += copied_rows
+        self.copies["gathered_in_forward"] += int(in_forward)
+
+    def begin(self, req: Any) -> None:
+        """Mark a new request for capture when its custom_params ask for it (all ranks alike)."""
+        params = req.sampling_params.custom_params
+        if not isinstance(params, dict) or params.get("capture", False) is False:
+            return
+        if params["capture"] is not True:
+            req.set_finish_with_abort(f"custom_params.capture must be true or false, got {params['capture']!r}")
+            return
+        samples = getattr(req.sampling_params, "n", 1) or 1
+        if samples > 1 and "capture_name" in params:
+            req.set_finish_with_abort("custom_params.capture_name names one file but n > 1 asks for several samples; "
+                                      "leave capture_name out and each sample's file is named by its request id")
+            return
+        if samples > 1 and req.sampling_params.max_new_tokens == 0:
+            return  # SGLang's prefix-caching pass before parallel samples: not a sample, no file
+        try:
+            name = check_capture_name(params["capture_name"]) if "capture_name" in params else name_for_rid(req.rid)
+            spans = (parse_spans(params["capture_loss_mask"], len(req.origin_input_ids))
+                     if "capture_loss_mask" in params else None)
+        except (BadCaptureName, BadLossMask) as e:
+            req.set_finish_with_abort(str(e))
+            return
+        # A private radix-cache namespace: a prefix hit would leave the cached positions without rows.
+        req.extra_key = (req.extra_key or "") + EXTRA_KEY_TAG + req.rid
+        setattr(req, AUX_ATTR, True)
+        if not self.is_writer:
+            req.return_hidden_states = False
+            return
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+        req.return_hidden_states = True
+        req.return_hidden_states_mode = CaptureHiddenMode.FULL
+        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans, pool=self.pool)
+        setattr(req, CAPTURE_ATTR, capture)
+        capture.finalizer = weakref.finalize(req, capture.release)  # dropped unfinished: free the rows
+
+    def splits(self) -> Dict[str, Tuple[int, int]]:
+        """Column ranges of the captured rows: aux layers first, then the final hidden state."""
+        m = self.model
+        out = {"aux_hidden_states": (0, m.aux_width)}
+        if self.config.keep_last_hidden:
+            out["last_hidden_states"] = (m.aux_width, m.aux_width + m.hidden_size)
+        return out
+
+    def finish(self, req: Any, capture: RequestCapture) -> Dict[str, Any]:
+        """Seal a finished request: hand its rows to the writer and return the response reference."""
+        n_out = req.finished_len if req.finished_len is not None else len(req.output_ids)
+        output_ids = list(req.output_ids[:n_out])
+        input_ids = list(req.origin_input_ids)
+        n_rows = row_count(len(input_ids), len(output_ids))
+        splits = self.splits()
+        path = os.path.join(self.config.capture_dir, capture.name + FILE_SUFFIX)
+        ref: Dict[str, Any] = {
+            "sglang_capture": 1,
+            "rid": req.rid,
+            "path": path,
+            "index": index_path(self.config.capture_dir, req.rid),
+            "rows": n_rows,
+            "layers": list(self.model.layers),
+            "dtype": self.model.dtype,
+            "shapes": {k: [n_rows, hi - lo] for k, (lo, hi) in splits.items()},
+        }
+        reason = req.finished_reason.to_json() if req.finished_reason is not None else {}
+        if reason.get("type") == "abort" or capture.failure is not None:
+            capture.release()
+            if capture.failure is not None:
+                ref.update(status="error", error=f"capture failed in the scheduler: {capture.failure}")
+            else:
+                ref.update(status="aborted", error=str(reason.get("message", "request aborted")))
+            # the client may be gone (disconnect): leave the outcome where monitoring finds it
+            self.writer.submit_outcome(req.rid, {"rid": req.rid, "name": capture.name, "path": path,
+                                                 "status": ref["status"], "error": ref["error"]})
+            return ref
+        meta = {
+            "rid": req.rid,
+            "capture_name": capture.name,
+            "model": self.model.model_path,
+            "architecture": self.model.architecture,
+            "model_class": self.model.model_class,
+            "hidden_size": self.model.hidden_size,
+            "num_layers": self.model.num_layers,
+            "layers": list(self.model.layers),
+            "layer_convention": LAYER_CONVENTION,
+            "dtype": self.model.dtype,
+            "num_prompt_tokens": len(input_ids),
+            "num_output_tokens": len(output_ids),
+            "finish_reason": reason,
+            "sglang_version": self._versions["sglang"],
+            "sglang_capture_version": self._versions["sglang_capture"],
+            "schema": SCHEMA,
+            "created": time.time(),
+        }
+        capture.seal()
+        self.writer.submit(CaptureJob(capture, n_rows, splits, input_ids, output_ids, meta))
+        ref["status"] = "pending"
+        return ref

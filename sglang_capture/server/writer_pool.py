@@ -1,0 +1,376 @@
+"""The writer pool, scheduler side: hand finished requests to writer processes.
+
+``submit`` (the only call made on SGLang's scheduler thread) queues a job. Each writer process
+(writer/process.py) has one hand-off thread here, which sends it the job's description (where
+the rows lie in the shared host pool, see core/handoff.py), frees the rows' pool blocks once the
+process has read them, and records the request's outcome in ``.index/<rid>.json`` when the
+file is published (core/capture_dir.py). In this process a job costs a few small messages; the
+compression, hashing and file I/O run in the writer processes' own interpreters.
+
+A writer process that dies fails only the job in hand (status ``error``) and is restarted.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+
+from sglang_capture.core.capture_dir import DirFds, error_text, record_outcome, remove_orphans, write_stats
+from sglang_capture.core.config import CaptureConfig
+from sglang_capture.core.handoff import describe_chunks, ids_bytes, recv, send
+from sglang_capture.core.names import FILE_SUFFIX
+from sglang_capture.server.ledger import HostMemoryLedger
+from sglang_capture.server.request_capture import RequestCapture
+
+if TYPE_CHECKING:
+    from sglang_capture.server.host_pool import HostPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CaptureJob:
+    """A finished request's rows plus everything the file records about it."""
+
+    capture: RequestCapture
+    n_rows: int
+    splits: Dict[str, Tuple[int, int]]
+    input_ids: List[int]
+    output_ids: List[int]
+    meta: Dict[str, Any]
+    enqueued: float = field(default_factory=time.monotonic)
+    submitted: float = field(default_factory=time.time)
+    outcome: Optional[Dict[str, Any]] = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class OutcomeOnly:
+    """An outcome to record with no file to write (an aborted capture), off the scheduler thread."""
+
+    rid: str
+    outcome: Dict[str, Any]
+
+
+class WriterProcessDied(RuntimeError):
+    """The writer process exited before answering (killed, out of memory)."""
+
+
+class NotTaken(WriterProcessDied):
+    """The writer process was gone before it could take the job: another one may write it."""
+
+
+class _Child:
+    """One writer process and the pipes to it."""
+
+    def __init__(self, config: CaptureConfig, pool: Optional[HostPool]) -> None:
+        pass_fds = (pool.fd,) if pool is not None else ()  # the pool's memfd, mapped read-only there
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang_capture.writer.process"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, pass_fds=pass_fds)
+        try:
+            self.send({"op": "hello", "config": config.to_env(), "pool_fd": pool.fd if pool is not None else None,
+                       "pool_size": pool.size_bytes if pool is not None else 0})
+        except WriterProcessDied:
+            self.stop(1.0)
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def send(self, message: Dict[str, Any]) -> None:
+        try:
+            send(self.proc.stdin.fileno(), message)
+        except OSError:
+            raise NotTaken(str(self._died())) from None
+
+    def recv(self) -> Dict[str, Any]:
+        reply = recv(self.proc.stdout.fileno())
+        if reply is None:
+            raise self._died()
+        return reply
+
+    def _died(self) -> WriterProcessDied:
+        try:
+            code = self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        return WriterProcessDied(f"writer process {self.pid} exited (code {code}) before finishing the file")
+
+    def stop(self, timeout: float) -> None:
+        """EOF tells the process to finish and exit; kill it if it does not in time. Closes the
+        pipes either way (a server replacing writers for days must not leak descriptors)."""
+        try:
+            self.proc.stdin.close()
+        except OSError:  # a dead reader: the close flushes nothing
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self.proc.stdout.close()
+
+
+def _cuda_stats(read: str, keys: Tuple[str, ...]) -> Optional[Dict[str, Any]]:
+    """``keys`` of ``torch.cuda.<read>()`` for this process, once torch has initialised CUDA."""
+    try:
+        import torch
+
+        if not torch.cuda.is_initialized():
+            return None
+        s = getattr(torch.cuda, read)()
+    except Exception:  # older torch, no CUDA: the stats are optional
+        return None
+    return {k: s[k] for k in keys if k in s}
+
+
+# torch's caching host allocator: each new cudaHostAlloc stalls the thread that asks for it,
+# which in the scheduler process is SGLang's scheduler thread.
+_PINNED_KEYS = ("num_host_alloc", "num_host_free", "allocated_bytes.current", "allocated_bytes.peak",
+                "host_alloc_time.total", "host_alloc_time.max", "host_free_time.total")
+# the CUDA caching allocator: new device allocations and retries (a retry frees every cached block
+# and synchronizes the device) show whether capture's transient tensors crowd the memory SGLang
+# leaves for activations.
+_DEVICE_ALLOCATOR_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+                          "allocated_bytes.all.peak", "reserved_bytes.all.current", "reserved_bytes.all.peak")
+
+
+class WriterPool:
+    """Hand-off threads, one writer process each; ``submit`` is the only call made on the scheduler thread."""
+
+    def __init__(self, config: CaptureConfig, ledger: HostMemoryLedger) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.pool: Optional[HostPool] = None  # rows in it travel by offset (given to ``start``)
+        self.processes = config.writer_processes()
+        ledger.draining = lambda: self.pending() > 0
+        self._queue: queue.Queue[Union[CaptureJob, OutcomeOnly, None]] = queue.Queue()
+        self._threads: List[threading.Thread] = []
+        self._children: Dict[int, _Child] = {}
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._dirs: Optional[DirFds] = None
+        self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
+        self._last_stats = 0.0
+        self._extra_stats: Callable[[], Dict[str, Any]] = dict
+        self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
+                                      "queue_wait_s": 0.0, "assemble_s": 0.0, "encode_write_s": 0.0,
+                                      "fsync_publish_s": 0.0, "inline_bytes": 0, "restarts": 0}
+
+    def dirs(self) -> DirFds:
+        """The capture dir's descriptors, opened on first use (raises OSError if unusable)."""
+        if self._dirs is None:
+            self._dirs = DirFds.open(self.config.capture_dir)
+        return self._dirs
+
+    def start(self, pool: Optional[HostPool] = None, processes: Optional[int] = None,
+              extra_stats: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
+        """Start the hand-off threads and their writer processes (idempotent): at model load on
+        the server, so that the first capture does not wait for them. ``pool`` is the host pool the
+        rows lie in, ``processes`` this rank's share of the node's writers (node_budget.py), and
+        ``extra_stats`` the scheduler's counters for the stats file."""
+        with self._lock:
+            if self._threads:
+                return
+            self.pool = pool
+            self.processes = processes or self.processes
+            self._extra_stats = extra_stats or dict
+            try:
+                dirs = self.dirs()  # opened once here, before several threads could race to open them
+                removed = remove_orphans(dirs)
+                if removed:
+                    logger.info("sglang_capture: removed %d temp files left by a stopped server", removed)
+            except OSError as e:  # each job will then fail with this reason; the server keeps serving
+                logger.error("sglang_capture: capture dir %s is unusable: %s", self.config.capture_dir, e)
+            if self.config.switch_interval_ms > 0:
+                # Hand-off threads wake on pipe replies; behind SGLang's busy scheduler thread each
+                # wake-up waits up to a whole switch interval (5 ms by default) for the GIL.
+                sys.setswitchinterval(self.config.switch_interval_ms / 1000.0)
+            for i in range(self.processes):
+                t = threading.Thread(target=self._run, args=(i,), name=f"sglang-capture-handoff-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def pending(self) -> int:
+        """Jobs queued or being written: memory that waiting will free."""
+        with self._lock:
+            return self._queued + self._busy
+
+    def submit(self, job: CaptureJob) -> None:
+        """Queue a job (never blocks; back-pressure happens in ``HostMemoryLedger.hold``)."""
+        if not self._threads:
+            self.start()
+        with self._lock:
+            self._queued += 1
+            self.stats["max_queue"] = max(self.stats["max_queue"], self._queued)
+        self._queue.put(job)
+
+    def submit_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
+        """Have a hand-off thread record ``outcome`` for ``rid`` (never blocks, no file I/O here)."""
+        if not self._threads:
+            self.start()
+        self._queue.put(OutcomeOnly(rid, outcome))
+
+    def write(self, job: CaptureJob, timeout: float = 600.0) -> Dict[str, Any]:
+        """Queue ``job`` and wait for its outcome (tools and tests; the server only submits)."""
+        self.submit(job)
+        if not job.done.wait(timeout):
+            raise TimeoutError(f"the writer did not finish {job.meta.get('rid')} in {timeout:.0f} s")
+        return job.outcome
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish queued jobs, stop the threads and their writer processes (shutdown, tests)."""
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def writer_pids(self) -> List[int]:
+        """Process ids of the running writer processes (monitoring, tests)."""
+        with self._lock:
+            return sorted(c.pid for c in self._children.values() if c.alive())
+
+    def _run(self, slot: int) -> None:
+        self._replace_quietly(slot)
+        while True:
+            child = self._children.get(slot)
+            if child is not None and not child.alive():  # a dead writer is replaced within a second, even idle
+                self._replace_quietly(slot)
+            try:
+                job = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if job is None:
+                with self._lock:
+                    child = self._children.pop(slot, None)
+                if child is not None:
+                    child.stop(30.0)
+                return
+            if isinstance(job, OutcomeOnly):
+                self.record_outcome(job.rid, job.outcome)
+                continue
+            with self._lock:
+                self._queued -= 1
+                self._busy += 1
+                self.stats["queue_wait_s"] += time.monotonic() - job.enqueued
+            try:
+                outcome = self._write(slot, job)
+            except Exception as e:  # a dead writer process fails only this job
+                outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job),
+                           "status": "error", "error": error_text(e)}
+            finally:
+                job.capture.release()
+                with self._lock:
+                    self._busy -= 1
+            if outcome["status"] != "ok":
+                with self._lock:
+                    self.stats["failed"] += 1
+                logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
+            self.record_outcome(job.meta["rid"], outcome)
+            job.outcome = outcome
+            job.done.set()
+            self._dump_stats()
+
+    def _write(self, slot: int, job: CaptureJob) -> Dict[str, Any]:
+        """Have the slot's writer process write ``job``; a process found gone before it took the
+        job is replaced and the job handed to the new one (once)."""
+        child = self._children.get(slot)
+        if child is None or not child.alive():
+            child = self._replace(slot)
+        try:
+            return self._hand_off(child, job)
+        except NotTaken:
+            return self._hand_off(self._replace(slot), job)
+
+    def _replace(self, slot: int) -> _Child:
+        """Start the slot's writer process, stopping the one it replaces (raises WriterProcessDied)."""
+        with self._lock:
+            old = self._children.pop(slot, None)
+        if old is not None:
+            old.stop(1.0)
+        try:
+            child = _Child(self.config, self.pool)
+        except OSError as e:
+            raise WriterProcessDied(f"cannot start a writer process: {e}") from None
+        with self._lock:
+            self._children[slot] = child
+            self.stats["restarts"] += int(old is not None)
+        return child
+
+    def _replace_quietly(self, slot: int) -> None:
+        try:
+            self._replace(slot)
+        except WriterProcessDied as e:  # each job will retry, and fail with this reason
+            logger.error("sglang_capture: %s", e)
+
+    def _hand_off(self, child: _Child, job: CaptureJob) -> Dict[str, Any]:
+        """Have ``child`` write ``job``; returns its outcome (raises WriterProcessDied)."""
+        chunks, inline = describe_chunks(job.capture.chunks, self.pool)
+        spans = job.capture.loss_spans
+        child.send({"op": "write", "name": job.capture.name, "meta": job.meta, "chunks": chunks, "n_rows": job.n_rows,
+                    "splits": {k: list(v) for k, v in job.splits.items()}, "input_ids": ids_bytes(job.input_ids),
+                    "output_ids": ids_bytes(job.output_ids),
+                    "loss_spans": [list(s) for s in spans] if spans is not None else None})
+        child.recv()  # "copied": the process holds the rows now
+        job.capture.release()
+        reply = child.recv()
+        result, timings = reply["result"], reply["timings"]
+        outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job), **result}
+        raw = outcome.pop("raw_bytes", 0)
+        with self._lock:
+            self.stats["inline_bytes"] += inline
+            for k, v in timings.items():  # seconds per stage, summed over processes: which stage bounds throughput
+                self.stats[k] += v
+            if outcome["status"] == "ok":
+                self.stats["written"] += 1
+                self.stats["bytes"] += outcome["bytes"]
+                self.stats["raw_bytes"] += raw
+        if outcome["status"] == "ok":
+            outcome["write_s"] = round(time.monotonic() - job.enqueued, 6)
+        return outcome
+
+    def _path(self, job: CaptureJob) -> str:
+        return os.path.join(self.config.capture_dir, job.capture.name + FILE_SUFFIX)
+
+    def _dump_stats(self, min_interval_s: float = 1.0) -> None:
+        """Write ``.index/writer-<pid>.json`` (counters, queue depth, held and peak host memory)
+        at most once a second, and whenever the queue drains, for monitoring and benchmarks."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_stats < min_interval_s and self._queued:
+                return
+            self._last_stats = now
+            doc = {**self.stats, "queue": self._queued, "busy": self._busy,
+                   "held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
+                   "cap_bytes": self.ledger.cap_bytes, "back_pressure_waits": self.ledger.waits,
+                   "durability": self.config.durability,
+                   "writer_pids": sorted(c.pid for c in self._children.values() if c.alive()),
+                   **self._extra_stats(),
+                   "pinned": _cuda_stats("host_memory_stats", _PINNED_KEYS),
+                   "device_allocator": _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS),
+                   "time": time.time()}
+        try:
+            write_stats(self.dirs(), doc)
+        except OSError as e:
+            logger.warning("sglang_capture: cannot write writer stats: %s", e)
+
+    def record_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
+        """Write ``.index/<rid>.json`` (hand-off threads; the scheduler thread uses ``submit_outcome``)."""
+        try:
+            record_outcome(self.dirs(), rid, outcome)
+        except OSError as e:
+            logger.error("sglang_capture: cannot record the outcome of %s: %s", rid, e)

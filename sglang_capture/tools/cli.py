@@ -1,0 +1,161 @@
+"""``sglang-capture``: the tools around capture files (extract, inspect, verify, export, doctor, demo).
+
+Every expected failure is one line on stderr and a non-zero exit; an unexpected one says how
+to get the traceback instead of printing it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional, Tuple
+
+import click
+
+from sglang_capture.core.format import CaptureFileError
+
+DEBUG_ENV = "SGLANG_CAPTURE_DEBUG"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="sglang-capture")
+def cli() -> None:
+    """Capture EAGLE-3 hidden states from SGLang and turn them into training data."""
+
+
+@cli.command()
+@click.argument("input_path", metavar="INPUT.jsonl", type=click.Path(dir_okay=False))
+@click.option("--server", "servers", multiple=True, required=True,
+              help="Capture server URL (repeat to spread the work over several servers).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory for the sample files.")
+@click.option("--tokenizer", default=None, help="Tokenizer with the chat template (default: the server's model).")
+@click.option("--concurrency", type=int, default=8, show_default=True, help="Requests in flight, over all servers.")
+@click.option("--retries", type=int, default=3, show_default=True, help="Retries per sample before it is listed as failed.")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds one request may take.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def extract(input_path: str, servers: Tuple[str, ...], out: str, tokenizer: Optional[str], concurrency: int,
+            retries: int, timeout: float, no_progress: bool) -> None:
+    """Capture every conversation of INPUT.jsonl into OUT (resumable; see the README)."""
+    from sglang_capture.tools.extract import ExtractError, Extractor
+
+    try:
+        report = Extractor(input_path, servers, out, tokenizer, concurrency, retries, timeout,
+                           progress=not no_progress).run()
+    except ExtractError as e:
+        raise click.ClickException(str(e)) from None
+    for bad in report.bad_lines:
+        click.echo(f"skipped {input_path} {bad}", err=True)
+    rate = report.written / max(report.seconds, 1e-9)
+    click.echo(f"{report.total} samples: {report.written} written, {report.skipped} already done"
+               f"{f' ({report.recovered} recovered)' if report.recovered else ''}, {len(report.failures)} failed; "
+               f"{report.tokens:,} tokens, {report.bytes / 1e6:,.1f} MB in {report.seconds:.1f} s "
+               f"({rate:.1f} samples/s, {report.tokens / max(report.seconds, 1e-9):,.0f} tok/s)")
+    if report.bad_lines:
+        click.echo(f"{len(report.bad_lines)} input lines skipped (listed above)", err=True)
+    if report.failures:
+        path = os.path.join(os.path.abspath(out), "failed.jsonl")
+        with open(path, "w") as f:
+            for x in report.failures:
+                f.write(json.dumps({"id": x.id, "line": x.line, "reason": x.reason}) + "\n")
+        for x in report.failures[:20]:
+            click.echo(f"failed {x.id} (line {x.line}): {x.reason}", err=True)
+        raise click.ClickException(f"{len(report.failures)} samples missing (listed in {path}); re-run to retry them")
+    else:
+        try:
+            os.unlink(os.path.join(os.path.abspath(out), "failed.jsonl"))
+        except FileNotFoundError:
+            pass
+
+
+@cli.command("inspect")
+@click.argument("path", metavar="FILE", type=click.Path(dir_okay=False))
+def inspect_cmd(path: str) -> None:
+    """Metadata, tensor shapes/dtypes/codec and compression ratio of one capture file."""
+    from sglang_capture.tools.inspect_file import describe_file
+
+    try:
+        for line in describe_file(path):
+            click.echo(line)
+    except CaptureFileError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@cli.command()
+@click.argument("directory", metavar="DIR", type=click.Path(file_okay=False))
+@click.option("--workers", type=int, default=4, show_default=True, help="Files decoded in parallel.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def verify(directory: str, workers: int, no_progress: bool) -> None:
+    """Decode every file of DIR, check it and the manifest; exit 1 on any problem."""
+    from sglang_capture.tools.verify import verify_dir
+
+    try:
+        report = verify_dir(directory, workers, progress=not no_progress)
+    except OSError as e:
+        raise click.ClickException(str(e)) from None
+    for p in report.problems:
+        click.echo(p)
+    listed = "no manifest" if report.manifest_entries is None else f"{report.manifest_entries} in the manifest"
+    click.echo(f"{report.files} files ({listed}), {report.good_files} decoded and consistent, "
+               f"{len(report.problems)} problems")
+    if not report.ok:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--format", "fmt", type=click.Choice(["specforge"]), required=True, help="Target trainer's format.")
+@click.option("--all-tokens", is_flag=True, help="Files without a loss mask: train on every token.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, exists=True))
+@click.argument("out", metavar="OUT", type=click.Path(file_okay=False))
+def export(fmt: str, all_tokens: bool, no_progress: bool, directory: str, out: str) -> None:
+    """Write DIR's samples as a trainer's offline files into OUT."""
+    from sglang_capture.tools.export_specforge import ExportError, export_specforge
+
+    try:
+        report = export_specforge(directory, out, all_tokens, progress=not no_progress)
+    except (ExportError, CaptureFileError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{report.written} SpecForge samples written to {out} ({report.skipped} already there)")
+    if report.note:
+        click.echo(f"note: {report.note}", err=True)
+    if report.eagle_ids is not None:
+        click.echo(f"captured layers {report.layers} ({report.architecture}); in the drafter config set "
+                   f"\"eagle_aux_hidden_state_layer_ids\": {json.dumps(report.eagle_ids)} "
+                   "so SGLang serves the drafter with the same layers")
+
+
+@cli.command()
+def doctor() -> None:
+    """Installed SGLang, patched-function fingerprints, plugin, effective capture configuration."""
+    from sglang_capture.tools.doctor import diagnose
+
+    lines, ok = diagnose()
+    for line in lines:
+        click.echo(line)
+    if not ok:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--out", default="sglang-capture-demo", show_default=True, type=click.Path(file_okay=False),
+              help="Directory for the model, the samples and the server log.")
+def demo(out: str) -> None:
+    """Tiny DeepSeek-V3, a capture server, a few bundled conversations extracted and verified."""
+    from sglang_capture.tools.demo import run_demo
+
+    sys.exit(run_demo(out))
+
+
+def main() -> None:
+    """Console entry point: run the CLI, turning unexpected errors into one line."""
+    try:
+        cli(prog_name="sglang-capture")
+    except Exception as e:  # click handles its own exceptions; this is the last resort
+        if os.environ.get(DEBUG_ENV):
+            raise
+        click.echo(f"Error: unexpected {type(e).__name__}: {e} (set {DEBUG_ENV}=1 for the traceback)", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""``sglang-capture extract``: a JSONL of conversations in, one verified sample file each out.
+
+Flow per sample: chat-template and tokenize (client side, so the loss mask is exact), send one
+prefill-only capture request that carries the mask, move the published file to
+``OUT/<id>.capture.msgpack`` without ever overwriting, then append the manifest line. Each
+attempt uses a fresh capture name (``<id>.try-<nonce>``) so a retry never collides with a late
+file from an earlier attempt; leftovers of attempts are removed. A re-run reads the manifest and
+skips what is done, so an interrupted run resumes without duplicates or half samples.
+"""
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+import shutil
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Union
+
+from sglang_capture.core.durable import fsync_dir, publish_new
+from sglang_capture.core.format import CaptureFileError
+from sglang_capture.core.loss_mask import spans_from_mask
+from sglang_capture.core.names import FILE_SUFFIX
+from sglang_capture.core.reader import load
+from sglang_capture.tools.client import ServerError, ServerInfo, capture_prefill, discover
+from sglang_capture.tools.conversations import BadLine, Sample, read_samples
+from sglang_capture.tools.manifest import Entry, ManifestWriter, file_checksum, read_manifest, rewrite_manifest
+from sglang_capture.tools.templating import ChatEncoder, Encoded, TemplateError, load_tokenizer
+
+ATTEMPT_TAG = ".try-"
+LOCK_FILE = ".extract.lock"
+
+
+class ExtractError(RuntimeError):
+    """The run cannot start (bad input file, servers, tokenizer, output dir); one line."""
+
+
+@dataclass
+class Failure:
+    id: str
+    line: int
+    reason: str
+
+
+@dataclass
+class ExtractReport:
+    total: int = 0
+    skipped: int = 0
+    recovered: int = 0
+    written: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    bad_lines: List[BadLine] = field(default_factory=list)
+    failures: List[Failure] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def sample_path(out: str, sample_id: str) -> str:
+    return os.path.join(out, sample_id + FILE_SUFFIX)
+
+
+def remove_attempt_leftovers(out: str, capture_dirs: Sequence[str] = ()) -> int:
+    """Delete files of attempts that never became a sample (their run died or retried)."""
+    removed = 0
+    for d in {out, *capture_dirs}:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            if ATTEMPT_TAG in name and name.endswith(FILE_SUFFIX):
+                try:
+                    os.unlink(os.path.join(d, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+    return removed
+
+
+def move_to_sample(src: str, dst: str) -> None:
+    """Move a server's file to its sample name: never overwrite, never expose a partial copy."""
+    try:
+        try:
+            os.link(src, dst)
+        except FileExistsError:
+            raise
+        except OSError:  # another filesystem: publish a copy (flushed, then linked into place)
+            with open(src, "rb") as fi:
+                publish_new(dst, lambda fo: shutil.copyfileobj(fi, fo, 1 << 22))
+        else:
+            fsync_dir(os.path.dirname(dst))
+    except FileExistsError:
+        raise FileExistsError(f"{dst} already exists; another extract may be writing to this directory") from None
+    os.unlink(src)
+
+
+class _Rates:
+    """Totals behind the progress bar's samples/s, tokens/s and MB/s."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.tokens = 0
+        self.bytes = 0
+
+    def add(self, tokens: int, nbytes: int) -> Dict[str, str]:
+        self.tokens += tokens
+        self.bytes += nbytes
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        return {"tok/s": f"{self.tokens / dt:,.0f}", "MB/s": f"{self.bytes / dt / 1e6:,.1f}"}
+
+
+class Extractor:
+    """One extract run. Construct, then ``run()``; see the module docstring for the flow."""
+
+    def __init__(self, input_path: str, server_urls: Sequence[str], out: str, tokenizer: Optional[str] = None,
+                 concurrency: int = 8, retries: int = 3, timeout: float = 600.0, progress: bool = True) -> None:
+        if concurrency < 1:
+            raise ExtractError(f"--concurrency must be at least 1, got {concurrency}")
+        if retries < 0:
+            raise ExtractError(f"--retries must be zero or more, got {retries}")
+        if not server_urls:
+            raise ExtractError("give at least one --server URL of a capture server")
+        self.input_path, self.out, self.concurrency = input_path, os.path.abspath(out), concurrency
+        self.retries, self.timeout, self.progress = retries, timeout, progress
+        self.server_urls = list(server_urls)
+        self.tokenizer_path = tokenizer
+        self.report = ExtractReport()
+
+    def _prepare_out(self) -> None:
+        try:
+            os.makedirs(self.out, exist_ok=True)
+        except OSError as e:
+            raise ExtractError(f"cannot create --out {self.out}: {e.strerror}") from None
+        if not os.access(self.out, os.W_OK | os.X_OK):
+            raise ExtractError(f"--out {self.out} is not writable")
+        self._lock_fd = os.open(os.path.join(self.out, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ExtractError(f"another extract is writing to {self.out}; wait for it or use another --out") from None
+
+    def _check_capture_dirs(self, servers: List[ServerInfo]) -> None:
+        for s in servers:
+            if not os.path.isdir(s.capture_dir):
+                raise ExtractError(
+                    f"{s.url} writes to {s.capture_dir}, which this machine cannot see; start it with a "
+                    f"--capture-dir on storage shared with this machine (e.g. --capture-dir {self.out})")
+
+    def _resume(self, samples: List[Sample], encoder: ChatEncoder) -> List[Sample]:
+        """Keep manifest entries whose file is intact; adopt complete files the manifest missed."""
+        entries, _ = read_manifest(self.out)
+        by_id = {s.id: s for s in samples}
+        keep: Dict[str, Entry] = {}
+        for e in entries:
+            path = os.path.join(self.out, e.file)
+            if e.id in by_id and e.id not in keep and os.path.isfile(path) and os.path.getsize(path) == e.bytes:
+                keep[e.id] = e
+        for s in samples:
+            path = sample_path(self.out, s.id)
+            if s.id in keep or not os.path.exists(path):
+                continue
+            entry = self._adopt(s, path, encoder)
+            if entry is None:
+                os.unlink(path)  # not this sample's data: redo it
+            else:
+                keep[s.id] = entry
+                self.report.recovered += 1
+        rewrite_manifest(self.out, [keep[s.id] for s in samples if s.id in keep])
+        self.report.skipped = len(keep)
+        return [s for s in samples if s.id not in keep]
+
+    def _adopt(self, sample: Sample, path: str, encoder: ChatEncoder) -> Optional[Entry]:
+        try:
+            enc = encoder.encode(sample)
+            d = load(path, tensors=("input_ids", "loss_mask"))
+        except (CaptureFileError, TemplateError):
+            return None
+        if d["input_ids"].tolist() != enc.input_ids or d.get("loss_mask") is None \
+                or d["loss_mask"].tolist() != enc.loss_mask:
+            return None
+        return Entry(sample.id, os.path.basename(path), len(enc.input_ids), os.path.getsize(path),
+                     file_checksum(path), sample.line)
+
+    def run(self) -> ExtractReport:
+        t0 = time.monotonic()
+        try:
+            read = read_samples(self.input_path)
+        except OSError as e:
+            raise ExtractError(f"cannot read {self.input_path}: {e.strerror}") from None
+        except ValueError as e:
+            raise ExtractError(str(e)) from None
+        self.report.bad_lines = read.bad
+        self.report.total = len(read.samples)
+        try:
+            servers = [discover(u) for u in self.server_urls]
+        except ServerError as e:
+            raise ExtractError(str(e)) from None
+        self._prepare_out()
+        try:
+            self._run_locked(read.samples, servers)
+        finally:
+            os.close(self._lock_fd)  # releases the lock: the next run in this process may start
+            self.report.seconds = time.monotonic() - t0
+        return self.report
+
+    def _run_locked(self, samples: List[Sample], servers: List[ServerInfo]) -> None:
+        self._check_capture_dirs(servers)
+        source = self.tokenizer_path or servers[0].model_path
+        try:
+            encoder = ChatEncoder(load_tokenizer(source), source)
+        except TemplateError as e:
+            raise ExtractError(f"{e}; pass --tokenizer PATH" if not self.tokenizer_path else str(e)) from None
+        if any(s.messages for s in samples) and not getattr(encoder.tok, "chat_template", None):
+            raise ExtractError(f"the tokenizer at {source!r} has no chat template, needed for conversations; "
+                               "pass --tokenizer with one, or give samples as {\"text\": ...}")
+        capture_dirs = [s.capture_dir for s in servers]
+        remove_attempt_leftovers(self.out, capture_dirs)
+        todo = self._resume(samples, encoder)
+        manifest = ManifestWriter(self.out)
+        try:
+            self._work(todo, servers, encoder, manifest)
+        finally:
+            manifest.close()
+            remove_attempt_leftovers(self.out, capture_dirs)
+
+    def _work(self, todo: List[Sample], servers: List[ServerInfo], encoder: ChatEncoder,
+              manifest: ManifestWriter) -> None:
+        from tqdm import tqdm
+
+        rates = _Rates()
+        order = itertools.count()
+        bar = tqdm(total=len(todo), unit="sample", disable=None if self.progress else True, dynamic_ncols=True)
+
+        def one(sample: Sample) -> Union[Entry, Failure]:
+            first = next(order) % len(servers)  # spread samples over servers, fail over in turn
+            try:
+                enc = encoder.encode(sample)
+            except TemplateError as e:
+                return Failure(sample.id, sample.line, str(e))
+            if not enc.input_ids:
+                return Failure(sample.id, sample.line, "the sample tokenizes to no tokens")
+            reason = ""
+            for attempt in range(self.retries + 1):
+                server = servers[(first + attempt) % len(servers)]
+                try:
+                    entry = self._capture(sample, enc, server)
+                except ServerError as e:
+                    reason = str(e)
+                    if not e.retryable:
+                        break
+                except OSError as e:
+                    reason = f"cannot publish the file: {e}"
+                else:
+                    manifest.append(entry)
+                    return entry
+                time.sleep(min(0.5 * 2 ** attempt, 10.0))
+            return Failure(sample.id, sample.line, reason)
+
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            futures = [pool.submit(one, s) for s in todo]
+            for f in as_completed(futures):
+                result = f.result()
+                if isinstance(result, Failure):
+                    self.report.failures.append(result)
+                else:
+                    self.report.written += 1
+                    self.report.tokens += result.tokens
+                    self.report.bytes += result.bytes
+                    bar.set_postfix(rates.add(result.tokens, result.bytes), refresh=False)
+                bar.update(1)
+        bar.close()
+        self.report.failures.sort(key=lambda x: x.line)
+
+    def _capture(self, sample: Sample, enc: Encoded, server: ServerInfo) -> Entry:
+        name = f"{sample.id}{ATTEMPT_TAG}{uuid.uuid4().hex[:8]}"
+        ref = capture_prefill(server, enc.input_ids, name, spans_from_mask(enc.loss_mask), self.timeout)
+        if int(ref.get("rows", -1)) != len(enc.input_ids):
+            raise ServerError(f"{server.url}: the capture has {ref.get('rows')} rows for {len(enc.input_ids)} tokens")
+        dst = sample_path(self.out, sample.id)
+        move_to_sample(ref["path"], dst)
+        return Entry(sample.id, os.path.basename(dst), len(enc.input_ids), int(ref["bytes"]), str(ref["checksum"]),
+                     sample.line)

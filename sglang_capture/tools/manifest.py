@@ -1,0 +1,100 @@
+"""The manifest of a sample directory: one JSON line per finished sample.
+
+``manifest.jsonl`` lines are ``{"id", "file", "tokens", "bytes", "checksum", "line"}``
+(``file`` relative to the directory, ``checksum`` = ``sha256:<hex>`` of the file's bytes,
+``line`` = the sample's line in the input). A line is appended, flushed and fsynced only after
+its file is published, so a line always names a complete file; a line torn by a crash is
+dropped on the next run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
+from typing import List, Tuple
+
+from sglang_capture.core.durable import checksum_tag, replace_atomic
+from sglang_capture.core.names import FILE_SUFFIX
+
+MANIFEST = "manifest.jsonl"
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    file: str
+    tokens: int
+    bytes: int
+    checksum: str
+    line: int = 0
+
+
+def read_manifest(directory: str) -> Tuple[List[Entry], List[str]]:
+    """Entries in file order (duplicates kept, for ``verify``) and one line per unreadable line."""
+    path = os.path.join(directory, MANIFEST)
+    entries: List[Entry] = []
+    problems: List[str] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except FileNotFoundError:
+        return entries, problems
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            doc = json.loads(text)
+            entries.append(Entry(str(doc["id"]), str(doc["file"]), int(doc["tokens"]), int(doc["bytes"]),
+                                 str(doc["checksum"]), int(doc.get("line", 0))))
+        except (ValueError, KeyError, TypeError):
+            problems.append(f"{MANIFEST} line {number} is not a manifest entry"
+                            + (" (torn by an interrupted run)" if number == len(lines) else ""))
+    return entries, problems
+
+
+def rewrite_manifest(directory: str, entries: List[Entry]) -> None:
+    """Replace the manifest atomically (used when resuming, to drop torn or stale lines)."""
+    text = "".join(json.dumps(asdict(e), sort_keys=True) + "\n" for e in entries)
+    replace_atomic(os.path.join(directory, MANIFEST), lambda f: f.write(text.encode("utf-8")))
+
+
+class ManifestWriter:
+    """Appends entries durably; safe to call from several threads."""
+
+    def __init__(self, directory: str) -> None:
+        self._f = open(os.path.join(directory, MANIFEST), "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def append(self, entry: Entry) -> None:
+        with self._lock:
+            self._f.write(json.dumps(asdict(entry), sort_keys=True) + "\n")
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def bytes_checksum(buf: bytes) -> str:
+    """``file_checksum`` of a file's bytes already in memory."""
+    return checksum_tag(hashlib.sha256(buf))
+
+
+def file_checksum(path: str) -> str:
+    """``sha256:<hex>`` of a file's bytes, the form capture references and the manifest use."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return checksum_tag(h)
+
+
+def sample_files(directory: str) -> List[str]:
+    """A directory's sample files: manifest order when there is one, else sorted file names."""
+    if os.path.exists(os.path.join(directory, MANIFEST)):
+        entries, _ = read_manifest(directory)
+        return [os.path.join(directory, e.file) for e in entries]
+    return [os.path.join(directory, f) for f in sorted(os.listdir(directory))
+            if f.endswith(FILE_SUFFIX) and not f.startswith(".")]

@@ -1,0 +1,62 @@
+"""Assembly in a writer process: a request's ``(position, rows)`` pieces into one array per tensor.
+
+The scheduler only hands over the pieces as they arrived (server/request_capture.py); ordering,
+overlap resolution and the completeness check happen here, with numpy only.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import numpy
+
+from sglang_capture.core.format import HostTensor
+
+
+class IncompleteCapture(RuntimeError):
+    """Some positions of the request never received a row: the file would be wrong, so none is written."""
+
+
+def _gaps(spans: List[Tuple[int, int]], n_rows: int) -> List[Tuple[int, int]]:
+    """The inclusive position ranges in ``[0, n_rows)`` that no ``[start, end)`` span covers."""
+    gaps: List[Tuple[int, int]] = []
+    reached = 0
+    for start, end in sorted(spans):
+        if start > reached:
+            gaps.append((reached, start - 1))
+        reached = max(reached, end)
+    if reached < n_rows:
+        gaps.append((reached, n_rows - 1))
+    return gaps
+
+
+def assemble_rows(pieces: List[Tuple[int, HostTensor]], n_rows: int,
+                  splits: Dict[str, Tuple[int, int]]) -> Dict[str, HostTensor]:
+    """Place every ``(start, rows)`` piece by position into fresh arrays, one per column range
+    in ``splits``.
+
+    Later pieces overwrite earlier ones (re-prefill after retraction), rows past ``n_rows`` are
+    dropped (the step that sampled the last token also computed rows nobody fed back), and a
+    position left uncovered raises IncompleteCapture. One copy per piece and column range; once
+    this returns, nothing reads the pieces' memory any more.
+    """
+    if not pieces:
+        if n_rows:
+            raise IncompleteCapture(f"no rows were captured for {n_rows} positions")
+        return {name: HostTensor("float32", numpy.empty((0, hi - lo), dtype=numpy.float32))
+                for name, (lo, hi) in splits.items()}
+    dtype = pieces[0][1].dtype
+    out = {name: numpy.empty((n_rows, hi - lo), dtype=pieces[0][1].array.dtype) for name, (lo, hi) in splits.items()}
+    spans: List[Tuple[int, int]] = []
+    for start, src in pieces:
+        end = min(start + src.array.shape[0], n_rows)
+        if end <= start:
+            continue
+        part = src.array[: end - start]
+        for name, (lo, hi) in splits.items():
+            out[name][start:end] = part[:, lo:hi]
+        spans.append((start, end))
+    gaps = _gaps(spans, n_rows)
+    if gaps:
+        where = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:8])
+        raise IncompleteCapture(f"rows missing at positions {where} of {n_rows}")
+    return {name: HostTensor(dtype, arr) for name, arr in out.items()}

@@ -1,0 +1,128 @@
+"""The hooks, called the way SGLang calls them (server/hooks/)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+
+def _fake_req(capture=False, json_hidden=False):
+    import types
+
+    from sglang_capture.server.scheduler_capture import CAPTURE_ATTR
+
+    r = types.SimpleNamespace(return_hidden_states=json_hidden or capture, extend_range=None)
+    if capture:
+        setattr(r, CAPTURE_ATTR, object())
+    return r
+
+
+def _fake_batch(mode, reqs, lens=None):
+    import types
+
+    modes = {"decode": (True, False, False), "extend": (False, True, False), "mixed": (False, True, True)}
+    dec, ext, mix = modes[mode]
+    fm = types.SimpleNamespace(is_decode=lambda: dec, is_extend=lambda: ext, is_mixed=lambda: mix)
+    for r, n in zip(reqs, lens or [], strict=False):
+        r.extend_range = types.SimpleNamespace(length=n)
+    return types.SimpleNamespace(reqs=reqs, forward_mode=fm, extend_lens=lens)
+
+
+def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
+    from sglang_capture.server.hooks.transfer import capture_rows
+
+    req, batch = _fake_req, _fake_batch
+    # prefill: plain (5 rows), capture (3), capture (2), plain (4), capture (1)
+    b = batch("extend", [req(), req(True), req(True), req(), req(True)], [5, 3, 2, 4, 1])
+    assert capture_rows(b, 15) == ([(5, 10), (14, 15)], {5: 0, 8: 3, 14: 5})
+    assert capture_rows(batch("decode", [req(True), req(), req(True)]), 3) == ([(0, 1), (2, 3)], {0: 0, 2: 1})
+    assert capture_rows(b, 16) is None  # rows that do not add up: copy everything
+    assert capture_rows(batch("extend", [req(True), req(True)], [2, 2]), 4) is None  # all captured
+    assert capture_rows(batch("extend", [req(True), req(json_hidden=True)], [2, 2]), 4) is None  # SGLang's JSON too
+    assert capture_rows(batch("mixed", [req(True), req()], [2, 1]), 3) is None
+    assert capture_rows(None, 3) is None
+
+
+def test_captured_rows_are_gathered_in_the_forward_beside_their_final_hidden_state():
+    from sglang_capture.server.batch_rows import BatchRows
+    from sglang_capture.server.hooks.transfer import gather_in_forward
+
+    req, batch = _fake_req, _fake_batch
+    state = types.SimpleNamespace(launching=None)  # the scheduler's state, as the instrumentor binds it
+    aux = torch.arange(15 * 6, dtype=torch.float32).view(15, 6)  # 3 layers x hidden 2
+    final = -torch.arange(15 * 2, dtype=torch.float32).view(15, 2)
+    state.launching = rows = BatchRows(batch("extend", [req(), req(True), req(True), req(), req(True)], [5, 3, 2, 4, 1]),
+                                       captures=True)
+    assert gather_in_forward(state, aux[:14], final) is None  # aux and final disagree: keep the whole batch
+    out = gather_in_forward(state, aux, final)
+    kept = [5, 6, 7, 8, 9, 14]
+    assert torch.equal(out, torch.cat([aux[kept], final[kept]], dim=-1))
+    assert (rows.row_map, rows.kept_rows, rows.batch_rows, rows.gathered_in_forward) == ({5: 0, 8: 3, 14: 5}, 6, 15, True)
+    state.launching = None
+    assert gather_in_forward(state, aux, final) is None  # no batch running (CUDA graph capture, warm-up)
+    state.launching = BatchRows(batch("extend", [req(True), req(json_hidden=True)], [5, 10]), captures=True)
+    assert gather_in_forward(state, aux, final) is None  # SGLang's JSON request needs every row
+
+
+def test_the_row_seams_find_kept_rows_through_the_batch_state_whatever_tensor_object_arrives():
+    """Under DP attention SGLang re-slices the result tensor (a new object): the map must not live on it."""
+    from sglang_capture.server.batch_rows import BatchRows, ResultRows, RowsMismatch
+
+    req, batch = _fake_req, _fake_batch
+    b = batch("extend", [req(), req(True), req(True), req(), req(True)], [5, 3, 2, 4, 1])
+    b.prefix_lens = [0, 7, 0, 0, 2]
+    rows = BatchRows(b, captures=True)
+    rows.keep(rows.selection(15), 15, in_forward=True)
+    result = types.SimpleNamespace()
+    rows.attach(result)
+    kept = torch.arange(6 * 3).view(6, 3)[:6]  # a fresh object, as SGLang's un-padding slice makes
+    processing = ResultRows.of(b, result)
+    assert [processing.row(kept, off, n) for off, n in ((5, 3), (8, 2), (14, 1))] == [0, 3, 5]
+    assert [processing.chunk_start(r) for r in (b.reqs[1], b.reqs[4])] == [7, 2]
+    with pytest.raises(RowsMismatch):
+        processing.row(kept[:5], 14, 1)  # fewer rows than were kept: never read another request's rows
+    with pytest.raises(RowsMismatch):
+        processing.row(kept, 0, 5)  # a request whose rows were not kept
+    whole = ResultRows.of(b, types.SimpleNamespace())  # nothing kept: batch offsets, checked against the end
+    assert whole.row(torch.zeros(15, 3), 14, 1) == 14
+    with pytest.raises(RowsMismatch):
+        whole.row(torch.zeros(14, 3), 14, 1)
+
+
+def test_a_decode_batch_copies_no_hidden_states_when_its_only_capture_requests_end_after_one_token():
+    import types
+
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    import sglang_capture.server.hooks.batch as batch_hook
+    from sglang_capture.server.aux_capture import AUX_ATTR
+    from sglang_capture.server.batch_rows import RESULT_ATTR
+    from sglang_capture.server.seam_clock import SeamClock
+
+    state = types.SimpleNamespace(aux=None, clock=SeamClock(), launching=None)
+
+    def req(max_new, capture=True, json_hidden=False):
+        r = types.SimpleNamespace(return_hidden_states=capture or json_hidden,
+                                  sampling_params=types.SimpleNamespace(max_new_tokens=max_new))
+        if capture:
+            setattr(r, AUX_ATTR, True)
+        return r
+
+    def run(mode, reqs):
+        fm = types.SimpleNamespace(name=mode.upper(), is_decode=lambda: mode == "decode")
+        b = types.SimpleNamespace(reqs=reqs, forward_mode=fm, return_hidden_states=True,
+                                  return_hidden_states_mode=CaptureHiddenMode.FULL)
+        seen, result = [], types.SimpleNamespace()
+        assert batch_hook.run_batch(state, lambda batch: seen.append(batch.return_hidden_states) or result, None, (b,), {}) is result
+        assert getattr(result, RESULT_ATTR).batch is b  # the batch's capture state rides on its result
+        return b.return_hidden_states, b.return_hidden_states_mode, seen
+
+    # a finished-at-prefill capture request beside a plain one: nothing of the batch goes to the host
+    assert run("decode", [req(1), req(16, capture=False)]) == (False, CaptureHiddenMode.NULL, [False])
+    assert state.clock.stats()["run_batch/decode/plain"]["calls"] == 1
+    # a capture request that decodes, an SGLang JSON request, or a prefill keep their rows
+    assert run("decode", [req(1), req(2)])[0] is True
+    assert run("decode", [req(1), req(4, capture=False, json_hidden=True)])[0] is True
+    assert run("extend", [req(1)])[0] is True
+    assert state.clock.stats()["run_batch/decode/capture"]["calls"] == 2

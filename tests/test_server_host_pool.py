@@ -1,0 +1,86 @@
+"""The host pool (server/host_pool.py)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+
+def test_the_pool_copies_rows_into_a_block_and_takes_it_back_only_when_nothing_uses_it():
+    from sglang_capture.server.host_pool import ALIGN, HostPool
+
+    pool = HostPool(1 << 20, pin=False)
+    src = torch.randn(100, 64).to(torch.bfloat16)
+    block = pool.take(src)
+    assert torch.equal(block, src) and block.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+    rows = block[10:20]
+    as_numpy = rows.view(torch.int16).numpy()  # how the writer reads bf16 rows
+    del block, rows
+    assert pool.free_segments() == [(0, (1 << 20) - ALIGN * 4)]  # 12,800 bytes round up to 4 pages, at the top
+    assert pool.stats()["used_bytes"] == ALIGN * 4
+    del as_numpy
+    assert pool.free_segments() == [(0, 1 << 20)] and pool.stats()["used_bytes"] == 0
+
+
+def test_pool_blocks_freed_out_of_order_coalesce_and_a_full_pool_says_so():
+    from sglang_capture.server.host_pool import ALIGN, HostPool
+
+    pool = HostPool(8 * ALIGN, pin=False, small_block=ALIGN)
+    page = torch.zeros(ALIGN // 4)  # one page of float32: a small block, taken from the top
+    a, b, c = pool.take(page), pool.take(page), pool.take(page)
+    big = pool.take(torch.zeros(5 * ALIGN // 4))  # a large one, from the bottom
+    assert big is not None and pool.take(page) is None and pool.stats()["fallbacks"] == 1
+    del b
+    assert pool.free_segments() == [(6 * ALIGN, 7 * ALIGN)]
+    del a, c
+    assert pool.free_segments() == [(5 * ALIGN, 8 * ALIGN)]
+    assert pool.take(torch.zeros(3 * ALIGN // 4)) is not None  # the three freed pages join into one
+    assert pool.take(torch.zeros(0)) is None  # nothing to copy: left to SGLang
+
+
+def test_small_blocks_that_stay_long_do_not_cut_up_the_room_for_large_ones():
+    from sglang_capture.server.host_pool import ALIGN, HostPool
+
+    pool = HostPool(64 * ALIGN, pin=False, small_block=ALIGN)
+    prefill, decode = torch.zeros(16 * ALIGN // 4), torch.zeros(ALIGN // 4)
+    a, s1, b, s2 = pool.take(prefill), pool.take(decode), pool.take(prefill), pool.take(decode)
+    del a, b  # the prefill blocks are written; the decode steps' blocks stay with their requests
+    assert pool.take(torch.zeros(32 * ALIGN // 4)) is not None  # first fit alone leaves 16-page holes
+    assert s1 is not None and s2 is not None
+
+
+def test_pool_blocks_freed_on_other_threads_while_the_scheduler_takes_more():
+
+    from sglang_capture.server.host_pool import HostPool
+
+    pool = HostPool(64 << 10, pin=False)
+    src = torch.arange(1024, dtype=torch.float32)  # 4 KiB
+    held, overwritten = [], []
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set() or held:
+            if not held:
+                time.sleep(0.0005)
+                continue
+            t = held.pop(0)
+            overwritten.append(not torch.equal(t, src))  # a block still in use was handed out again
+            del t
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    taken, deadline = 0, time.monotonic() + 30
+    while taken < 200:  # 16 blocks fit at once: only blocks the other thread gave back make 200
+        assert time.monotonic() < deadline, f"only {taken} blocks in 30 s"
+        block = pool.take(src)
+        if block is None:
+            time.sleep(0.001)  # full: let the writer thread run
+            continue
+        taken += 1
+        held.append(block)
+        del block
+    stop.set()
+    thread.join()
+    assert len(overwritten) == 200 and not any(overwritten)
+    assert pool.free_segments() == [(0, 64 << 10)]

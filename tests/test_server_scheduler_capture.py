@@ -1,0 +1,55 @@
+"""A scheduler process's capture state (server/scheduler_capture.py)."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from sglang_capture.core.config import CaptureConfig
+
+
+def test_rows_survive_the_finished_req_being_freed_before_the_writer_runs(tmp_path):
+    """Under load the scheduler frees a finished Req long before a writer thread reaches its job
+    (seen on the H200: 'no rows were captured'); the job must own the rows by then."""
+    import gc
+
+    from sglang_capture.core.capture_dir import prepare_capture_dir
+    from sglang_capture.server.scheduler_capture import CAPTURE_ATTR, ModelInfo, SchedulerCapture
+
+    prepare_capture_dir(str(tmp_path))
+    state = SchedulerCapture(CaptureConfig(capture_dir=str(tmp_path), writers=1))
+    state._is_writer = True
+    state.model = ModelInfo("m", "LlamaForCausalLM", "LlamaForCausalLM", 2, 4, (1,), "float32")
+    jobs = []
+    state.writer.submit = jobs.append  # hold the job back, as a busy writer queue does
+
+    class FakeReq(types.SimpleNamespace):
+        def set_finish_with_abort(self, msg):  # pragma: no cover - not reached
+            raise AssertionError(msg)
+
+    req = FakeReq(rid="r1", origin_input_ids=[5, 6, 7], output_ids=[8], finished_len=None, extra_key=None,
+                  finished_reason=None, sampling_params=types.SimpleNamespace(custom_params={"capture": True}))
+    state.begin(req)
+    capture = getattr(req, CAPTURE_ATTR)
+    rows = torch.arange(12, dtype=torch.float32).view(3, 4)
+    capture.add(0, rows)
+    state.finish(req, capture)
+    del req, capture
+    gc.collect()
+    del state.writer.submit  # the writer gets to the job now
+    outcome = state.writer.write(jobs[0], timeout=60)
+    assert outcome["status"] == "ok", outcome
+    data = __import__("sglang_capture").load(outcome["path"])
+    assert torch.equal(data["aux_hidden_states"], rows[:, :2]) and torch.equal(data["last_hidden_states"], rows[:, 2:])
+
+
+def test_without_memory_for_the_pool_capture_goes_on_and_says_how_to_get_one(tmp_path, caplog):
+    from sglang_capture.server.scheduler_capture import SchedulerCapture
+
+    config = CaptureConfig(capture_dir=str(tmp_path), max_pending_mb=1 << 32)  # 4 PiB
+    state = SchedulerCapture(config)
+    with caplog.at_level("WARNING", logger="sglang_capture.server.scheduler_capture"):
+        state._make_pool(config.max_pending_bytes, pin=False)
+    assert state.pool is None
+    assert "Lower --capture-max-pending-mb" in caplog.text
+    state.writer.close()

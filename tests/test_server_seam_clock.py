@@ -1,0 +1,20 @@
+"""The scheduler thread's clock (server/seam_clock.py)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+
+def test_seam_clock_accounts_calls_and_time_per_seam_and_kind():
+    from sglang_capture.server.seam_clock import SeamClock
+
+    clock = SeamClock()
+    assert clock.timed("run_batch", True, lambda: 7) == 7
+    clock.timed("run_batch", False, lambda: time.sleep(0.01))
+    with pytest.raises(ZeroDivisionError):
+        clock.timed("run_batch", False, lambda: 1 / 0)  # a raising call is still accounted
+    stats = clock.stats()
+    assert set(stats) == {"run_batch/capture", "run_batch/plain"}
+    assert stats["run_batch/capture"]["calls"] == 1 and stats["run_batch/plain"]["calls"] == 2
+    assert stats["run_batch/plain"]["s"] >= 0.01 and stats["run_batch/plain"]["us_per_call"] >= 5000
