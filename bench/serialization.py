@@ -10,9 +10,12 @@ generated on the GPU when there is one. Paths, each timed on the same tensors:
   across its two IPC hops (scheduler -> detokenizer -> HTTP process), then ``orjson.dumps`` as
   the HTTP layer does. Skipped above ``--json-max-tokens`` (Python floats need ~32 B each).
 - ``d2h-pinned`` / ``d2h-pageable`` (GPU only): the device-to-host copy alone.
-- ``msgpack-raw``, ``zstd-1``, ``zstd-1+shuffle``, ``zstd-3+shuffle``, ``zstd-1+shuffle-mt``: this
-  package's ``write_capture`` into memory (codec ``none`` / zstd level / byte-shuffle /
-  libzstd worker threads), from host tensors.
+- ``msgpack-raw``, ``zstd-1``, ``zstd-1+shuffle``, ``zstd-3+shuffle``, ``zstd-1+shuffle-mt``,
+  ``preset+shuffle`` (the server's default): this package's ``write_capture`` into memory (codec
+  ``none`` / zstd level or the activation preset / byte-shuffle / libzstd worker threads), from
+  host tensors.
+- ``fp8-raw``, ``fp8-preset+shuffle``: ``--capture-dtype fp8``: quantized where the tensors are
+  (on the GPU when there is one), copied to the host, written; ``min_row_cos`` against bf16.
 
 Prints one markdown table (MB/s of bf16 input, us/token, bytes/token on the wire or disk, speed
 against sglang-json) and writes the rows as JSON.
@@ -31,6 +34,7 @@ from typing import Callable, Dict, List
 import torch
 
 from sglang_capture.core.format import Codec, write_capture
+from sglang_capture.core.fp8 import dequantize, quantize
 
 
 def activation_like(tokens: int, width: int, seed: int, device: str) -> torch.Tensor:
@@ -69,6 +73,22 @@ def package_path(aux: torch.Tensor, last: torch.Tensor, codec: Codec) -> int:
     return n
 
 
+def package_fp8(aux_d: torch.Tensor, last_d: torch.Tensor, hidden: int, codec: Codec) -> int:
+    """The fp8 path: quantize on the tensors' device, copy to the host, write."""
+    tensors = {}
+    for name, t in (("aux_hidden_states", aux_d), ("last_hidden_states", last_d)):
+        q, scale = quantize(t, hidden)
+        tensors[name], tensors[name + "_scale"] = q.cpu(), scale.cpu()
+    n, _ = write_capture(io.BytesIO(), {"rid": "bench"}, tensors, codec)
+    return n
+
+
+def fp8_min_row_cos(t: torch.Tensor, hidden: int) -> float:
+    q, scale = quantize(t, hidden)
+    back = dequantize(q, scale, torch.float32)
+    return torch.nn.functional.cosine_similarity(back, t.float(), dim=-1).min().item()
+
+
 def d2h(aux: torch.Tensor, last: torch.Tensor, pinned: bool) -> int:
     total = 0
     for t in (aux, last):
@@ -85,7 +105,9 @@ CODECS = {
     "zstd-1+shuffle": Codec("zstd", 1, shuffle=True),
     "zstd-3+shuffle": Codec("zstd", 3, shuffle=True),
     "zstd-1+shuffle-mt": Codec("zstd", 1, shuffle=True, threads=-1),
+    "preset+shuffle": Codec("zstd", None, shuffle=True),
 }
+FP8_CODECS = {"fp8-raw": Codec("none", shuffle=False), "fp8-preset+shuffle": Codec("zstd", None, shuffle=True)}
 
 
 def run(tokens: List[int], hidden: int, json_max: int, repeat: int) -> List[Dict]:
@@ -105,13 +127,17 @@ def run(tokens: List[int], hidden: int, json_max: int, repeat: int) -> List[Dict
             cases["d2h-pageable"] = lambda: d2h(aux_d, last_d, False)
         for name, codec in CODECS.items():
             cases[name] = lambda c=codec: package_path(aux, last, c)
+        for name, codec in FP8_CODECS.items():
+            cases[name] = lambda c=codec: package_fp8(aux_d, last_d, hidden, c)
+        fp8_cos = min(fp8_min_row_cos(aux_d, hidden), fp8_min_row_cos(last_d, hidden))
         json_s = None
         for name, fn in cases.items():
             s, nbytes = best_of(fn, 1 if name == "sglang-json" else repeat)
             json_s = s if name == "sglang-json" else json_s
             rows.append({"tokens": T, "hidden": hidden, "path": name, "seconds": s, "raw_bytes": raw,
                          "out_bytes": nbytes, "MB_per_s": raw / s / 1e6, "us_per_token": s / T * 1e6,
-                         "bytes_per_token": nbytes / T, "speedup_vs_json": (json_s / s) if json_s else None})
+                         "bytes_per_token": nbytes / T, "speedup_vs_json": (json_s / s) if json_s else None,
+                         "min_row_cos": fp8_cos if name.startswith("fp8") else None})
             print(f"  T={T} {name}: {raw / s / 1e6:,.0f} MB/s", file=sys.stderr, flush=True)
     return rows
 

@@ -135,6 +135,8 @@ def test_the_serialization_benchmark_times_every_path_on_the_cpu(tmp_path):
     raw = next(r for r in rows if r["path"] == "msgpack-raw")
     assert 4 * 64 * 2 <= raw["bytes_per_token"] < 4 * 64 * 2 * 1.5  # the bf16 bytes plus the file's framing
     assert "sglang-json" in proc.stdout and "zstd-1+shuffle" in proc.stdout  # the markdown table
+    fp8 = next(r for r in rows if r["path"] == "fp8-raw")  # e4m3 bytes plus one float32 scale per vector
+    assert 4 * 64 + 4 * 4 <= fp8["bytes_per_token"] < raw["bytes_per_token"] * 0.6 and fp8["min_row_cos"] >= 0.999
 
 
 def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_target(tiny_models, tmp_path):

@@ -111,3 +111,80 @@ def test_hidden_states_go_through_the_host_pool_and_stay_exact(llama, tiny_model
         block = slice(k * 256, (k + 1) * 256)
         assert min_row_cosine(data["aux_hidden_states"][:, block], aux[:, block]) >= 0.999
     assert min_row_cosine(data["last_hidden_states"], last) >= 0.999
+
+
+@pytest.fixture(scope="module")
+def llama_fp8(tiny_models, make_server, tmp_path_factory):
+    capture_dir = str(tmp_path_factory.mktemp("capture-fp8"))
+    cmd = capture_cmd(tiny_models["tiny-llama"], capture_dir, "--capture-dtype", "fp8", "--capture-layers", "1,2,3")
+    return make_server(cmd, capture_dir)
+
+
+def _capture(server, text, name, **params):
+    body = _body(text)
+    body["sampling_params"]["custom_params"] = {"capture": True, "capture_name": name, **params}
+    ref = server.generate(body).json()["meta_info"]["capture"]
+    assert ref["status"] == "ok", ref
+    return ref
+
+
+def test_fp8_capture_halves_the_bytes_and_keeps_every_row_within_cos_0_999_of_the_bf16_capture(llama, llama_fp8, tmp_path):
+    from sglang_capture.tools.export_specforge import export_specforge
+    from sglang_capture.tools.inspect_file import describe_file
+    from sglang_capture.tools.verify import check_file
+
+    text = " ".join(PROMPTS) * 2
+    bf16, fp8 = _capture(llama, text, "bf16-ref"), _capture(llama_fp8, text, "fp8-row")
+    assert fp8["storage_dtype"] == "float8_e4m3fn" and fp8["dtype"] == "bfloat16"
+    a, b = sglang_capture.load(bf16["path"]), sglang_capture.load(fp8["path"])
+    assert b["schema"] == "sglang_capture/v2" and b["aux_hidden_states"].dtype == torch.bfloat16  # restored
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["output_ids"], b["output_ids"])
+    # the bf16 server captures layers 2,3 (defaults), the fp8 one 1,2,3: compare layers 2 and 3
+    assert min_row_cosine(b["aux_hidden_states"][:, 256:], a["aux_hidden_states"]) >= 0.999
+    assert min_row_cosine(b["last_hidden_states"], a["last_hidden_states"]) >= 0.999
+    raw = sglang_capture.load(fp8["path"], raw_fp8=True)
+    n = raw["aux_hidden_states"].shape[0]
+    assert raw["aux_hidden_states"].dtype == torch.float8_e4m3fn and raw["aux_hidden_states_scale"].shape == (n, 3)
+    assert raw["last_hidden_states_scale"].shape == (n, 1)
+    assert check_file(fp8["path"], fp8["checksum"]) == []
+    assert any("float8_e4m3fn" in line and "aux_hidden_states " in line for line in describe_file(fp8["path"]))
+    report = export_specforge(llama_fp8.capture_dir, str(tmp_path / "sf"), all_tokens=True, progress=False)
+    assert report.written >= 1 and "stored as FP8" in report.note
+    sample = torch.load(tmp_path / "sf" / "fp8-row.ckpt")
+    assert sample["aux_hidden_state"].dtype == torch.bfloat16
+
+
+def test_fp8_captures_beside_sglang_json_requests_in_one_batch_stay_exact_for_both(llama, llama_fp8):
+    """A batch with an SGLang JSON request keeps its hidden states in bf16 for that request; the
+    capture requests' rows are then packed after the copy instead of before it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [f"{PROMPTS[i % 2]} {i}" for i in range(6)]
+    with ThreadPoolExecutor(12) as pool:
+        caps = [pool.submit(_capture, llama_fp8, t, f"beside-json-{i}") for i, t in enumerate(texts)]
+        jsons = [pool.submit(lambda t: llama_fp8.generate(_body(t, return_hidden_states=True)).json(), t) for t in texts]
+        refs = [pool.submit(_capture, llama, t, f"beside-json-ref-{i}") for i, t in enumerate(texts)]
+        plain = [pool.submit(lambda t: llama.generate(_body(t, return_hidden_states=True)).json(), t) for t in texts]
+    for cap, ref, ours, theirs in zip(caps, refs, jsons, plain, strict=True):
+        got, want = sglang_capture.load(cap.result()["path"]), sglang_capture.load(ref.result()["path"])
+        assert min_row_cosine(got["aux_hidden_states"][:, 256:], want["aux_hidden_states"]) >= 0.999
+        h_ours, h_theirs = ours.result()["meta_info"]["hidden_states"], theirs.result()["meta_info"]["hidden_states"]
+        assert len(h_ours) == len(h_theirs) and len(h_ours[0][0]) == 256  # the final state only, in full precision
+        # SGLang's JSON path returns only the rows it computed (a radix hit skips the cached prefix),
+        # so compare the prompt's last row and the decode rows
+        assert min_row_cosine(torch.tensor(h_ours[0][-1:]), torch.tensor(h_theirs[0][-1:])) >= 0.999
+        assert min_row_cosine(torch.tensor(h_ours[1:]), torch.tensor(h_theirs[1:])) >= 0.999
+
+
+def test_the_storage_dtype_can_be_chosen_per_request_and_a_bad_one_is_refused(llama, llama_fp8):
+    text = PROMPTS[0] + " per request"
+    as_fp8 = _capture(llama, text, "per-request-fp8", capture_dtype="fp8")
+    as_model = _capture(llama_fp8, text, "per-request-model", capture_dtype="model")
+    assert as_fp8["storage_dtype"] == "float8_e4m3fn" and "storage_dtype" not in as_model
+    a, b = sglang_capture.load(as_fp8["path"]), sglang_capture.load(as_model["path"])
+    assert (a["schema"], b["schema"]) == ("sglang_capture/v2", "sglang_capture/v1")
+    assert min_row_cosine(a["aux_hidden_states"], b["aux_hidden_states"][:, 256:]) >= 0.999
+    body = _body(text)
+    body["sampling_params"]["custom_params"] = {"capture": True, "capture_dtype": "fp16"}
+    r = llama.generate(body)
+    assert r.status_code == 400 and "custom_params.capture_dtype must be one of model, fp8, got 'fp16'" in r.text

@@ -36,11 +36,16 @@ if TYPE_CHECKING:
     import torch
 
 SCHEMA = "sglang_capture/v1"
+# v2 = v1 plus FP8 tensors (dtype float8_e4m3fn) with their float32 ``<name>_scale`` tensors
+# (core/fp8.py). Only files that hold FP8 say v2: every other file is byte for byte a v1 file.
+SCHEMA_FP8 = "sglang_capture/v2"
+SCHEMAS = (SCHEMA, SCHEMA_FP8)
 CODECS = ("zstd", "none")
 
 # Stored dtype names, which are also torch's attribute names. torch itself is imported only where a
 # torch tensor is made or read: the writer processes encode numpy arrays and never load it.
-DTYPES = ("bfloat16", "float16", "float32", "int64", "int32", "uint8")
+DTYPES = ("bfloat16", "float16", "float32", "int64", "int32", "uint8", "float8_e4m3fn")
+_BYTE_DTYPES = {"float8_e4m3fn"}  # numpy has no such type: their bytes travel as uint8
 _RECORD_FIELDS = {"dtype", "shape", "byteorder", "codec", "shuffle", "nbytes", "frame_rows", "data"}
 
 if sys.byteorder != "little":  # pragma: no cover - every platform SGLang runs on is little-endian
@@ -54,7 +59,7 @@ def row_count(num_prompt_tokens: int, num_output_tokens: int) -> int:
 
 
 class CaptureFileError(ValueError):
-    """A capture file that cannot be trusted: truncated, corrupted, or not schema v1."""
+    """A capture file that cannot be trusted: truncated, corrupted, or of an unknown schema."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,9 @@ class HostTensor:
         import torch
 
         t = torch.from_numpy(numpy.ascontiguousarray(self.array).copy())
-        return t.view(torch.int16).view(torch.bfloat16) if self.dtype == "bfloat16" else t
+        if self.dtype == "bfloat16":
+            return t.view(torch.int16).view(torch.bfloat16)
+        return t.view(getattr(torch, self.dtype)) if self.dtype in _BYTE_DTYPES else t
 
 
 def host_tensor(t: Union[torch.Tensor, HostTensor, numpy.ndarray]) -> HostTensor:
@@ -137,7 +144,7 @@ def host_tensor(t: Union[torch.Tensor, HostTensor, numpy.ndarray]) -> HostTensor
         return t
     if isinstance(t, numpy.ndarray):
         # numpy's dtype names are the file's; numpy has no native bfloat16 (bf16 travels as uint16)
-        if t.dtype.name not in DTYPES or t.dtype.name == "bfloat16" or not t.dtype.isnative:
+        if t.dtype.name not in DTYPES or t.dtype.name in ("bfloat16", *_BYTE_DTYPES) or not t.dtype.isnative:
             raise ValueError(f"unsupported array dtype {t.dtype}")
         return HostTensor(t.dtype.name, t)
     if t.device.type != "cpu":
@@ -150,6 +157,10 @@ def host_tensor(t: Union[torch.Tensor, HostTensor, numpy.ndarray]) -> HostTensor
         import torch
 
         return HostTensor(name, t.view(torch.int16).numpy().view(numpy.uint16))
+    if name in _BYTE_DTYPES:
+        import torch
+
+        return HostTensor(name, t.view(torch.uint8).numpy())
     return HostTensor(name, t.numpy())
 
 
@@ -238,7 +249,8 @@ def write_capture(
     out = _HashingWriter(f)
     packer = msgpack.Packer(use_bin_type=True)
     out.write(packer.pack_map_header(3))
-    out.write(packer.pack("schema") + packer.pack(SCHEMA))
+    schema = SCHEMA_FP8 if any(host_tensor(t).dtype in _BYTE_DTYPES for t in tensors.values()) else SCHEMA
+    out.write(packer.pack("schema") + packer.pack(schema))
     out.write(packer.pack("meta") + packer.pack(dict(meta)))
     out.write(packer.pack("tensors") + packer.pack_map_header(len(tensors)))
     for name, tensor in tensors.items():
@@ -258,11 +270,11 @@ def _fail(path: str, why: str) -> CaptureFileError:
 
 
 def decode_tensor(name: str, rec: Any, path: str = "<capture>") -> torch.Tensor:
-    """Validate one tensor record against schema v1 and rebuild the tensor (dtype kept as stored)."""
+    """Validate one tensor record and rebuild the tensor (dtype kept as stored)."""
     import torch
 
     if not isinstance(rec, dict) or set(rec) != _RECORD_FIELDS:
-        raise _fail(path, f"tensor {name!r} is not a schema v1 tensor record")
+        raise _fail(path, f"tensor {name!r} is not a tensor record")
     dtype = getattr(torch, rec["dtype"]) if rec["dtype"] in DTYPES else None
     shape = rec["shape"]
     if dtype is None:
@@ -310,8 +322,8 @@ def read_records(buf: bytes, path: str = "<capture>") -> Tuple[dict, dict]:
         doc = msgpack.unpackb(buf, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise _fail(path, f"not a complete msgpack document ({type(e).__name__}); truncated or corrupted") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise _fail(path, f"not a {SCHEMA} capture file")
+    if not isinstance(doc, dict) or doc.get("schema") not in SCHEMAS:
+        raise _fail(path, f"not a {' or '.join(SCHEMAS)} capture file")
     meta, recs = doc.get("meta"), doc.get("tensors")
     if not isinstance(meta, dict) or not isinstance(recs, dict):
         raise _fail(path, "missing 'meta' or 'tensors' section")

@@ -9,6 +9,7 @@ import os
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 from sglang_capture.core.format import CaptureFileError, parse_capture, read_records
+from sglang_capture.core.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize
 
 _ARRAY_NAMES = ("input_ids", "output_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")
 
@@ -27,7 +28,7 @@ def load_records(path: Union[str, os.PathLike]) -> Tuple[Dict[str, Any], Dict[st
     return read_records(_read(path), path)
 
 
-def load(path: Union[str, os.PathLike], tensors: Optional[Iterable[str]] = None) -> Dict[str, Any]:
+def load(path: Union[str, os.PathLike], tensors: Optional[Iterable[str]] = None, raw_fp8: bool = False) -> Dict[str, Any]:
     """Load one capture file into a dict of tensors (serving dtype kept) and metadata.
 
     Keys: ``rid``, ``input_ids`` int64 [P], ``output_ids`` int64 [G], ``aux_hidden_states``
@@ -35,14 +36,38 @@ def load(path: Union[str, os.PathLike], tensors: Optional[Iterable[str]] = None)
     (when the request sent ``capture_loss_mask``, e.g. from ``sglang-capture extract``), ``layers``,
     ``layer_convention``, ``hidden_size``, ``model``, ``sglang_version``, ``schema`` and the
     rest of the file's metadata under ``meta``. ``tensors`` limits which tensors are decoded.
+
+    Files captured with ``--capture-dtype fp8`` (schema v2) load the same way, their hidden states
+    restored to the model's serving dtype (bf16 for Kimi-K2.5); ``raw_fp8=True`` returns the stored
+    e4m3 tensors instead, each with its float32 ``<name>_scale`` [N, blocks] beside it.
     """
     path = os.fspath(path)
-    return loads(_read(path), path, tensors)
+    return loads(_read(path), path, tensors, raw_fp8)
 
 
-def loads(buf: bytes, path: str = "<capture>", tensors: Optional[Iterable[str]] = None) -> Dict[str, Any]:
+def _restore_fp8(arrays: Dict[str, Any], meta: Dict[str, Any], path: str) -> None:
+    """Replace each FP8 tensor and its scales by the tensor in the model's dtype (in place)."""
+    import torch
+
+    dtype = getattr(torch, str(meta.get("dtype", "bfloat16")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CaptureFileError(f"{path}: metadata names an unknown model dtype {meta.get('dtype')!r}")
+    for name in [k for k, t in arrays.items() if str(t.dtype).replace("torch.", "") == FP8_DTYPE]:
+        scales = arrays.pop(name + SCALE_SUFFIX, None)
+        if scales is None or scales.ndim != 2 or scales.shape[0] != arrays[name].shape[0] or not scales.shape[1] \
+                or arrays[name].shape[1] % scales.shape[1]:
+            raise CaptureFileError(f"{path}: FP8 tensor {name!r} has no matching {name + SCALE_SUFFIX!r} tensor")
+        arrays[name] = dequantize(arrays[name], scales, dtype)
+
+
+def loads(buf: bytes, path: str = "<capture>", tensors: Optional[Iterable[str]] = None,
+          raw_fp8: bool = False) -> Dict[str, Any]:
     """``load`` for a file's bytes already in memory (``path`` only names it in errors)."""
+    if tensors is not None:
+        tensors = [n for name in tensors for n in (name, name + SCALE_SUFFIX)]
     meta, arrays = parse_capture(buf, path, tensors)
+    if not raw_fp8:
+        _restore_fp8(arrays, meta, path)
     try:
         out: Dict[str, Any] = {
             "rid": str(meta["rid"]),
@@ -57,4 +82,6 @@ def loads(buf: bytes, path: str = "<capture>", tensors: Optional[Iterable[str]] 
     except (KeyError, TypeError, ValueError) as e:
         raise CaptureFileError(f"{path}: metadata is incomplete ({e!r})") from None
     out.update({k: arrays[k] for k in _ARRAY_NAMES if k in arrays})
+    if raw_fp8:
+        out.update({k + SCALE_SUFFIX: arrays[k + SCALE_SUFFIX] for k in _ARRAY_NAMES if k + SCALE_SUFFIX in arrays})
     return out

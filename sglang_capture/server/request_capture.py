@@ -56,6 +56,7 @@ class RequestCapture:
     finalizer: Optional[Any] = None
     pool: Optional[HostPool] = None  # for rows that arrive still on the device
     failure: Optional[str] = None  # why rows could not be taken; the request then gets status error
+    fp8_block: Optional[int] = None  # --capture-dtype fp8: rows not yet packed are packed here (core/fp8.py)
 
     def fail(self, why: str) -> None:
         """Rows of this request could not be placed: no file will be written (the first reason is kept)."""
@@ -66,6 +67,12 @@ class RequestCapture:
         """Hot path: keep a reference to the rows (a view of the batch's host buffer, no copy)
         and account for the host memory it keeps."""
         ready = None
+        if self.fp8_block is not None and rows.element_size() != 1:
+            # Packed on the device when the copy hook could (no SGLang JSON request in the batch);
+            # otherwise here, on the device or, for rows already on the host, on the host.
+            from sglang_capture.core.fp8 import pack
+
+            rows = pack(rows, self.fp8_block)
         if rows.device.type == "cuda":
             rows, ready = _to_host(rows, self.pool)
         self.ledger.hold(rows)

@@ -15,7 +15,8 @@ from typing import Any, Dict, Optional, Tuple
 
 from sglang_capture.core.capture_dir import index_path
 from sglang_capture.core.config import CaptureConfig
-from sglang_capture.core.format import SCHEMA, row_count
+from sglang_capture.core.format import SCHEMA, SCHEMA_FP8, row_count
+from sglang_capture.core.fp8 import CAPTURE_DTYPES, FP8_DTYPE, packed_splits
 from sglang_capture.core.layers import LAYER_CONVENTION, resolve_layers
 from sglang_capture.core.loss_mask import BadLossMask, parse_spans
 from sglang_capture.core.names import FILE_SUFFIX, BadCaptureName, check_capture_name, name_for_rid
@@ -158,6 +159,11 @@ class SchedulerCapture:
             return
         if samples > 1 and req.sampling_params.max_new_tokens == 0:
             return  # SGLang's prefix-caching pass before parallel samples: not a sample, no file
+        dtype = params.get("capture_dtype", self.config.capture_dtype)
+        if dtype not in CAPTURE_DTYPES:
+            req.set_finish_with_abort(f"custom_params.capture_dtype must be one of {', '.join(CAPTURE_DTYPES)}, "
+                                      f"got {dtype!r}")
+            return
         try:
             name = check_capture_name(params["capture_name"]) if "capture_name" in params else name_for_rid(req.rid)
             spans = (parse_spans(params["capture_loss_mask"], len(req.origin_input_ids))
@@ -175,7 +181,8 @@ class SchedulerCapture:
 
         req.return_hidden_states = True
         req.return_hidden_states_mode = CaptureHiddenMode.FULL
-        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans, pool=self.pool)
+        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans, pool=self.pool,
+                                 fp8_block=self.model.hidden_size if dtype == "fp8" else None)
         setattr(req, CAPTURE_ATTR, capture)
         capture.finalizer = weakref.finalize(req, capture.release)  # dropped unfinished: free the rows
 
@@ -186,6 +193,14 @@ class SchedulerCapture:
         if self.config.keep_last_hidden:
             out["last_hidden_states"] = (m.aux_width, m.aux_width + m.hidden_size)
         return out
+
+    def stored_layout(self, fp8: bool) -> Tuple[Dict[str, Tuple[int, int]], Dict[str, str]]:
+        """Where the writer finds each stored tensor in a captured row, and the dtype it stores
+        it as when that is not the rows' own ({} unless the capture is FP8: packed rows)."""
+        if not fp8:
+            return self.splits(), {}
+        m = self.model
+        return packed_splits(self.splits(), m.hidden_size, m.aux_width + m.hidden_size)
 
     def finish(self, req: Any, capture: RequestCapture) -> Dict[str, Any]:
         """Seal a finished request: hand its rows to the writer and return the response reference."""
@@ -205,6 +220,9 @@ class SchedulerCapture:
             "dtype": self.model.dtype,
             "shapes": {k: [n_rows, hi - lo] for k, (lo, hi) in splits.items()},
         }
+        fp8 = capture.fp8_block is not None
+        if fp8:
+            ref["storage_dtype"] = FP8_DTYPE
         reason = req.finished_reason.to_json() if req.finished_reason is not None else {}
         if reason.get("type") == "abort" or capture.failure is not None:
             capture.release()
@@ -232,10 +250,13 @@ class SchedulerCapture:
             "finish_reason": reason,
             "sglang_version": self._versions["sglang"],
             "sglang_capture_version": self._versions["sglang_capture"],
-            "schema": SCHEMA,
+            "schema": SCHEMA_FP8 if fp8 else SCHEMA,
             "created": time.time(),
         }
         capture.seal()
-        self.writer.submit(CaptureJob(capture, n_rows, splits, input_ids, output_ids, meta))
+        if fp8:
+            meta.update(storage_dtype=FP8_DTYPE, scale_block=self.model.hidden_size)
+        stored, dtypes = self.stored_layout(fp8)
+        self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, output_ids, meta, dtypes=dtypes))
         ref["status"] = "pending"
         return ref

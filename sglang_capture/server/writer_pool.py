@@ -44,6 +44,7 @@ class CaptureJob:
     input_ids: List[int]
     output_ids: List[int]
     meta: Dict[str, Any]
+    dtypes: Dict[str, str] = field(default_factory=dict)  # stored dtype per tensor, where not the rows' (FP8)
     enqueued: float = field(default_factory=time.monotonic)
     submitted: float = field(default_factory=time.time)
     outcome: Optional[Dict[str, Any]] = None
@@ -322,7 +323,8 @@ class WriterPool:
         chunks, inline = describe_chunks(job.capture.chunks, self.pool)
         spans = job.capture.loss_spans
         child.send({"op": "write", "name": job.capture.name, "meta": job.meta, "chunks": chunks, "n_rows": job.n_rows,
-                    "splits": {k: list(v) for k, v in job.splits.items()}, "input_ids": ids_bytes(job.input_ids),
+                    "splits": {k: list(v) for k, v in job.splits.items()}, "dtypes": job.dtypes,
+                    "input_ids": ids_bytes(job.input_ids),
                     "output_ids": ids_bytes(job.output_ids),
                     "loss_spans": [list(s) for s in spans] if spans is not None else None})
         child.recv()  # "copied": the process holds the rows now

@@ -22,6 +22,7 @@ import torch
 
 from sglang_capture.core.durable import replace_atomic
 from sglang_capture.core.format import row_count
+from sglang_capture.core.fp8 import FP8_DTYPE
 from sglang_capture.core.layers import LayerError, eagle3_config_layer_ids
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.core.reader import load
@@ -88,6 +89,8 @@ def export_specforge(directory: str, out: str, all_tokens: bool = False, progres
         if done:
             report.skipped += 1
             continue
+        if d["meta"].get("storage_dtype") == FP8_DTYPE and not report.note:
+            report.note = "captures are stored as FP8 (--capture-dtype fp8); their hidden states were restored to bf16"
         if d["aux_hidden_states"].dtype != SPECFORGE_DTYPE and not report.note:
             report.note = (f"captures are {d['aux_hidden_states'].dtype}; SpecForge files are bf16, "
                            "so hidden states were rounded to bf16")

@@ -21,10 +21,10 @@ def describe_file(path: str) -> List[str]:
     for key in sorted(meta):
         lines.append(f"{key:<22} {meta[key]}")
     lines.append("tensors:")
-    lines.append(f"  {'name':<20} {'dtype':<9} {'shape':<16} {'codec':<6} {'shuffle':>7} {'frames':>6} "
+    lines.append(f"  {'name':<24} {'dtype':<13} {'shape':<16} {'codec':<6} {'shuffle':>7} {'frames':>6} "
                  f"{'raw bytes':>13} {'stored':>13} {'ratio':>6}")
     for name, s in stats.items():
         ratio = (s["raw_bytes"] or 0) / max(s["stored_bytes"], 1)
-        lines.append(f"  {name:<20} {s['dtype']!s:<9} {str(s['shape']):<16} {s['codec']!s:<6} {s['shuffle']!s:>7} "
+        lines.append(f"  {name:<24} {s['dtype']!s:<13} {str(s['shape']):<16} {s['codec']!s:<6} {s['shuffle']!s:>7} "
                      f"{s['frames']:>6} {s['raw_bytes'] or 0:>13,} {s['stored_bytes']:>13,} {ratio:>5.2f}x")
     return lines

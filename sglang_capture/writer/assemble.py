@@ -60,3 +60,14 @@ def assemble_rows(pieces: List[Tuple[int, HostTensor]], n_rows: int,
         where = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:8])
         raise IncompleteCapture(f"rows missing at positions {where} of {n_rows}")
     return {name: HostTensor(dtype, arr) for name, arr in out.items()}
+
+
+def relabel(tensors: Dict[str, HostTensor], dtypes: Dict[str, str]) -> Dict[str, HostTensor]:
+    """Give assembled byte columns the dtype the file stores them as (``--capture-dtype fp8``: the
+    rows arrive packed as uint8, core/fp8.py); tensors not named in ``dtypes`` are kept as they are."""
+    out = dict(tensors)
+    for name, dtype in dtypes.items():
+        src = tensors[name].array
+        raw = src if src.dtype == numpy.uint8 else numpy.empty(src.shape, dtype=numpy.uint8)  # empty: no rows came
+        out[name] = HostTensor(dtype, raw.view(numpy.float32) if dtype == "float32" else raw)
+    return out

@@ -22,7 +22,7 @@ from sglang_capture.core.capture_dir import DirFds, error_text
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.handoff import chunk_arrays, ids_array, recv, send
 from sglang_capture.core.loss_mask import mask_from_spans
-from sglang_capture.writer.assemble import assemble_rows
+from sglang_capture.writer.assemble import assemble_rows, relabel
 from sglang_capture.writer.capture_file import write_capture_file
 from sglang_capture.writer.durability import durability_for
 
@@ -60,6 +60,7 @@ class WriterProcess:
                 send(out_fd, {"op": "copied"})
                 copied = True
             timings["assemble_s"] = time.monotonic() - t0
+            tensors = relabel(tensors, msg.get("dtypes") or {})
             input_ids = ids_array(msg["input_ids"])
             tensors = {"input_ids": input_ids, "output_ids": ids_array(msg["output_ids"]), **tensors}
             if msg["loss_spans"] is not None:

@@ -95,6 +95,15 @@ def _extend_lens(batch: Any) -> List[int]:
     return list(batch.extend_lens)
 
 
+def _all_fp8(batch: Any) -> bool:
+    """Whether every request of ``batch`` that reads its hidden states is an FP8 capture (then the
+    whole copy may be packed; an SGLang JSON request or a capture in the model's dtype needs it as is)."""
+    if batch is None:
+        return False
+    readers = [getattr(req, CAPTURE_ATTR, None) if req.return_hidden_states else False for req in batch.reqs]
+    return any(readers) and all(c is False or (c is not None and c.fp8_block is not None) for c in readers)
+
+
 def _bind(return_logprob: bool, return_hidden_states: bool = True) -> tuple:
     return return_logprob, return_hidden_states
 
@@ -126,6 +135,11 @@ def _copy_hidden(state: SchedulerCapture, wrapped: Any, out: Any, rows: BatchRow
             parts = [hidden[a:b] for a, b in runs]
             out.hidden_states = hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
             rows.keep(selected, batch_rows, in_forward=False)
+    if state.model is not None and _all_fp8(rows.batch):
+        # Quantized before the copy: half the device-to-host bytes (core/fp8.py says how rows are packed).
+        from sglang_capture.core.fp8 import pack
+
+        out.hidden_states = hidden = pack(hidden, state.model.hidden_size)
     host = pool.take(hidden) if pool is not None else None
     if host is None:  # no pool, or the pool is full: SGLang's own copy, of the kept rows
         return wrapped(*args, **kwargs)
