@@ -22,7 +22,7 @@ import torch
 import sglang_capture
 from sglang_capture.server.instrumentor import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd, start_server, stop_server
-from tests.reference import max_abs_diff, reference_states
+from tests.reference import max_abs_diff, min_row_cosine, reference_states
 
 LAYERS = [0, 2, 3]
 TOL = 1e-4
@@ -54,8 +54,9 @@ def _send(server, r: Dict) -> Dict:
     return resp.json()
 
 
-def _check_load(server, model: str) -> List[Dict]:
-    """Send the load concurrently; every capture ok, one file each, rows equal to transformers."""
+def _check_load(server, model: str, fp8: bool = False) -> List[Dict]:
+    """Send the load concurrently; every capture ok, one file each, rows equal to transformers
+    (``fp8``: every row of every hidden-state vector within cos 0.999 of them)."""
     reqs = _requests()
     with ThreadPoolExecutor(12) as pool:
         outs = list(pool.map(lambda r: _send(server, r), reqs))
@@ -73,6 +74,13 @@ def _check_load(server, model: str) -> List[Dict]:
         ids = r["ids"] + o["output_ids"][:-1]
         aux, last = reference_states(model, torch.float32, ids, LAYERS)
         assert data["aux_hidden_states"].shape == aux.shape, r["i"]
+        if fp8:
+            assert data["schema"] == "sglang_capture/v2"
+            h = last.shape[-1]
+            for k in range(len(LAYERS)):
+                assert min_row_cosine(data["aux_hidden_states"][:, k * h:(k + 1) * h], aux[:, k * h:(k + 1) * h]) >= 0.999
+            assert min_row_cosine(data["last_hidden_states"], last) >= 0.999, r["i"]
+            continue
         assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL, r["i"]
         assert max_abs_diff(data["last_hidden_states"], last) <= TOL, r["i"]
     return [o for _, o in captured]
@@ -127,6 +135,14 @@ def test_capture_is_exact_without_overlap_scheduling(make_test_server, tiny_mode
     _check_load(server, tiny_models["tiny-dsv3"])
 
 
+def test_fp8_capture_under_dp_attention_is_within_cos_0_999_on_every_row(make_test_server, tiny_models, tmp_path):
+    """FP8 rows go through DP attention's re-sliced results, chunked prefill and radix hits as bf16
+    rows do: every capture ok, one file each on its own rank, every vector within cos 0.999."""
+    server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--tp", "2", "--dp", "2", "--enable-dp-attention",
+                          "--capture-dtype", "fp8", env=TWO_RANKS)
+    _check_two_writer_ranks(server, _check_load(server, tiny_models["tiny-dsv3"], fp8=True))
+
+
 def _node_args(addr: str, rank: int) -> List[str]:
     return ["--tp", "2", "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", addr]
 
@@ -134,13 +150,14 @@ def _node_args(addr: str, rank: int) -> List[str]:
 def _start_node1(cmd: List[str], env: Dict[str, str], log_path: str) -> subprocess.Popen:
     """Node 1, started until past SGLang's port checks. Both "nodes" share this host, and each checks
     the ZMQ ports derived from --dist-init-addr, which node 0 binds (on two hosts they never
-    collide): node 0 may start only once node 1 logged its server_args, which follows the checks."""
+    collide): node 0 may start only once node 1 logged its server_args, which follows the checks
+    (in 0.5.23 too: ``PortArgs.init_new`` runs just before the log line)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         with open(log_path, errors="replace") as f:
-            if "server_args=ServerArgs(" in f.read():
+            if "server_args=" in f.read():  # 0.5.17 logs ServerArgs(...), 0.5.23 a dict, both after the checks
                 return proc
         if proc.poll() is not None:
             break
