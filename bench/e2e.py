@@ -12,6 +12,8 @@ Two servers are started on MODEL_DIR (e.g. a Kimi-width tiny DeepSeek-V3: 4 laye
 - (b) ``launcher-idle``: ``python -m sglang_capture.launch``, no request captures; (a) and (b)
   run together (half the GPU memory each) and are measured in alternating windows
 - (d) ``file-capture``: every request captures 3 aux layers + final hidden state (capacity)
+- ``capture_ab``: on the capture server, every request capturing (d_prefill) against the same
+  load capturing nothing (b_prefill), in alternating windows: what capture costs that server
 - (d-open-loop): capture requests arriving at ``--capture-rate`` whatever happens (sustained?)
 - (a-mixed) / (d-mixed): the same open-loop stream beside ``--concurrency``/2 closed-loop clients
   with max_new_tokens 16, on each server; only on (d) does the stream capture
@@ -104,7 +106,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--capture-dir", default=None)
     p.add_argument("--capture-args", default="--capture-layers 1,2,3")
     p.add_argument("--sglang-args", default=" ".join(BASE_ARGS))
-    p.add_argument("--phases", default="ab,capacity,open,mixed,json", help="which measurements to run")
+    p.add_argument("--phases", default="ab,capacity,open,mixed,json", help="which measurements to run "
+                   "(also capture_ab: capture-all against nothing capturing on the capture server)")
     p.add_argument("--idle-mixed", action="store_true", help="also run the mixed load on the capture server with "
                    "nothing capturing (b_mixed), each round after (a)")
     p.add_argument("--profile-steps", type=_at_least(0), default=0, help="after the mixed windows, profile this many forward "
@@ -218,6 +221,16 @@ class Run:
             self.res["a_plain"], self.res["b_launcher_idle"] = (merge([w[i] for w in windows]) for i in (0, 1))
             self.res["ab_windows"] = [[w[0]["prefill"]["tok_per_s"], w[1]["prefill"]["tok_per_s"]] for w in windows]
 
+    def phase_capture_ab(self) -> None:
+        """Capture-all against nothing capturing on the capture server, in alternating windows."""
+        plain = [self.spec("prefill")] * self.a.concurrency
+        capturing = [self.spec("capture", capture=True)] * self.a.concurrency
+        windows = [(self.measure(self.capture, "b_prefill", plain, self.a.seconds),
+                    self.measure_capture(self.capture, self.capture_dir, "d_prefill", capturing))
+                   for _ in range(max(self.a.ab_rounds, 1))]
+        self.res["b_prefill"], self.res["d_prefill"] = (merge([w[i] for w in windows]) for i in (0, 1))
+        self.res["capture_ab_windows"] = [[w[0]["prefill"]["tok_per_s"], w[1]["capture"]["tok_per_s"]] for w in windows]
+
     def phase_capacity(self) -> None:
         clients = [self.spec("capture", capture=True)] * self.a.concurrency
         self.res["d_file_capture"] = self.measure_capture(self.capture, self.capture_dir, "d_file_capture", clients)
@@ -313,6 +326,8 @@ class Run:
         try:
             if "ab" in self.phases:
                 self.phase_ab()
+            if "capture_ab" in self.phases:
+                self.phase_capture_ab()
             if "capacity" in self.phases:
                 self.phase_capacity()
             if "open" in self.phases:

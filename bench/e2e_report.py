@@ -79,7 +79,7 @@ def _mixed_order(mode: str) -> tuple:
 
 
 def _modes(res: Dict) -> List[str]:
-    modes = ["a_plain", "b_launcher_idle", "d_file_capture", "d_open_loop"]
+    modes = ["a_plain", "b_launcher_idle", "b_prefill", "d_prefill", "d_file_capture", "d_open_loop"]
     return modes + sorted((m for m in res if m.startswith(("a_mixed", "b_mixed", "d_mixed"))), key=_mixed_order) + ["c_json"]
 
 
@@ -122,6 +122,12 @@ def _capacity_checks(res: Dict) -> List[str]:
                       f"{o['latency_last_quarter_s']:.2f} s (first -> last quarter): {'PASS' if ok else 'MISS'}")
     if d and c:
         checks.append(f"(d)/(c) = {d / c:,.0f}x >= 50x: {'PASS' if d / c >= 50 else 'MISS'}")
+    bp, dp = _tok(res, "b_prefill", "prefill"), _tok(res, "d_prefill", "capture")
+    if bp and dp:
+        w = res.get("capture_ab_windows", [])
+        per = _bracketed([d_ / b_ for b_, d_ in w]) if len(w) > 1 else ""
+        checks.append(f"capture server, every request capturing / nothing capturing (same load, alternating windows): "
+                      f"{dp / bp:.3f}{per}")
     if a_ and b:
         ab = res.get("ab_windows", [])
         per = _bracketed(_paired_ratios([w[0] for w in ab], [w[1] for w in ab[:-1]]))
@@ -145,6 +151,13 @@ def _mixed_checks(res: Dict, modes: List[str]) -> List[str]:
         if base.startswith("b_mixed"):
             checks.append(f"mixed load on the capture server, nothing capturing: (b)/(a) = {dm / am:.3f}{per}")
             continue
+        b_key = "b_mixed" + (f"@{rate_tag}" if rate_tag else "")
+        bm = _tok(res, b_key, "mixed-other") if base == "d_mixed" else None
+        if bm:
+            pairs = zip(res[b_key].get("_windows", []), res[m].get("_windows", []), strict=False)
+            per_b = ", ".join(f"{d_ / b_:.3f}" for b_, d_ in pairs)
+            checks.append(f"mixed load on the capture server, stream capturing / the same stream not capturing: "
+                          f"(d)/(b) = {dm / bm:.3f} (per round: {per_b})")
         checks.append(f"mixed load{label}, capture stream {rate * cfg['tokens']:,.0f} tok/s, requests not capturing, "
                       f"(d)/(a) = {dm / am:.3f}{per} (>= 0.95): {'PASS' if dm / am >= 0.95 else 'MISS'}")
         if dm / am < 0.95:

@@ -146,7 +146,8 @@ def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_tar
 
     out = tmp_path / "e2e"
     cmd = [sys.executable, os.path.join(BENCH, "e2e.py"), tiny_models["tiny-dsv3"], str(out), "--tokens", "64",
-           "--concurrency", "4", "--seconds", "4", "--capture-rate", "2", "--phases", "mixed", "--mixed-rounds", "1",
+           "--concurrency", "4", "--seconds", "4", "--capture-rate", "2", "--phases", "capture_ab,mixed", "--mixed-rounds", "1",
+           "--ab-rounds", "1",
            "--mixed-rates", "2", "--client-procs", "2", "--capture-dir", str(tmp_path / "caps"),
            "--capture-args", "--capture-layers 1,2,3 --capture-writers 2",
            "--sglang-args", "--device cpu --attention-backend torch_native --max-total-tokens 4096 --skip-server-warmup "
@@ -159,6 +160,9 @@ def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_tar
     assert res["a_mixed"]["mixed-capture"]["capture_ok"] == 0  # plain SGLang's stream captures nothing
     assert len(res["a_mixed"]["_windows"]) == 2 and len(res["d_mixed"]["_windows"]) == 1  # (a) on both sides of (d)
     assert res["d_mixed"]["_scheduler_thread"]["run_batch/extend/capture"]["calls"] > 0
+    assert res["d_prefill"]["capture"]["capture_ok"] == res["d_prefill"]["capture"]["requests"] > 0
+    assert res["b_prefill"]["prefill"]["capture_ok"] == 0 and len(res["capture_ab_windows"]) == 1
+    assert "every request capturing / nothing capturing" in proc.stdout
     verdict = next(l for l in proc.stdout.splitlines() if l.startswith("mixed load, capture stream 128 tok/s"))
     assert verdict.endswith(("PASS", "MISS"))
     assert verdict.endswith("PASS") or "  bottleneck: " in proc.stdout

@@ -91,3 +91,23 @@ def test_servers_starting_together_on_a_fresh_machine_share_one_working_cuda_stu
     assert open(lib, "rb").read(4) == b"\x7fELF"
     symbols = subprocess.run(["nm", "-D", lib], capture_output=True, text=True, check=True).stdout
     assert "cuInit" in symbols and "cuGetProcAddress_v2" in symbols
+
+
+def test_the_kimi_compute_config_serves_with_dummy_weights_and_captures(make_test_server, tmp_path):
+    """bench/h200_kimi.sh's model (Kimi-K2.5's head dims, dense layer 0 of 18,432, top-8 of 2,048-wide
+    experts), shrunk to 4 layers of width 512 so a CPU serves it: the config loads with
+    ``--load-format dummy`` and a capture request is written at the default layers."""
+    import sglang_capture
+    from sglang_capture.testbed.server import capture_cmd
+    from sglang_capture.testbed.tiny_models import build_tokenizer, save_deepseek_v3
+
+    model = save_deepseek_v3(str(tmp_path / "kimi"), build_tokenizer(), layers=4, hidden=512, shape="kimi")
+    assert not os.path.exists(os.path.join(model, "model.safetensors"))  # config and tokenizer only
+    capture_dir = str(tmp_path / "caps")
+    os.makedirs(capture_dir)
+    server = make_test_server(capture_cmd(model, capture_dir, "--load-format", "dummy"), capture_dir)
+    r = server.generate({"input_ids": list(range(10, 300)),
+                         "sampling_params": {"max_new_tokens": 2, "custom_params": {"capture": True}}}).json()
+    ref = r["meta_info"]["capture"]
+    assert ref["status"] == "ok" and ref["rows"] == 291 and ref["layers"] == [2, 3]
+    assert sglang_capture.load(ref["path"])["aux_hidden_states"].shape == (291, 2 * 512)

@@ -103,7 +103,7 @@ def deepseek_v3_config(tokenizer, layers: int = 4, hidden: int = 256, experts: i
         "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                          "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
     }
-    if shape != "cpu":
+    if shape == "gpu":  # "kimi" keeps YaRN, as Kimi-K2.5 has it (and SGLang's CPU rope needs it for a dry run)
         # With YaRN, SGLang's GPU rows of a request differed from transformers' at cos 0.97 while
         # equal to SGLang's own JSON output bit for bit (bench/RESULTS.md, r35); the plain rope of
         # the earlier GPU runs kept them within the bar.

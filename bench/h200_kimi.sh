@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: what capture costs a Kimi-class server (issue 18 item 1). The test bed writes a
+# config with Kimi-K2.5's per-token compute (61 layers, width 7168, 64 MLA heads, q_lora 1536,
+# dense layer 0 of 18,432, routed experts of 2,048 with all 8 active plus 1 shared), served with
+# --load-format dummy (random weights, no checkpoint) and the launcher's default layers (3, 31, 59).
+# Two servers side by side (plain SGLang and the launcher), each in its half of the GPU, measured
+# in alternating windows by bench/e2e.py: plain vs launcher idle (ab), capture-all vs nothing
+# capturing on the launcher (capture_ab), and decode clients beside a capture stream vs beside the
+# same stream not capturing (mixed with --idle-mixed).
+#   source .devkit/env.sh; bash bench/h200_kimi.sh $OUT
+# Knobs: KIMI_LAYERS, KIMI_EXPERTS, KIMI_HIDDEN (a smaller model for a dry run), MEM_FRACTION,
+# PHASES, E2E_SECONDS, AB_ROUNDS, MIXED_ROUNDS, MIXED_RATES, CONCURRENCY, CAPTURE_ARGS.
+W=/tmp/kimi-work
+rm -rf /tmp/caps /tmp/caps-v*
+source bench/device_setup.sh "$@"
+cd /tmp
+tiny_model /tmp/kimi --arch deepseek_v3 --shape kimi --layers ${KIMI_LAYERS:-61} --hidden ${KIMI_HIDDEN:-7168} \
+  --experts ${KIMI_EXPERTS:-8} > $W/mk.log 2>&1 || { cat $W/mk.log; exit 1; }
+python "$R/bench/e2e.py" /tmp/kimi $OUT/e2e --phases ${PHASES:-ab,capture_ab,mixed} --tokens 2048 \
+  --concurrency ${CONCURRENCY:-16} --seconds ${E2E_SECONDS:-20} --ab-rounds ${AB_ROUNDS:-3} \
+  --mixed-rounds ${MIXED_ROUNDS:-2} --idle-mixed --client-procs 2 --capture-rate ${MIXED_RATES:-1} \
+  --mixed-rates ${MIXED_RATES:-1} --capture-dir /tmp/caps --capture-args "${CAPTURE_ARGS:-}" \
+  --sglang-args "$SGLANG_GPU_ARGS --load-format dummy --chunked-prefill-size 8192 --max-total-tokens ${MAX_TOKENS:-40000} --mem-fraction-static ${MEM_FRACTION:-0.46}" \
+  --variants="${MIXED_VARIANTS:-}" 2> $W/e2e.log | tee "$OUT/e2e-kimi.md"
+rc=${PIPESTATUS[0]}
+tail -12 $W/e2e.log
+tar -C $W -czf "$OUT/logs.tgz" --exclude='*.msgpack' . 2>/dev/null
+exit $rc
