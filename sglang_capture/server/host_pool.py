@@ -10,7 +10,7 @@ bottom, small ones from the top: see ``_alloc_locked``).
 
 The region is a shared-memory file (``memfd``): the writer processes map it read-only and read
 each request's rows where they lie, so a job crossing to a writer process carries block offsets,
-not bytes (writer.py, handoff.py). Its pages are only backed once touched (or pinned).
+not bytes (writer_pool.py, core/handoff.py). Its pages are only backed once touched (or pinned).
 
 A block goes back to the pool only when the last tensor that can read it is gone: its tensor is
 built on a numpy view of the block, and a ``weakref.finalize`` on that view fires when torch
