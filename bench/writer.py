@@ -4,7 +4,7 @@ turn into published files, with no server and no GPU in the way.
     python bench/writer.py OUT.json [--tokens 2048] [--hidden 7168] [--files 24]
                            [--threads 4,8,12,16] [--codecs zstd+shuffle,zstd,none]
                            [--compress-threads 0] [--gil-hog 0,1] [--switch-interval-ms 1]
-                           [--durability file,none]
+                           [--durability file,none] [--dtypes model,fp8]
                            [--dir /tmp/writer-bench]
 
 Every configuration drives the package's real ``WriterPool`` (hand-off, assembly in a writer
@@ -14,7 +14,10 @@ columns), each first copied into the package's host pool (pinned when a GPU is p
 server's result copy does. ``--gil-hog 1`` adds a thread that runs pure Python without pause, the
 way SGLang's scheduler thread does under load, to show what sharing the interpreter with it
 costs. Single-thread rates of each stage (shuffle, zstd, sha256, write+fsync)
-are measured first, so a configuration's rate can be read as a fraction of them.
+are measured first, so a configuration's rate can be read as a fraction of them. ``--dtypes fp8``
+hands the writers rows packed as the server packs them for ``--capture-dtype fp8`` (core/fp8.py;
+packed here on the host, on the GPU in the server). Each run reports bytes per token on disk and
+the writer processes' CPU per GB/s of raw bf16 capture (host cores per GB/s).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from sglang_capture.core import format as capture_format
 from sglang_capture.core.capture_dir import prepare_capture_dir
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.format import Codec, byte_planes, compressor_for, host_tensor
+from sglang_capture.core.fp8 import pack, packed_splits
 from sglang_capture.server.host_pool import HostPool
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.request_capture import RequestCapture
@@ -99,8 +103,22 @@ def gil_hog(stop: threading.Event) -> None:
             x = (x + i * i) % 1000003
 
 
+def _writers_cpu_s(writer: WriterPool) -> float:
+    """CPU seconds the running writer processes have used so far (their start-up included)."""
+    total = 0.0
+    for pid in writer.writer_pids():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):  # gone, or not Linux: counted as nothing
+            pass
+    return total
+
+
 def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int, threads: int, codec: str,
-               compress_threads: int, hog: bool, switch_ms: float, durability: str, base_dir: str) -> Dict:
+               compress_threads: int, hog: bool, switch_ms: float, durability: str, base_dir: str,
+               dtype: str = "model") -> Dict:
     name, shuffle, level = CODEC_PRESETS[codec]
     d = tempfile.mkdtemp(dir=base_dir)
     cfg = CaptureConfig(capture_dir=d, codec=name, shuffle=shuffle, level=level, writers=threads,
@@ -112,13 +130,20 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
     per_file = tokens * 4 * hidden * 2
     pool = HostPool(min(files, 2 * threads) * (per_file + (1 << 20)), pin=torch.cuda.is_available())
     writer = WriterPool(cfg, ledger)
+    t_start = time.monotonic()
     writer.start(pool)
-    splits = {"aux_hidden_states": (0, 3 * hidden), "hidden_states": (3 * hidden, 4 * hidden)}
+    splits, dtypes = {"aux_hidden_states": (0, 3 * hidden), "last_hidden_states": (3 * hidden, 4 * hidden)}, {}
+    if dtype == "fp8":
+        splits, dtypes = packed_splits(splits, hidden, 4 * hidden)
+        sources = [pack(src, hidden) for src in sources]
     stop = threading.Event()
     hog_thread = threading.Thread(target=gil_hog, args=(stop,), daemon=True) if hog else None
     if hog_thread:
         hog_thread.start()
     faults0 = sum(resource.getrusage(who).ru_minflt for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    while len(writer.writer_pids()) < threads and time.monotonic() - t_start < 60:
+        time.sleep(0.01)  # every writer process up, so that their start-up is not counted below
+    cpu0 = _writers_cpu_s(writer)
     t0 = time.monotonic()
     for i in range(files):
         cap = RequestCapture(rid=f"r{i}", name=f"bench-{i}", ledger=ledger)
@@ -126,10 +151,11 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
             time.sleep(0.001)  # the pool is full: wait for the writers, as the server does
         cap.add(0, rows)
         del rows
-        writer.submit(CaptureJob(cap, tokens, splits, list(range(tokens)), [0], {"rid": f"r{i}"}))
+        writer.submit(CaptureJob(cap, tokens, splits, list(range(tokens)), [0], {"rid": f"r{i}"}, dtypes=dtypes))
     while writer.pending():
         time.sleep(0.005)
     wall = time.monotonic() - t0
+    writer_cpu_s = _writers_cpu_s(writer) - cpu0
     stop.set()
     writer.close()
     faults = sum(resource.getrusage(who).ru_minflt for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) - faults0
@@ -140,7 +166,9 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
     os.sync()  # no dirty pages from this configuration left to slow the next one down
     raw = files * tokens * 4 * hidden * 2
     n = max(stats["written"], 1)
-    return {"threads": threads, "codec": codec, "compress_threads": compress_threads, "gil_hog": hog,
+    return {"threads": threads, "codec": codec, "dtype": dtype, "compress_threads": compress_threads, "gil_hog": hog,
+            "disk_bytes_per_token": round(stats["bytes"] / (files * tokens)),
+            "writer_cores_per_gb_s": round(writer_cpu_s / (raw / 1e9), 2),
             "durability": durability, "flushes": 2 * files if durability == "file" else 0,
             "switch_interval_ms": switch_ms or default_interval * 1000, "files": files, "failed": stats["failed"], "wall_s": round(wall, 3),
             "tok_per_s": round(files * tokens / wall), "raw_gb_per_s": round(raw / wall / 1e9, 3),
@@ -161,6 +189,7 @@ def main(argv: List[str]) -> int:
     p.add_argument("--gil-hog", default="0,1")
     p.add_argument("--switch-interval-ms", default="1", help="0 = Python's default (5 ms)")
     p.add_argument("--durability", default="file", help="comma-separated: file, none")
+    p.add_argument("--dtypes", default="model", help="comma-separated: model (bf16), fp8")
     p.add_argument("--dir", default=None, help="where files are written (default: a temp dir)")
     a = p.parse_args(argv)
     base = a.dir or tempfile.mkdtemp(prefix="writer-bench-")
@@ -173,9 +202,9 @@ def main(argv: List[str]) -> int:
     grid = itertools.product([bool(int(h)) for h in a.gil_hog.split(",")], a.codecs.split(","),
                              [int(c) for c in a.compress_threads.split(",")],
                              [float(x) for x in a.switch_interval_ms.split(",")], a.durability.split(","),
-                             [int(t) for t in a.threads.split(",")])
-    for hog, codec, ct, sw, dur, threads in grid:
-        r = run_config(sources, a.files, a.tokens, a.hidden, threads, codec, ct, hog, sw, dur, base)
+                             [int(t) for t in a.threads.split(",")], a.dtypes.split(","))
+    for hog, codec, ct, sw, dur, threads, dtype in grid:
+        r = run_config(sources, a.files, a.tokens, a.hidden, threads, codec, ct, hog, sw, dur, base, dtype)
         r["frame_mb"] = capture_format.FRAME_BYTES >> 20
         res["runs"].append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
@@ -186,14 +215,16 @@ def main(argv: List[str]) -> int:
 
 
 def report(res: Dict) -> str:
-    rows = ["| codec | frame MB | durability | flushes | writers | zstd threads | GIL hog | switch ms | tok/s | raw GB/s | ratio "
-            "| ms/file: assemble / encode+write / flush+publish | minor faults/file |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| dtype | codec | frame MB | durability | flushes | writers | zstd threads | GIL hog | switch ms | tok/s "
+            "| raw GB/s | bytes/token on disk | ratio | writer cores per GB/s | ms/file: assemble / encode+write / flush+publish "
+            "| minor faults/file |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         ms = r["ms_per_file"]
-        rows.append(f"| {r['codec']} | {r['frame_mb']} | {r['durability']} | {r['flushes']} | {r['threads']} | "
+        rows.append(f"| {r['dtype']} | {r['codec']} | {r['frame_mb']} | {r['durability']} | {r['flushes']} | {r['threads']} | "
                     f"{r['compress_threads']} | {'yes' if r['gil_hog'] else 'no'} | {r['switch_interval_ms']:g} | "
-                    f"{r['tok_per_s']:,} | {r['raw_gb_per_s']:.2f} | {r['ratio']:.2f} | "
+                    f"{r['tok_per_s']:,} | {r['raw_gb_per_s']:.2f} | {r['disk_bytes_per_token']:,} | {r['ratio']:.2f} | "
+                    f"{r['writer_cores_per_gb_s']:.2f} | "
                     f"{ms['assemble']} / {ms['encode_write']} / {ms['fsync_publish']} | {r['minor_faults_per_file']:,} |")
     return "\n".join(rows)
 

@@ -166,3 +166,20 @@ def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_tar
     verdict = next(l for l in proc.stdout.splitlines() if l.startswith("mixed load, capture stream 128 tok/s"))
     assert verdict.endswith(("PASS", "MISS"))
     assert verdict.endswith("PASS") or "  bottleneck: " in proc.stdout
+
+
+def test_the_writer_benchmark_compares_fp8_and_model_dtype_files_on_the_cpu(tmp_path):
+    """bench/writer.py's dtype axis: the same rows through the real writer pool as bf16 and as the
+    server's packed FP8 rows; every file written, FP8 smaller on disk, writer CPU accounted."""
+    import json
+    import subprocess
+
+    out = tmp_path / "writer.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "writer.py"), str(out), "--tokens", "128", "--hidden", "128",
+                           "--files", "4", "--threads", "1", "--codecs", "zstd+shuffle", "--gil-hog", "0",
+                           "--dtypes", "model,fp8", "--dir", str(tmp_path / "w")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = {r["dtype"]: r for r in json.load(open(out))["runs"]}
+    assert runs["model"]["failed"] == runs["fp8"]["failed"] == 0
+    assert runs["fp8"]["disk_bytes_per_token"] < runs["model"]["disk_bytes_per_token"]
+    assert runs["fp8"]["writer_cores_per_gb_s"] >= 0 and "| fp8 | zstd+shuffle |" in proc.stdout
