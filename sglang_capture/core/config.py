@@ -32,7 +32,7 @@ def option(flag: str, help: str, *, type: Any = None, choices: Sequence[str] = (
     """A field of ``CaptureConfig`` that is also a launcher option (``--capture-x/--capture-no-x``
     for a boolean); ``parse`` turns the option's text into the field's value."""
     meta = {"flag": flag, "help": help, "type": type, "choices": tuple(choices), "parse": parse}
-    return field(default=default, metadata={"option": meta}) if default is not MISSING else field(metadata={"option": meta})
+    return field(default=default, metadata={"option": meta})
 
 
 def parse_layers(text: str) -> List[int]:

@@ -56,11 +56,6 @@ def pack(x: "torch.Tensor", block: int) -> "torch.Tensor":
     return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=-1)
 
 
-def packed_width(width: int, block: int) -> int:
-    """Bytes of one packed row of a ``width``-element row."""
-    return width + 4 * (width // block)
-
-
 def packed_splits(splits: Dict[str, Tuple[int, int]], block: int, width: int
                   ) -> Tuple[Dict[str, Tuple[int, int]], Dict[str, str]]:
     """Where each stored tensor lies in a packed row of a ``width``-element row, and the dtype the

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
+from sglang_capture.core.fp8 import pack
+
 if TYPE_CHECKING:
     import torch
 
@@ -70,8 +72,6 @@ class RequestCapture:
         if self.fp8_block is not None and rows.element_size() != 1:
             # Packed on the device when the copy hook could (no SGLang JSON request in the batch);
             # otherwise here, on the device or, for rows already on the host, on the host.
-            from sglang_capture.core.fp8 import pack
-
             rows = pack(rows, self.fp8_block)
         if rows.device.type == "cuda":
             rows, ready = _to_host(rows, self.pool)

@@ -194,13 +194,14 @@ class SchedulerCapture:
             out["last_hidden_states"] = (m.aux_width, m.aux_width + m.hidden_size)
         return out
 
-    def stored_layout(self, fp8: bool) -> Tuple[Dict[str, Tuple[int, int]], Dict[str, str]]:
-        """Where the writer finds each stored tensor in a captured row, and the dtype it stores
-        it as when that is not the rows' own ({} unless the capture is FP8: packed rows)."""
+    def stored_layout(self, splits: Dict[str, Tuple[int, int]], fp8: bool
+                      ) -> Tuple[Dict[str, Tuple[int, int]], Dict[str, str]]:
+        """Where the writer finds each stored tensor of ``splits`` in a captured row, and the dtype
+        it stores it as when that is not the rows' own ({} unless the capture is FP8: packed rows)."""
         if not fp8:
-            return self.splits(), {}
+            return splits, {}
         m = self.model
-        return packed_splits(self.splits(), m.hidden_size, m.aux_width + m.hidden_size)
+        return packed_splits(splits, m.hidden_size, m.aux_width + m.hidden_size)
 
     def finish(self, req: Any, capture: RequestCapture) -> Dict[str, Any]:
         """Seal a finished request: hand its rows to the writer and return the response reference."""
@@ -256,7 +257,7 @@ class SchedulerCapture:
         capture.seal()
         if fp8:
             meta.update(storage_dtype=FP8_DTYPE, scale_block=self.model.hidden_size)
-        stored, dtypes = self.stored_layout(fp8)
+        stored, dtypes = self.stored_layout(splits, fp8)
         self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, output_ids, meta, dtypes=dtypes))
         ref["status"] = "pending"
         return ref

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from sglang_capture.core.fp8 import pack
 from sglang_capture.server.batch_rows import RESULT_ATTR, BatchRows, Selection
 from sglang_capture.server.scheduler_capture import CAPTURE_ATTR, SchedulerCapture
 
@@ -137,8 +138,6 @@ def _copy_hidden(state: SchedulerCapture, wrapped: Any, out: Any, rows: BatchRow
             rows.keep(selected, batch_rows, in_forward=False)
     if state.model is not None and _all_fp8(rows.batch):
         # Quantized before the copy: half the device-to-host bytes (core/fp8.py says how rows are packed).
-        from sglang_capture.core.fp8 import pack
-
         out.hidden_states = hidden = pack(hidden, state.model.hidden_size)
     host = pool.take(hidden) if pool is not None else None
     if host is None:  # no pool, or the pool is full: SGLang's own copy, of the kept rows
