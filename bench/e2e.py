@@ -40,6 +40,7 @@ import glob
 import json
 import os
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -134,6 +135,7 @@ class Run:
         os.makedirs(self.capture_dir, exist_ok=True)
         self.variant_dirs = [f"{self.capture_dir}-v{i}" for i in range(len(self.variants))]
         cfg = json.load(open(os.path.join(a.model, "config.json")))
+        cfg = cfg.get("text_config", cfg)  # Kimi-K2.5 keeps its language model's config there
         self.sg = shlex.split(a.sglang_args) + ["--model-path", a.model]
         self.prompts = e2e_load.PROMPTS["run"] = Prompts(a.tokens, cfg["vocab_size"])
         self.others = [self.spec("mixed-other", max_new=16)] * (a.concurrency // 2)
@@ -346,6 +348,8 @@ class Run:
 
 
 def main(argv: List[str]) -> int:
+    # a device script's `timeout` sends SIGTERM: stop the servers (they run in their own sessions)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return Run(parse_args(argv)).run()
 
 

@@ -1,11 +1,19 @@
 """The capture server's end-to-end check on a GPU (CUDA graphs on, triton attention).
 
-    python bench/gpu_e2e.py MODEL_DIR OUT_DIR [--tp N] [--dtype bfloat16|float32]
+    python bench/gpu_e2e.py MODEL_DIR OUT_DIR [--tp N] [--dtype bfloat16|float32] [--chunk 256]
+                            [--long TOKENS] [--reference HF_DIR] [--server-args "..."]
 
 Starts ``python -m sglang_capture.launch`` on MODEL_DIR and checks, against transformers on the
-same weights and dtype: one capture request; a prompt longer than ``--chunked-prefill-size``; the
-captured final hidden state bit-identical to SGLang's own JSON output for the same requests; 16
-concurrent requests, half capturing, a quarter on the JSON path.
+same weights and dtype (``--reference``: another checkpoint, e.g. a Kimi-K2.5 checkpoint's
+language model, which transformers has no class for): one capture request; a ``--long`` prompt
+(default two chunks and a bit of ``--chunk``, SGLang's ``--chunked-prefill-size``); the captured
+final hidden state bit-identical to SGLang's own JSON output for the same requests; 16 concurrent
+requests, half capturing, a quarter on the JSON path.
+
+Prefill CUDA graphs (Kimi-K2.5 on SGLang 0.5.17 gets ``tc_piecewise`` by default, for batches of
+up to 2,048 tokens under MLA): serve with the default graph settings, ``--chunk`` above 2,048 and
+a ``--long`` prompt whose first chunk is above the graphs' limit (eager) and whose last is below
+(graph); the server log's graph lines and the launcher's aux-switch line are kept in the report.
 
 Bars: every file's ids, row count and dtype exact. Dense models: every row cosine >= 0.999 vs
 transformers and closest to its own position. MoE models in bf16 (a random router's top-k flips
@@ -16,8 +24,12 @@ Prints one PASS/FAIL line per check and writes OUT_DIR/gpu_e2e.json.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
+import shlex
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,21 +46,26 @@ CHUNK = 256
 MIN_COS = 0.999
 
 
-def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16") -> int:
+def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16", chunk: int = CHUNK,
+         long_tokens: int = 0, reference_dir: str = "", server_args: str = "") -> int:
     os.makedirs(out_dir, exist_ok=True)
     capture_dir = os.environ.get("CAPTURE_DIR") or os.path.join(out_dir, "captures")
     os.makedirs(capture_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir,
            "--capture-layers", ",".join(map(str, LAYERS)), "--model-path", model_dir, "--tp", str(tp),
            "--attention-backend", "triton", "--grammar-backend", "none", "--cuda-graph-max-bs", "16",
-           "--chunked-prefill-size", str(CHUNK), "--mem-fraction-static", "0.5", "--dtype", dtype]
+           "--chunked-prefill-size", str(chunk), "--mem-fraction-static", "0.5", "--dtype", dtype,
+           *shlex.split(server_args)]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.time()
     server = start_server(cmd, dict(os.environ), os.path.join(out_dir, "server.log"), capture_dir)
     startup_s = time.time() - t0
     tok = AutoTokenizer.from_pretrained(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(reference_dir or model_dir, dtype=getattr(torch, dtype)).cuda().eval()
     moe = bool(getattr(hf.config, "n_routed_experts", None))
-    results = {"dtype": dtype, "moe": moe, "tp": tp, "startup_s": round(startup_s, 1), "checks": {}}
+    results = {"dtype": dtype, "moe": moe, "tp": tp, "chunk": chunk, "server_args": server_args,
+               "startup_s": round(startup_s, 1), "graph_log": graph_lines(os.path.join(out_dir, "server.log")),
+               "checks": {}}
 
     def reference(ids):
         with torch.no_grad():
@@ -146,9 +163,9 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16") -> 
         results["checks"]["prefill_only"] = {"pass": ok and info["rows"] == len(tok(text)["input_ids"])
                                              and info["decode_batches_through_capture_path"] == 0, **info}
 
-        long_ids = rand_ids(2 * CHUNK + 37)
+        long_ids = rand_ids(long_tokens or 2 * chunk + 37)
         ok, info = verify(server.generate(body(long_ids, 4, "chunked")).json(), long_ids)
-        results["checks"]["chunked_prefill"] = {"pass": ok, **info}
+        results["checks"]["chunked_prefill"] = {"pass": ok, "prompt_tokens": len(long_ids), **info}
 
         # Same requests through SGLang's own JSON path: the captured final hidden state must be
         # exactly what SGLang computed (same kernels, same batch shape), row for row.
@@ -207,16 +224,34 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16") -> 
             "pass": len(writers) == 1 and len(files) == len(outcomes) == sum(o["status"] == "ok" for o in outcomes),
             "writer_processes": len(writers), "outcome_records": len(outcomes), "files": len(files)}
     finally:
+        # also on SIGTERM (a device script's `timeout`): the server runs in its own session and would
+        # outlive this process, and the checks done so far are kept
         stop_server(server)
-    with open(os.path.join(out_dir, "gpu_e2e.json"), "w") as f:
-        json.dump(results, f, indent=2)
+        with open(os.path.join(out_dir, "gpu_e2e.json"), "w") as f:
+            json.dump(results, f, indent=2)
     for name, check in results["checks"].items():
         print(f"{'PASS' if check['pass'] else 'FAIL'} {name} {check}")
     print(f"startup {results['startup_s']} s, files {results.get('files')}")
     return 0 if all(c["pass"] for c in results["checks"].values()) else 1
 
 
+def graph_lines(log_path: str) -> list:
+    """The server log's lines about CUDA graphs and the launcher's aux switch: which prefill graph
+    backend ran is read from here, not assumed."""
+    pattern = re.compile(r"piecewise|breakable|cuda graph|cuda_graph|aux layers", re.IGNORECASE)
+    with open(log_path, errors="replace") as f:
+        return [line.strip()[:300] for line in f if pattern.search(line)][:40]
+
+
 if __name__ == "__main__":
-    tp = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
-    dt = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "bfloat16"
-    sys.exit(main(sys.argv[1], sys.argv[2], tp, dt))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("out_dir")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--chunk", type=int, default=CHUNK, help="--chunked-prefill-size")
+    ap.add_argument("--long", type=int, default=0, help="tokens of the long prompt (default 2 x chunk + 37)")
+    ap.add_argument("--reference", default="", help="transformers checkpoint to compare with (default MODEL_DIR)")
+    ap.add_argument("--server-args", default="", help="more server arguments, e.g. --trust-remote-code")
+    a = ap.parse_args()
+    sys.exit(main(a.model_dir, a.out_dir, a.tp, a.dtype, a.chunk, a.long, a.reference, a.server_args))

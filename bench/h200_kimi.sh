@@ -19,7 +19,7 @@ source bench/device_setup.sh "$@"
 cd /tmp
 tiny_model /tmp/kimi --arch deepseek_v3 --shape kimi --layers ${KIMI_LAYERS:-61} --hidden ${KIMI_HIDDEN:-7168} \
   --experts ${KIMI_EXPERTS:-8} > $W/mk.log 2>&1 || { cat $W/mk.log; exit 1; }
-python "$R/bench/e2e.py" /tmp/kimi $OUT/e2e --phases ${PHASES:-ab,capture_ab,mixed} --tokens 2048 \
+timeout ${E2E_TIMEOUT:-560} python "$R/bench/e2e.py" /tmp/kimi $OUT/e2e --phases ${PHASES:-ab,capture_ab,mixed} --tokens 2048 \
   --concurrency ${CONCURRENCY:-16} --seconds ${E2E_SECONDS:-20} --ab-rounds ${AB_ROUNDS:-3} \
   --mixed-rounds ${MIXED_ROUNDS:-2} --idle-mixed --client-procs 2 --capture-rate ${MIXED_RATES:-1} \
   --mixed-rates ${MIXED_RATES:-1} --capture-dir /tmp/caps --capture-args "${CAPTURE_ARGS:-}" \

@@ -9,12 +9,13 @@ import os
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 import sglang_capture
 from sglang_capture.core.layers import default_layers
 from sglang_capture.testbed.server import capture_cmd
+from sglang_capture.testbed.tiny_models import save_language_model_view
 from tests.reference import max_abs_diff, reference_states
 
 ARCH = "KimiK25ForConditionalGeneration"
@@ -30,15 +31,7 @@ def kimi(tiny_models, make_server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def language_model_view(tiny_models, tmp_path_factory) -> str:
     """The checkpoint's DeepSeek-V3 language model as a plain transformers checkpoint (the reference)."""
-    src, out = tiny_models["tiny-kimi-k25"], str(tmp_path_factory.mktemp("kimi-text"))
-    with open(os.path.join(src, "config.json")) as f:
-        text_config = json.load(f)["text_config"]
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(text_config, f)
-    weights = load_file(os.path.join(src, "model.safetensors"))
-    save_file({k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")},
-              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return save_language_model_view(tiny_models["tiny-kimi-k25"], str(tmp_path_factory.mktemp("kimi-text")))
 
 
 def test_checkpoint_is_laid_out_like_kimi_k25(tiny_models):

@@ -230,16 +230,20 @@ class KimiK25Processor:
 '''
 
 
-def save_kimi_k25(path: str, tokenizer, layers: int = 8, hidden: int = 256, experts: int = 8) -> str:
+def save_kimi_k25(path: str, tokenizer, layers: int = 8, hidden: int = 256, experts: int = 8,
+                  shape: str = "cpu") -> str:
     """A Kimi-K2.5 checkpoint (``KimiK25ForConditionalGeneration``): a MoonViT vision tower and
     patch-merger projector with small dims plus a DeepSeek-V3 language model, laid out like the
     real model (config ``text_config`` / ``vision_config``, weights ``language_model.*``,
     ``vision_tower.*`` with ``wqkv``/``wo``, ``mm_projector.proj.{0,2}``). The vision config
     carries both the real checkpoint's ``vt_*`` keys and the plain names SGLang's
-    ``KimiK25VisionConfig`` reads, so SGLang builds the small tower.
+    ``KimiK25VisionConfig`` reads, so SGLang builds the small tower. ``shape`` is the language
+    model's (``SHAPES``; "gpu" for SGLang's GPU MLA kernels); "kimi" (no weights) is refused.
     """
+    if shape not in ("cpu", "gpu"):
+        raise ValueError(f"save_kimi_k25 builds weights; shape {shape!r} is config-only, use cpu or gpu")
     os.makedirs(path, exist_ok=True)
-    text = deepseek_v3_config(tokenizer, layers, hidden, experts)
+    text = deepseek_v3_config(tokenizer, layers, hidden, experts, shape)
     vh, vinter, vheads, vlayers, patch, pos = 64, 128, 2, 2, 14, 8
     vision = {
         "patch_size": patch, "init_pos_emb_height": pos, "init_pos_emb_width": pos, "init_pos_emb_time": 4,
@@ -287,6 +291,24 @@ def save_kimi_k25(path: str, tokenizer, layers: int = 8, hidden: int = 256, expe
     return _finish_checkpoint(path, config, w, tokenizer)
 
 
+def save_language_model_view(kimi_path: str, out: str) -> str:
+    """The DeepSeek-V3 language model inside a Kimi-K2.5 checkpoint as a plain transformers
+    checkpoint at ``out``: transformers has no Kimi-K2.5 class, so this is the reference that
+    Kimi rows are compared with."""
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(kimi_path, "config.json")) as f:
+        text_config = json.load(f)["text_config"]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(text_config, f)
+    weights = load_file(os.path.join(kimi_path, "model.safetensors"))
+    prefix = "language_model."
+    save_file({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)},
+              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def build_all(out_dir: str) -> Dict[str, str]:
     """Build (once, safe when several processes ask at once) every tiny model under ``out_dir``;
     returns name -> path."""
@@ -309,8 +331,9 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m sglang_capture.testbed.tiny_models")
     p.add_argument("out")
-    p.add_argument("--arch", choices=("llama", "deepseek_v3"), default=None,
-                   help="one model at OUT instead of the suite's set under OUT")
+    p.add_argument("--arch", choices=("llama", "deepseek_v3", "kimi_k25"), default=None,
+                   help="one model at OUT instead of the suite's set under OUT (kimi_k25 also writes its "
+                        "language model as a transformers checkpoint at OUT-text, the reference)")
     p.add_argument("--shape", choices=tuple(SHAPES), default="gpu", help="DeepSeek-V3 shape (see SHAPES)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
@@ -320,6 +343,11 @@ def main(argv=None) -> None:
         print(build_all(a.out))
     elif a.arch == "llama":
         print(save_llama(a.out, build_tokenizer(), a.layers, a.hidden))
+    elif a.arch == "kimi_k25":
+        if a.shape == "kimi":
+            p.error("--arch kimi_k25 builds weights: --shape cpu or gpu")
+        print(save_kimi_k25(a.out, build_tokenizer(), a.layers, a.hidden, a.experts, a.shape))
+        print(save_language_model_view(a.out, a.out.rstrip("/") + "-text"))
     else:
         print(save_deepseek_v3(a.out, build_tokenizer(), a.layers, a.hidden, a.experts, a.shape))
 
