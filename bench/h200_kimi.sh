@@ -12,6 +12,9 @@
 # PHASES, E2E_SECONDS, AB_ROUNDS, MIXED_ROUNDS, MIXED_RATES, CONCURRENCY, CAPTURE_ARGS, and
 # PARALLEL for several GPUs (issue 19 on nvidia-h200-x8: PARALLEL="--tp 8" or "--tp 8 --dp 8
 # --enable-dp-attention", KIMI_EXPERTS as many as fit: 64 make about 355 GB of bf16 per server, half of 8 H200).
+# Two servers of ~57 GiB of weights each on one GPU: SGLang 0.5.17 counts a neighbour's allocation
+# against the KV budget (see bench/h200_kimi_graphs.sh), so a high --mem-fraction-static with
+# --max-total-tokens (MAX_TOKENS) capping the pool, not half the GPU each.
 # The shape serves at --tp 2 on the CPU test bed (4 layers, width 512, dummy weights); not yet on GPUs.
 W=/tmp/kimi-work
 rm -rf /tmp/caps /tmp/caps-v*
@@ -23,7 +26,7 @@ timeout ${E2E_TIMEOUT:-560} python "$R/bench/e2e.py" /tmp/kimi $OUT/e2e --phases
   --concurrency ${CONCURRENCY:-16} --seconds ${E2E_SECONDS:-20} --ab-rounds ${AB_ROUNDS:-3} \
   --mixed-rounds ${MIXED_ROUNDS:-2} --idle-mixed --client-procs 2 --capture-rate ${MIXED_RATES:-1} \
   --mixed-rates ${MIXED_RATES:-1} --capture-dir /tmp/caps --capture-args "${CAPTURE_ARGS:-}" \
-  --sglang-args "$SGLANG_GPU_ARGS ${PARALLEL:-} --load-format dummy --chunked-prefill-size 8192 --max-total-tokens ${MAX_TOKENS:-40000} --mem-fraction-static ${MEM_FRACTION:-0.46}" \
+  --sglang-args "$SGLANG_GPU_ARGS ${PARALLEL:-} --load-format dummy --chunked-prefill-size 8192 --max-total-tokens ${MAX_TOKENS:-40000} --mem-fraction-static ${MEM_FRACTION:-0.88}" \
   --variants="${MIXED_VARIANTS:-}" 2> $W/e2e.log | tee "$OUT/e2e-kimi.md"
 rc=${PIPESTATUS[0]}
 tail -12 $W/e2e.log

@@ -12,6 +12,10 @@
 # 2. Idle overhead under prefill graphs (the per-batch aux switch does not apply there): bench/e2e.py
 #    ab (plain vs launcher idle) and capture_ab on a Kimi-width tiny Kimi-K2.5, chunked prefill at
 #    2,048 so that every extend batch runs in a graph; cut at AB_TIMEOUT, partial windows kept.
+# Two servers on one GPU under SGLang 0.5.17: the KV budget is what is free at its profiling minus
+# (1 - --mem-fraction-static) of what was free before loading, so a neighbour loading in between
+# leaves nothing (r36: "Loaded weights leave no GPU memory for the KV cache"). A high fraction
+# with --max-total-tokens capping the pool works in any start order.
 W=/tmp/kg-work
 source bench/device_setup.sh "$@"
 cd /tmp
@@ -32,10 +36,10 @@ cp $W/kimi/gpu_e2e.json "$OUT/gpu_e2e-kimi.json" 2>/dev/null
 cp $W/dsv3/gpu_e2e.json "$OUT/gpu_e2e-dsv3.json" 2>/dev/null
 if [ "${SKIP_AB:-0}" != 1 ]; then
   wait
-  timeout ${AB_TIMEOUT:-220} python "$R/bench/e2e.py" /tmp/k7168 $W/ab --phases ab,capture_ab --tokens 1024 \
-    --concurrency 16 --seconds ${E2E_SECONDS:-12} --ab-rounds ${AB_ROUNDS:-3} --client-procs 2 --capture-dir /tmp/capab \
+  timeout ${AB_TIMEOUT:-270} python "$R/bench/e2e.py" /tmp/k7168 $W/ab --phases ab,capture_ab --tokens 1024 \
+    --concurrency 16 --seconds ${E2E_SECONDS:-10} --ab-rounds ${AB_ROUNDS:-2} --client-procs 2 --capture-dir /tmp/capab \
     --sglang-args "--attention-backend triton --grammar-backend none --sleep-on-idle --cuda-graph-max-bs 64 \
---chunked-prefill-size 2048 --max-running-requests 128 --mem-fraction-static 0.3 $KIMI_ARGS" > $W/ab.md 2> $W/ab.log
+--chunked-prefill-size 2048 --max-running-requests 128 --mem-fraction-static 0.85 --max-total-tokens 200000 $KIMI_ARGS" > $W/ab.md 2> $W/ab.log
   cp $W/ab/e2e.json "$OUT/e2e-kimi-graphs-ab.json" 2>/dev/null
   grep -h -i "piecewise\|breakable\|aux layers" $W/ab/*.log | cut -c1-300 > "$OUT/ab-graph-lines.txt" 2>/dev/null
   cp $W/ab.log "$OUT/ab.log"; tail -8 $W/ab.log

@@ -104,10 +104,10 @@ def deepseek_v3_config(tokenizer, layers: int = 4, hidden: int = 256, experts: i
                          "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
     }
     if shape == "gpu":  # "kimi" keeps YaRN, as Kimi-K2.5 has it (and SGLang's CPU rope needs it for a dry run)
-        # With YaRN, SGLang's GPU rows of a request differed from transformers' at cos 0.97 while
-        # equal to SGLang's own JSON output bit for bit (bench/RESULTS.md, r35); the plain rope of
-        # the earlier GPU runs kept them within the bar.
-        config.update(rope_scaling=None, max_position_embeddings=4096)
+        # Routing fixed per layer (see deepseek_v3_weights): in bf16 a random router's top-k flips
+        # on 2-4% of rows between any two implementations (SGLang against transformers, TP2
+        # against TP1), which hid real differences behind a 98% bar (bench/RESULTS.md, r36).
+        config.update(rope_scaling=None, max_position_embeddings=4096, testbed_routing="fixed")
     return config
 
 
@@ -159,7 +159,12 @@ def deepseek_v3_weights(config: Dict, rnd: _Random, prefix: str = "") -> Dict[st
             w[m + name + "down_proj.weight"] = r(hidden, width)
         if i >= config["first_k_dense_replace"]:
             w[m + "gate.weight"] = r(experts, hidden)
-            w[m + "gate.e_score_correction_bias"] = torch.zeros(experts, dtype=torch.float32)
+            # "fixed": the selection bias (added to the sigmoid scores, which lie in (0, 1), for the
+            # choice only) is a permutation of 0..E-1 per layer, so every token picks the same experts
+            # of that layer whatever the rounding; their weights still follow each token's scores.
+            fixed = config.get("testbed_routing") == "fixed"
+            w[m + "gate.e_score_correction_bias"] = (torch.randperm(experts, generator=rnd.gen).float() if fixed
+                                                     else torch.zeros(experts, dtype=torch.float32))
     return {prefix + k: v for k, v in w.items()}
 
 
