@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -111,3 +112,61 @@ def test_the_kimi_compute_config_serves_with_dummy_weights_and_captures(make_tes
     ref = r["meta_info"]["capture"]
     assert ref["status"] == "ok" and ref["rows"] == 291 and ref["layers"] == [2, 3]
     assert sglang_capture.load(ref["path"])["aux_hidden_states"].shape == (291, 2 * 512)
+
+
+def _routed_experts(model_dir: str, prompts) -> list:
+    """Per MoE layer, the set of expert-choice rows transformers computes for ``prompts``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    chosen = {}
+
+    def keep(layer):
+        def hook(module, args, out):
+            # transformers' DeepSeek-V3 router: sigmoid scores, plus the selection bias for the choice
+            scores = torch.sigmoid(out.float()) + module.e_score_correction_bias
+            chosen.setdefault(layer, set()).update(tuple(sorted(r)) for r in scores.topk(2, -1).indices.tolist())
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.register_forward_hook(keep(i))
+    with torch.no_grad():
+        for ids in prompts:
+            model(torch.tensor([ids]))
+    return [chosen[i] for i in sorted(chosen)]
+
+
+def test_the_gpu_shape_routes_every_token_to_the_same_experts_of_a_layer(tmp_path):
+    """bench/gpu_e2e.py holds the GPU shape to the dense models' bar (every row >= 0.999): that is
+    only sound if bf16 rounding cannot flip its router, i.e. each layer's choice is fixed."""
+    import json
+
+    from sglang_capture.testbed.tiny_models import build_tokenizer, save_deepseek_v3
+
+    tok = build_tokenizer()
+    gpu = save_deepseek_v3(str(tmp_path / "gpu"), tok, layers=3, hidden=512, shape="gpu")
+    cpu = save_deepseek_v3(str(tmp_path / "cpu"), tok, layers=3, hidden=256, shape="cpu")
+    assert json.load(open(os.path.join(gpu, "config.json")))["testbed_routing"] == "fixed"
+    prompts = [list(range(5, 60)), list(range(400, 470))]
+    gpu_choice = _routed_experts(gpu, prompts)
+    assert len(gpu_choice) == 2 and all(len(c) == 1 for c in gpu_choice)  # one expert pair per layer
+    assert gpu_choice[0] != gpu_choice[1]  # a permutation per layer, not the same experts everywhere
+    assert any(len(c) > 1 for c in _routed_experts(cpu, prompts))  # the CPU shape's router stays random
+
+
+def test_the_kimi_k25_cli_writes_the_checkpoint_and_its_language_model_reference(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "k")
+    run = subprocess.run([sys.executable, "-m", "sglang_capture.testbed.tiny_models", out, "--arch", "kimi_k25",
+                          "--shape", "gpu", "--layers", "2", "--hidden", "256"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    kimi, text = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(out + "-text", "model.safetensors"))
+    assert set(text) == {k[len("language_model."):] for k in kimi if k.startswith("language_model.")}
+    assert all(torch.equal(text[k], kimi["language_model." + k]) for k in text)
+    bad = subprocess.run([sys.executable, "-m", "sglang_capture.testbed.tiny_models", str(tmp_path / "x"), "--arch",
+                          "kimi_k25", "--shape", "kimi"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--shape cpu or gpu" in bad.stderr.strip().splitlines()[-1]
