@@ -211,3 +211,50 @@ def test_a_plain_sglang_node_beside_a_launcher_node_is_refused_at_start(tiny_mod
                 "sglang.launch_server?)") in open(log).read()
     finally:
         _stop(node1)
+
+
+def _dp_node_args(addr: str, rank: int) -> List[str]:
+    return [*_node_args(addr, rank), "--dp", "2", "--enable-dp-attention", "--chunked-prefill-size", str(CHUNK)]
+
+
+def test_dp_attention_across_two_nodes_sharing_one_capture_dir_writes_each_file_on_its_own_node(
+        make_test_server, tiny_models, tmp_path, env):
+    """DP group 1 lives on node 1 and writes there; with one shared dir node 0's front finds every outcome."""
+    model, capture_dir = tiny_models["tiny-dsv3"], str(tmp_path / "capture")
+    os.makedirs(capture_dir)
+    addr = f"127.0.0.1:{free_port()}"
+    layers = ["--capture-layers", ",".join(map(str, LAYERS)), "--dtype", "float32"]
+    node1 = _start_node1(capture_cmd(model, capture_dir, *layers, *_dp_node_args(addr, 1)), {**env, **TWO_RANKS},
+                         str(tmp_path / "node1.log"))
+    try:
+        server = make_test_server(capture_cmd(model, capture_dir, *layers, *_dp_node_args(addr, 0)), capture_dir,
+                                  extra_env=TWO_RANKS)
+        captured = _check_load(server, model)
+        stats = [json.load(open(p)) for p in glob.glob(os.path.join(capture_dir, ".index", "writer-*.json"))]
+        written = sorted(s["written"] for s in stats)
+        assert len(written) == 2 and sum(written) == len(captured) and min(written) > 0  # one writer rank per node
+        assert [s["cap_bytes"] for s in stats] == [8192 << 20] * 2  # each node's budget, one writer rank on each
+        assert not glob.glob(os.path.join(capture_dir, ".tmp", "peer-rank*"))  # the shared-dir markers are gone
+    finally:
+        _stop(node1)
+
+
+def test_dp_attention_across_nodes_without_a_shared_capture_dir_is_refused_at_start(tiny_models, tmp_path, env):
+    """Node 1 would write its DP group's files where node 0's front never looks: every such capture would time out."""
+    model = tiny_models["tiny-dsv3"]
+    dirs = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    for d in dirs:
+        os.makedirs(d)
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = _start_node1(capture_cmd(model, dirs[1], "--dtype", "float32", *_dp_node_args(addr, 1)), {**env, **TWO_RANKS},
+                         str(tmp_path / "node1.log"))
+    log = str(tmp_path / "node0.log")
+    try:
+        with pytest.raises(RuntimeError, match="server exited"):
+            server = start_server(capture_cmd(model, dirs[0], "--dtype", "float32", *_dp_node_args(addr, 0)),
+                                  {**env, **TWO_RANKS}, log, dirs[0])
+            stop_server(server)
+        assert (f"sglang_capture: --dp across nodes needs one --capture-dir shared by every node at the same path: "
+                f"rank(s) [1] wrote into {dirs[1]}") in open(log).read()
+    finally:
+        _stop(node1)

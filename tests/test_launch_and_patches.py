@@ -69,8 +69,8 @@ def test_speculative_decoding_is_refused(tiny_models, tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--disaggregation-mode", "prefill"], "--disaggregation-mode"),
     (["--disaggregation-mode", "decode"], "--disaggregation-mode"),
-    (["--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:5757", "--tp", "2", "--dp", "2",
-      "--enable-dp-attention"], "--dp > 1 across several nodes"),
+    (["--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:5757", "--tp", "2", "--dp", "2"],
+      "--dp > 1 across several nodes only with --enable-dp-attention"),
 ])
 def test_deployments_whose_captures_would_all_fail_are_refused_at_start(tiny_models, tmp_path, args, words):
     result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", tiny_models["tiny-dsv3"], "--device", "cpu",

@@ -80,9 +80,10 @@ def check_server_args(server_args) -> None:
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
         raise ConfigError("capture does not support --disaggregation-mode yet: a prefill server's results bypass "
                           "the seams that take the rows, so every capture would fail; capture on a server without it")
-    if getattr(server_args, "nnodes", 1) > 1 and getattr(server_args, "dp_size", 1) > 1:
-        raise ConfigError("capture does not support --dp > 1 across several nodes yet: a DP group on another node "
-                          "writes to that node's disk while node 0 answers; use --nnodes 1, or --dp 1 across nodes")
+    if (getattr(server_args, "nnodes", 1) > 1 and getattr(server_args, "dp_size", 1) > 1
+            and not getattr(server_args, "enable_dp_attention", False)):
+        raise ConfigError("capture supports --dp > 1 across several nodes only with --enable-dp-attention (data-parallel "
+                          "replicas across nodes are untested); use --nnodes 1, or --enable-dp-attention")
     if os.environ.get("SGLANG_USE_PICKLE_IPC", "1") == "0":
         raise ConfigError("capture needs SGLang's default pickle IPC; unset SGLANG_USE_PICKLE_IPC")
 

@@ -6,14 +6,15 @@ from typing import Any
 import torch
 
 from sglang_capture.server.hooks.transfer import gather_in_forward
-from sglang_capture.server.peers import announce_and_check
+from sglang_capture.server.peers import announce_and_check, needs_shared_dir
 from sglang_capture.server.scheduler_capture import SchedulerCapture
 
 
 def set_capture_layers(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Before ``ModelRunner.init_attention_backends``: weights are loaded, CUDA graphs not yet captured."""
     if not instance.is_draft_worker:
-        announce_and_check()  # every rank, on every node, must run the patches
+        # every rank, on every node, must run the patches (and DP groups on several nodes share one dir)
+        announce_and_check(state.config.capture_dir, needs_shared_dir(instance.server_args))
         state.configure_model(instance)
     return wrapped(*args, **kwargs)
 
