@@ -7,6 +7,7 @@ prefix), and every captured file must equal transformers on the same tokens. The
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -14,7 +15,7 @@ import random
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 import pytest
 import torch
@@ -171,17 +172,25 @@ def _stop(proc: subprocess.Popen) -> None:
     stop_server(Server("node1", proc, ""))
 
 
-def test_tp_across_two_nodes_writes_every_file_where_the_response_says(make_test_server, tiny_models, tmp_path, env):
-    """Two "nodes" on loopback, one rank each; only node 0's TP rank 0 writes, next to the HTTP front."""
-    model, capture_dir = tiny_models["tiny-dsv3"], str(tmp_path / "capture")
+@contextlib.contextmanager
+def _two_nodes(make_test_server, model: str, capture_dir: str, tmp_path, env, node_args) -> Iterator:
+    """Node 1 started, then node 0 (the HTTP front) as a capture server; node 1 stopped after."""
     os.makedirs(capture_dir)
     addr = f"127.0.0.1:{free_port()}"
     layers = ["--capture-layers", ",".join(map(str, LAYERS)), "--dtype", "float32"]
-    node1 = _start_node1(capture_cmd(model, capture_dir, *layers, *_node_args(addr, 1)), {**env, **TWO_RANKS},
+    node1 = _start_node1(capture_cmd(model, capture_dir, *layers, *node_args(addr, 1)), {**env, **TWO_RANKS},
                          str(tmp_path / "node1.log"))
     try:
-        server = make_test_server(capture_cmd(model, capture_dir, *layers, *_node_args(addr, 0)), capture_dir,
-                                  extra_env=TWO_RANKS)
+        yield make_test_server(capture_cmd(model, capture_dir, *layers, *node_args(addr, 0)), capture_dir,
+                               extra_env=TWO_RANKS)
+    finally:
+        _stop(node1)
+
+
+def test_tp_across_two_nodes_writes_every_file_where_the_response_says(make_test_server, tiny_models, tmp_path, env):
+    """Two "nodes" on loopback, one rank each; only node 0's TP rank 0 writes, next to the HTTP front."""
+    model, capture_dir = tiny_models["tiny-dsv3"], str(tmp_path / "capture")
+    with _two_nodes(make_test_server, model, capture_dir, tmp_path, env, _node_args) as server:
         ids = list(range(20, 120))
         out = _send(server, {"i": 0, "ids": ids, "capture": True, "new": 3})
         ref = out["meta_info"]["capture"]
@@ -190,8 +199,6 @@ def test_tp_across_two_nodes_writes_every_file_where_the_response_says(make_test
         aux, last = reference_states(model, torch.float32, ids + out["output_ids"][:-1], LAYERS)
         assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL and max_abs_diff(data["last_hidden_states"], last) <= TOL
         assert len(glob.glob(os.path.join(capture_dir, ".index", "writer-*.json"))) == 1  # node 1 writes nothing
-    finally:
-        _stop(node1)
 
 
 def test_a_plain_sglang_node_beside_a_launcher_node_is_refused_at_start(tiny_models, tmp_path, env):
@@ -221,22 +228,13 @@ def test_dp_attention_across_two_nodes_sharing_one_capture_dir_writes_each_file_
         make_test_server, tiny_models, tmp_path, env):
     """DP group 1 lives on node 1 and writes there; with one shared dir node 0's front finds every outcome."""
     model, capture_dir = tiny_models["tiny-dsv3"], str(tmp_path / "capture")
-    os.makedirs(capture_dir)
-    addr = f"127.0.0.1:{free_port()}"
-    layers = ["--capture-layers", ",".join(map(str, LAYERS)), "--dtype", "float32"]
-    node1 = _start_node1(capture_cmd(model, capture_dir, *layers, *_dp_node_args(addr, 1)), {**env, **TWO_RANKS},
-                         str(tmp_path / "node1.log"))
-    try:
-        server = make_test_server(capture_cmd(model, capture_dir, *layers, *_dp_node_args(addr, 0)), capture_dir,
-                                  extra_env=TWO_RANKS)
+    with _two_nodes(make_test_server, model, capture_dir, tmp_path, env, _dp_node_args) as server:
         captured = _check_load(server, model)
         stats = [json.load(open(p)) for p in glob.glob(os.path.join(capture_dir, ".index", "writer-*.json"))]
         written = sorted(s["written"] for s in stats)
         assert len(written) == 2 and sum(written) == len(captured) and min(written) > 0  # one writer rank per node
         assert [s["cap_bytes"] for s in stats] == [8192 << 20] * 2  # each node's budget, one writer rank on each
         assert not glob.glob(os.path.join(capture_dir, ".tmp", "peer-rank*"))  # the shared-dir markers are gone
-    finally:
-        _stop(node1)
 
 
 def test_dp_attention_across_nodes_without_a_shared_capture_dir_is_refused_at_start(tiny_models, tmp_path, env):
