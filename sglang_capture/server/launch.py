@@ -26,6 +26,7 @@ from sglang_capture.core.config import (
 from sglang_capture.core.layers import LayerError, resolve_layers
 from sglang_capture.server.capture_info import add_route, capture_info_body
 from sglang_capture.server.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
+from sglang_capture.server.peers import needs_shared_dir
 
 
 def check_capture_dir(path: str) -> str:
@@ -80,8 +81,7 @@ def check_server_args(server_args) -> None:
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
         raise ConfigError("capture does not support --disaggregation-mode yet: a prefill server's results bypass "
                           "the seams that take the rows, so every capture would fail; capture on a server without it")
-    if (getattr(server_args, "nnodes", 1) > 1 and getattr(server_args, "dp_size", 1) > 1
-            and not getattr(server_args, "enable_dp_attention", False)):
+    if needs_shared_dir(server_args) and not getattr(server_args, "enable_dp_attention", False):
         raise ConfigError("capture supports --dp > 1 across several nodes only with --enable-dp-attention (data-parallel "
                           "replicas across nodes are untested); use --nnodes 1, or --enable-dp-attention")
     if os.environ.get("SGLANG_USE_PICKLE_IPC", "1") == "0":

@@ -105,4 +105,3 @@ def _check_markers(capture_dir: str, peers: List[dict]) -> None:
                    f"on every node")
         logger.error(message)
         raise CaptureDirNotShared(message)
-
