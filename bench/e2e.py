@@ -14,6 +14,9 @@ Two servers are started on MODEL_DIR (e.g. a Kimi-width tiny DeepSeek-V3: 4 laye
 - (d) ``file-capture``: every request captures 3 aux layers + final hidden state (capacity)
 - ``capture_ab``: on the capture server, every request capturing (d_prefill) against the same
   load capturing nothing (b_prefill), in alternating windows: what capture costs that server
+- ``--request-variants``: per-request capture settings (e.g. ``{"capture_dtype": "fp8"}``), one
+  more window each in ``capture_ab`` (d_prefill_r0, ...) and in each mixed round (d_mixed_r0, ...)
+  on the same capture server: an A/B of a per-request setting without a third server on the GPU
 - (d-open-loop): capture requests arriving at ``--capture-rate`` whatever happens (sustained?)
 - (a-mixed) / (d-mixed): the same open-loop stream beside ``--concurrency``/2 closed-loop clients
   with max_new_tokens 16, on each server; only on (d) does the stream capture
@@ -82,6 +85,17 @@ def _at_least(low: int):
     return parse
 
 
+def _json_objects(text: str) -> List[dict]:
+    """An argparse type: ';'-separated JSON objects (``--request-variants``)."""
+    try:
+        objs = [json.loads(part) for part in text.split(";") if part.strip()]
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not all(isinstance(o, dict) for o in objs):
+        raise argparse.ArgumentTypeError("each variant must be a JSON object")
+    return objs
+
+
 def _clean(capture_dir: str) -> None:
     for f in os.listdir(capture_dir):
         if f.endswith(".capture.msgpack"):
@@ -120,6 +134,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    "the results): where its main thread's wall time goes, on CPU or waiting")
     p.add_argument("--variants", default="", help="';'-separated extra capture-args: one more capture server each, "
                    "measured on the mixed load beside the others (A/B of capture settings in one run)")
+    p.add_argument("--request-variants", type=_json_objects, default=[], help="';'-separated JSON objects merged into "
+                   "the capture requests' custom_params, e.g. '{\"capture_dtype\": \"fp8\"}': one more window each, "
+                   "on the capture server, in capture_ab and in each mixed round")
     return p.parse_args(argv)
 
 
@@ -144,13 +161,16 @@ class Run:
             "tokens": a.tokens, "concurrency": a.concurrency, "seconds": a.seconds, "hidden": cfg["hidden_size"],
             "bytes_per_token_raw": (3 + 1) * cfg["hidden_size"] * 2, "sglang_args": self.sg,
             "capture_args": a.capture_args, "capture_rate": a.capture_rate, "variants": self.variants,
+            "request_variants": a.request_variants,
             "mixed_rates": self.rates}}
         self.plain: Optional[Server] = None
         self.capture: Optional[Server] = None
         self.variant_servers: List[Server] = []
 
-    def spec(self, kind: str, max_new: int = 1, capture: bool = False, json_hs: bool = False) -> dict:
-        return {"kind": kind, "tokens": self.a.tokens, "max_new": max_new, "capture": capture, "json": json_hs}
+    def spec(self, kind: str, max_new: int = 1, capture: bool = False, json_hs: bool = False,
+             params: Optional[dict] = None) -> dict:
+        return {"kind": kind, "tokens": self.a.tokens, "max_new": max_new, "capture": capture, "json": json_hs,
+                "params": params or {}}
 
     def capture_cmd(self, cdir: str, extra: str = "") -> List[str]:
         os.makedirs(cdir, exist_ok=True)
@@ -225,13 +245,17 @@ class Run:
 
     def phase_capture_ab(self) -> None:
         """Capture-all against nothing capturing on the capture server, in alternating windows."""
-        plain = [self.spec("prefill")] * self.a.concurrency
-        capturing = [self.spec("capture", capture=True)] * self.a.concurrency
-        windows = [(self.measure(self.capture, "b_prefill", plain, self.a.seconds),
-                    self.measure_capture(self.capture, self.capture_dir, "d_prefill", capturing))
+        n = self.a.concurrency
+        plain = [self.spec("prefill")] * n
+        capturing = [[self.spec("capture", capture=True, params=p)] * n for p in [{}, *self.a.request_variants]]
+        names = ["d_prefill"] + [f"d_prefill_r{i}" for i in range(len(self.a.request_variants))]
+        windows = [[self.measure(self.capture, "b_prefill", plain, self.a.seconds)]
+                   + [self.measure_capture(self.capture, self.capture_dir, name, c) for name, c in zip(names, capturing, strict=True)]
                    for _ in range(max(self.a.ab_rounds, 1))]
-        self.res["b_prefill"], self.res["d_prefill"] = (merge([w[i] for w in windows]) for i in (0, 1))
-        self.res["capture_ab_windows"] = [[w[0]["prefill"]["tok_per_s"], w[1]["capture"]["tok_per_s"]] for w in windows]
+        for i, key in enumerate(["b_prefill", *names]):
+            self.res[key] = merge([w[i] for w in windows])
+        self.res["capture_ab_windows"] = [[w[0]["prefill"]["tok_per_s"], *(x["capture"]["tok_per_s"] for x in w[1:])]
+                                          for w in windows]
 
     def phase_capacity(self) -> None:
         clients = [self.spec("capture", capture=True)] * self.a.concurrency
@@ -262,6 +286,8 @@ class Run:
         plain_stream, capturing = self.spec("mixed-capture"), self.spec("mixed-capture", capture=True)
         labels = [("d_mixed" + tag, "d_mixed" + tag)] + [(f"d_mixed_v{i}{tag}", f"d_mixed_v{i}{tag} ({v})")
                                                          for i, v in enumerate(self.variants)]
+        per_request = [(f"d_mixed_r{i}{tag}", f"d_mixed_r{i}{tag} ({json.dumps(p)})", self.spec("mixed-capture", capture=True, params=p))
+                       for i, p in enumerate(a.request_variants)]
         windows: Dict[str, List[Dict]] = {"a_mixed" + tag: []}
         for round_ in range(a.mixed_rounds):
             spy = round_ == 0 and rate == self.rates[0]
@@ -273,6 +299,9 @@ class Run:
             for (srv, d), (key, label) in zip(self._capture_servers(), labels, strict=True):
                 windows.setdefault(key, []).append(self.measure_capture(srv, d, label, self.others, spy=spy,
                                                                         open_spec=capturing, rate=rate))
+            for key, label, stream in per_request:
+                windows.setdefault(key, []).append(self.measure_capture(self.capture, self.capture_dir, label, self.others,
+                                                                        open_spec=stream, rate=rate))
         windows["a_mixed" + tag].append(self.measure(self.plain, "a_mixed" + tag, self.others, a.seconds,
                                                      open_spec=plain_stream, rate=rate))
         for key, ws in windows.items():

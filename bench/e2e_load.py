@@ -30,12 +30,12 @@ class Prompts:
         self.base = vocab - 3
         self.tails = [",".join(map(str, rng.integers(3, vocab, tokens - 4).tolist())) for _ in range(64)]
 
-    def body(self, max_new: int, capture: Optional[str], json_hs: bool) -> bytes:
+    def body(self, max_new: int, capture: Optional[str], json_hs: bool, capture_params: Optional[dict] = None) -> bytes:
         n = next(_NAMES)
         head = [3 + (n // self.base ** k) % self.base for k in range(4)]
         params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
         if capture:
-            params["custom_params"] = {"capture": True, "capture_name": capture}
+            params["custom_params"] = {"capture": True, "capture_name": capture, **(capture_params or {})}
         return ('{"input_ids":[%s,%s],"sampling_params":%s%s}' % (
             ",".join(map(str, head)), self.tails[n % len(self.tails)], json.dumps(params),
             ',"return_hidden_states":true' if json_hs else "")).encode()
@@ -83,7 +83,7 @@ class Load:
         if session is None:
             session = self.local.session = requests.Session()
         name = f"bench-{os.getpid()}-{next(_NAMES)}" if spec["capture"] else None
-        data = self.prompts.body(spec["max_new"], name, spec["json"])
+        data = self.prompts.body(spec["max_new"], name, spec["json"], spec.get("params"))
         t0 = time.monotonic()
         r = session.post(self.url + "/generate", data=data, headers={"Content-Type": "application/json"}, timeout=900)
         end = time.monotonic()

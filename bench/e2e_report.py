@@ -79,7 +79,8 @@ def _mixed_order(mode: str) -> tuple:
 
 
 def _modes(res: Dict) -> List[str]:
-    modes = ["a_plain", "b_launcher_idle", "b_prefill", "d_prefill", "d_file_capture", "d_open_loop"]
+    modes = ["a_plain", "b_launcher_idle", "b_prefill", "d_prefill", *sorted(m for m in res if m.startswith("d_prefill_r")),
+             "d_file_capture", "d_open_loop"]
     return modes + sorted((m for m in res if m.startswith(("a_mixed", "b_mixed", "d_mixed"))), key=_mixed_order) + ["c_json"]
 
 
@@ -125,9 +126,15 @@ def _capacity_checks(res: Dict) -> List[str]:
     bp, dp = _tok(res, "b_prefill", "prefill"), _tok(res, "d_prefill", "capture")
     if bp and dp:
         w = res.get("capture_ab_windows", [])
-        per = _bracketed([d_ / b_ for b_, d_ in w]) if len(w) > 1 else ""
+        per = _bracketed([x[1] / x[0] for x in w]) if len(w) > 1 else ""
         checks.append(f"capture server, every request capturing / nothing capturing (same load, alternating windows): "
                       f"{dp / bp:.3f}{per}")
+        for i, params in enumerate(cfg.get("request_variants") or []):
+            rp = _tok(res, f"d_prefill_r{i}", "capture")
+            if rp:
+                per_d = ", ".join(f"{x[2 + i] / x[1]:.3f}" for x in w if len(x) > 2 + i)
+                checks.append(f"capture server, every request capturing with {json.dumps(params)}: / nothing capturing "
+                              f"{rp / bp:.3f}, / capturing without it {rp / dp:.3f} (per round: {per_d})")
     if a_ and b:
         ab = res.get("ab_windows", [])
         per = _bracketed(_paired_ratios([w[0] for w in ab], [w[1] for w in ab[:-1]]))
@@ -145,7 +152,8 @@ def _mixed_checks(res: Dict, modes: List[str]) -> List[str]:
         am, dm = _tok(res, a_key, "mixed-other"), _tok(res, m, "mixed-other")
         if not (am and dm):
             continue
-        label = f" [{cfg['variants'][int(base.split('_v')[1])]}]" if "_v" in base else ""
+        label = (f" [{cfg['variants'][int(base.split('_v')[1])]}]" if "_v" in base
+                 else f" [{json.dumps(cfg['request_variants'][int(base.split('_r')[1])])} per request]" if "_r" in base else "")
         rate = float(rate_tag) if rate_tag else cfg["capture_rate"]
         per = _bracketed(_paired_ratios(res[a_key].get("_windows", []), res[m].get("_windows", [])))
         if base.startswith("b_mixed"):

@@ -13,7 +13,9 @@ would need no GPU to read only if this holds.
 
 Reported per chunk size and dtype: ratio, GB/s of raw input (shuffle + compress + copy of the
 compressed bytes, synchronised), host CPU seconds per GB of raw input (this process's user + system
-time over the timed loop: the host cores one GB/s of capture would keep busy), and the CPU path
+time over the timed loop: the host cores one GB/s of capture would keep busy), each stage's wall
+and CPU time alone (the encode's wall bounds the GPU time it would take from a server's forward
+passes), and the CPU path
 (the writers' activation preset + shuffle, one thread, frames of 64 MB) on the same bytes. Issue
 18's bar: at most 1 host core per GB/s, and worth it only if the ratio holds. Without nvCOMP (``pip
 install nvidia-nvcomp-cu13``) or a GPU, the nvCOMP rows say why and the CPU rows still run.
@@ -79,22 +81,46 @@ def nvcomp_run(rows: torch.Tensor, chunk_kb: int, repeat: int) -> Dict:
         # at 0.01 GB/s on the H200 (r39: 2,048 Python calls per capture), so only the batch counts
         return list(codec.encode(nvcomp.as_arrays(chunks)))
 
+    def to_host(frames) -> List[bytes]:
+        """The frames in one device-to-host copy (one copy per frame costs a Python call each):
+        concatenated on the device through DLPack, cut back into frames on the host."""
+        try:
+            parts = [torch.from_dlpack(f).view(torch.uint8).reshape(-1) for f in frames]
+        except Exception:  # an nvCOMP without DLPack: per-frame copies, the slow path
+            return [numpy.asarray(f.cpu()).tobytes() for f in frames]
+        flat = memoryview(torch.cat(parts).cpu().numpy())
+        ends = numpy.cumsum([p.numel() for p in parts]).tolist()
+        return [flat[s:e] for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+
     def once():
         chunks = shuffled_chunks(rows, chunk_kb << 10)
-        frames = encode(chunks)
-        host = [numpy.asarray(a.cpu()).tobytes() for a in frames]
+        host = to_host(encode(chunks))
         torch.cuda.synchronize()
         return chunks, host
 
-    encode(shuffled_chunks(rows[:64], chunk_kb << 10))  # warm-up
+    def stage(fn):
+        """One stage alone between device synchronisations: its wall and host CPU seconds."""
+        torch.cuda.synchronize()
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, {"wall_s": round(time.perf_counter() - t0, 4), "cpu_s": round(cpu_seconds() - c0, 4)}
+
+    to_host(encode(shuffled_chunks(rows[:64], chunk_kb << 10)))  # warm-up
     wall, cpu, (chunks, host) = timed(once, repeat)
+    # where the time goes: the encode's wall between synchronisations bounds the GPU time it takes
+    # from the model's forward passes when both share the GPU
+    split_chunks, shuffle_t = stage(lambda: shuffled_chunks(rows, chunk_kb << 10))
+    frames, encode_t = stage(lambda: encode(split_chunks))
+    _, copy_t = stage(lambda: to_host(frames))
     dec = zstandard.ZstdDecompressor()
     readable = all(dec.decompress(f, max_output_size=c.numel()) == bytes(c.cpu().numpy())
                    for f, c in zip(host, chunks, strict=True))
     size = sum(len(f) for f in host)
     return {"frames": len(host), "ratio": round(raw / size, 3), "bytes_per_token": round(size / rows.shape[0]),
             "gb_per_s": round(raw / wall / 1e9, 2), "host_cores_per_gb_s": round(cpu / (raw / 1e9), 3),
-            "zstandard_reads_every_frame": readable}
+            "zstandard_reads_every_frame": readable, "stages": {"shuffle": shuffle_t, "encode": encode_t, "copy": copy_t},
+            "encode_gpu_s_per_gb_at_most": round(encode_t["wall_s"] / (raw / 1e9), 3)}
 
 
 def cpu_run(rows: torch.Tensor, repeat: int) -> Dict:

@@ -9,7 +9,8 @@
 # same stream not capturing (mixed with --idle-mixed).
 #   source .devkit/env.sh; bash bench/h200_kimi.sh $OUT
 # Knobs: KIMI_LAYERS, KIMI_EXPERTS, KIMI_HIDDEN (a smaller model for a dry run), MEM_FRACTION,
-# PHASES, E2E_SECONDS, AB_ROUNDS, MIXED_ROUNDS, MIXED_RATES, CONCURRENCY, CAPTURE_ARGS, and
+# PHASES, E2E_SECONDS, AB_ROUNDS, MIXED_ROUNDS, MIXED_RATES, CONCURRENCY, CAPTURE_ARGS,
+# REQUEST_VARIANTS (issue 18: '{"capture_dtype": "fp8"}' adds FP8 windows on the same server), and
 # PARALLEL for several GPUs (issue 19 on nvidia-h200-x8: PARALLEL="--tp 8" or "--tp 8 --dp 8
 # --enable-dp-attention", KIMI_EXPERTS as many as fit: 64 make about 355 GB of bf16 per server, half of 8 H200).
 # Two servers of ~57 GiB of weights each on one GPU: SGLang 0.5.17 counts a neighbour's allocation
@@ -27,7 +28,7 @@ timeout ${E2E_TIMEOUT:-560} python "$R/bench/e2e.py" /tmp/kimi $OUT/e2e --phases
   --mixed-rounds ${MIXED_ROUNDS:-2} --idle-mixed --client-procs 2 --capture-rate ${MIXED_RATES:-1} \
   --mixed-rates ${MIXED_RATES:-1} --capture-dir /tmp/caps --capture-args "${CAPTURE_ARGS:-}" \
   --sglang-args "$SGLANG_GPU_ARGS ${PARALLEL:-} --load-format dummy --chunked-prefill-size 8192 --max-total-tokens ${MAX_TOKENS:-40000} --mem-fraction-static ${MEM_FRACTION:-0.88}" \
-  --variants="${MIXED_VARIANTS:-}" 2> $W/e2e.log | tee "$OUT/e2e-kimi.md"
+  --variants="${MIXED_VARIANTS:-}" --request-variants="${REQUEST_VARIANTS:-}" 2> $W/e2e.log | tee "$OUT/e2e-kimi.md"
 rc=${PIPESTATUS[0]}
 tail -12 $W/e2e.log
 tar -C $W -czf "$OUT/logs.tgz" --exclude='*.msgpack' . 2>/dev/null

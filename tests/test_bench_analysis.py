@@ -140,7 +140,8 @@ def test_the_serialization_benchmark_times_every_path_on_the_cpu(tmp_path):
 
 
 def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_target(tiny_models, tmp_path):
-    """The GPU benchmark's own code path, end to end on two real CPU servers (numbers meaningless here)."""
+    """The GPU benchmark's own code path, end to end on two real CPU servers (numbers meaningless here),
+    with a per-request variant (FP8) measured in its own windows on the same capture server."""
     import json
     import subprocess
 
@@ -149,7 +150,7 @@ def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_tar
            "--concurrency", "4", "--seconds", "4", "--capture-rate", "2", "--phases", "capture_ab,mixed", "--mixed-rounds", "1",
            "--ab-rounds", "1",
            "--mixed-rates", "2", "--client-procs", "2", "--capture-dir", str(tmp_path / "caps"),
-           "--capture-args", "--capture-layers 1,2,3 --capture-writers 2",
+           "--capture-args", "--capture-layers 1,2,3 --capture-writers 2", "--request-variants", '{"capture_dtype": "fp8"}',
            "--sglang-args", "--device cpu --attention-backend torch_native --max-total-tokens 4096 --skip-server-warmup "
                             "--max-running-requests 8 --sleep-on-idle"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -162,6 +163,14 @@ def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_tar
     assert res["d_mixed"]["_scheduler_thread"]["run_batch/extend/capture"]["calls"] > 0
     assert res["d_prefill"]["capture"]["capture_ok"] == res["d_prefill"]["capture"]["requests"] > 0
     assert res["b_prefill"]["prefill"]["capture_ok"] == 0 and len(res["capture_ab_windows"]) == 1
+    # the variant's windows: every capture ok, and FP8 files hold fewer bytes per captured request
+    fp8_ab, fp8_mixed = res["d_prefill_r0"]["capture"], res["d_mixed_r0"]["mixed-capture"]
+    assert fp8_ab["capture_ok"] == fp8_ab["requests"] > 0 and fp8_mixed["capture_ok"] == fp8_mixed["requests"] > 0
+    bf16_ab = res["d_prefill"]["capture"]
+    assert fp8_ab["bytes_on_disk"] / fp8_ab["capture_ok"] < bf16_ab["bytes_on_disk"] / bf16_ab["capture_ok"]
+    assert len(res["capture_ab_windows"][0]) == 3
+    assert 'every request capturing with {"capture_dtype": "fp8"}: / nothing capturing' in proc.stdout
+    assert any(l.startswith('mixed load [{"capture_dtype": "fp8"} per request], capture stream') for l in proc.stdout.splitlines())
     assert "every request capturing / nothing capturing" in proc.stdout
     verdict = next(l for l in proc.stdout.splitlines() if l.startswith("mixed load, capture stream 128 tok/s"))
     assert verdict.endswith(("PASS", "MISS"))
@@ -183,3 +192,25 @@ def test_the_writer_benchmark_compares_fp8_and_model_dtype_files_on_the_cpu(tmp_
     assert runs["model"]["failed"] == runs["fp8"]["failed"] == 0
     assert runs["fp8"]["disk_bytes_per_token"] < runs["model"]["disk_bytes_per_token"]
     assert runs["fp8"]["writer_cores_per_gb_s"] >= 0 and "| fp8 | zstd+shuffle |" in proc.stdout
+
+
+def test_the_fp8_benchmark_compares_each_request_captured_in_bf16_and_fp8_row_for_row(tiny_models, tmp_path):
+    """bench/gpu_fp8.py on a real CPU server: every prompt captured in the model's dtype and in FP8,
+    each row within the FP8 bar, FP8 files smaller, every block of every row counted."""
+    import json
+    import subprocess
+
+    out = tmp_path / "fp8"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_fp8.py"), tiny_models["tiny-dsv3"], str(out),
+                           "--prompts", "3", "--max-tokens", "96", "--server-args",
+                           "--device cpu --attention-backend torch_native --max-total-tokens 4096 --skip-server-warmup "
+                           "--sleep-on-idle"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.load(open(out / "gpu_fp8.json"))
+    assert res["prompt_tokens"] == [32, 64, 96]
+    assert set(res["blocks"]) == {"aux_layer_1", "aux_layer_2", "aux_layer_3", "final"}
+    assert all(b["rows"] == 192 and b["min_cos"] >= 0.999 and b["rows_below_0.999"] == 0 for b in res["blocks"].values())
+    sizes = res["bytes_per_token"]
+    assert sizes["fp8"]["before_compression"] < sizes["model"]["before_compression"]
+    assert res["checks"]["every_row_cos_ge_0.999"] and res["checks"]["fp8_smaller_than_model_dtype"]
+    assert proc.stdout.splitlines()[-1].startswith("PASS every row cos >= 0.999")
