@@ -288,25 +288,27 @@ class Run:
                                                          for i, v in enumerate(self.variants)]
         per_request = [(f"d_mixed_r{i}{tag}", f"d_mixed_r{i}{tag} ({json.dumps(p)})", self.spec("mixed-capture", capture=True, params=p))
                        for i, p in enumerate(a.request_variants)]
-        windows: Dict[str, List[Dict]] = {"a_mixed" + tag: []}
+        windows: Dict[str, List[Dict]] = {}
+
+        def keep(key: str, window: Dict) -> None:  # merged and saved per window: a run cut short keeps each
+            ws = windows.setdefault(key, [])
+            ws.append(window)
+            self.res[key] = {**merge(ws), "_windows": [w["mixed-other"]["tok_per_s"] for w in ws]}
+            save(self.res, a.out)
+
         for round_ in range(a.mixed_rounds):
             spy = round_ == 0 and rate == self.rates[0]
-            windows["a_mixed" + tag].append(self.measure(self.plain, "a_mixed" + tag, self.others, a.seconds, spy=spy,
-                                                         open_spec=plain_stream, rate=rate))
+            keep("a_mixed" + tag, self.measure(self.plain, "a_mixed" + tag, self.others, a.seconds, spy=spy,
+                                               open_spec=plain_stream, rate=rate))
             if a.idle_mixed:  # the capture server, nothing capturing: its scheduler thread's baseline
-                windows.setdefault("b_mixed" + tag, []).append(self.measure_capture(
-                    self.capture, self.capture_dir, "b_mixed" + tag, self.others, spy=spy, open_spec=plain_stream, rate=rate))
+                keep("b_mixed" + tag, self.measure_capture(self.capture, self.capture_dir, "b_mixed" + tag, self.others,
+                                                           spy=spy, open_spec=plain_stream, rate=rate))
             for (srv, d), (key, label) in zip(self._capture_servers(), labels, strict=True):
-                windows.setdefault(key, []).append(self.measure_capture(srv, d, label, self.others, spy=spy,
-                                                                        open_spec=capturing, rate=rate))
+                keep(key, self.measure_capture(srv, d, label, self.others, spy=spy, open_spec=capturing, rate=rate))
             for key, label, stream in per_request:
-                windows.setdefault(key, []).append(self.measure_capture(self.capture, self.capture_dir, label, self.others,
-                                                                        open_spec=stream, rate=rate))
-        windows["a_mixed" + tag].append(self.measure(self.plain, "a_mixed" + tag, self.others, a.seconds,
-                                                     open_spec=plain_stream, rate=rate))
-        for key, ws in windows.items():
-            self.res[key] = merge(ws)
-            self.res[key]["_windows"] = [w["mixed-other"]["tok_per_s"] for w in ws]
+                keep(key, self.measure_capture(self.capture, self.capture_dir, label, self.others, open_spec=stream, rate=rate))
+        keep("a_mixed" + tag, self.measure(self.plain, "a_mixed" + tag, self.others, a.seconds,
+                                           open_spec=plain_stream, rate=rate))
 
     def profile_window(self, server: Server, name: str, load) -> Dict:
         """``load()`` with ``--profile-steps`` forward steps profiled 2 s into it; the trace's summary."""
