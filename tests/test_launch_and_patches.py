@@ -88,6 +88,13 @@ def test_writer_cpus_that_are_not_a_list_or_not_the_servers_are_refused(tmp_path
     assert lines[0].startswith(f"Error: --capture-writer-cpus names CPUs {beyond}-{beyond + 1} that this server may not use")
 
 
+def test_gpu_codec_left_out_after_measurement_is_refused_naming_the_codecs_there_are(tmp_path):
+    """nvCOMP's zstd was measured and left out (bench/RESULTS.md r43): asking for it gets one line."""
+    result, lines = _launch("--capture-dir", str(tmp_path), "--capture-codec", "nvcomp-zstd", "--model-path", "x")
+    assert result.exit_code != 0
+    assert lines == ["Error: Invalid value for '--capture-codec': 'nvcomp-zstd' is not one of 'zstd', 'none'."]
+
+
 def test_unsupported_sglang_version_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(inst, "installed_sglang_version", lambda: "0.4.9")
     result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", "x")
