@@ -67,8 +67,10 @@ def test_speculative_decoding_is_refused(tiny_models, tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--disaggregation-mode", "prefill"], "--disaggregation-mode"),
-    (["--disaggregation-mode", "decode"], "--disaggregation-mode"),
+    (["--disaggregation-mode", "decode"], "a PD decode server computes no prompt rows (it receives the prompt's KV "
+     "cache): start it with python -m sglang.launch_server and capture on the prefill servers"),
+    (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "fake"],
+     "SGLang refused its arguments: Prefill server does not support 'fake' as the transfer backend"),
     (["--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:5757", "--tp", "2", "--dp", "2"],
       "--dp > 1 across several nodes only with --enable-dp-attention"),
 ])
@@ -76,6 +78,15 @@ def test_deployments_whose_captures_would_all_fail_are_refused_at_start(tiny_mod
     result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", tiny_models["tiny-dsv3"], "--device", "cpu",
                             *args)
     assert result.exit_code != 0 and len(lines) == 1 and words in lines[0], result.output[-2000:]
+
+
+def test_prefill_server_whose_transfer_engine_does_not_load_is_refused_at_start(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # import fails as for a missing wheel
+    result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", tiny_models["tiny-dsv3"], "--device", "cpu",
+                            "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake_tcp")
+    assert result.exit_code != 0 and len(lines) == 1, result.output[-2000:]
+    assert lines[0].startswith("Error: --disaggregation-transfer-backend mooncake needs Mooncake's transfer engine, "
+                               "which does not load (")
 
 
 def test_writer_cpus_that_are_not_a_list_or_not_the_servers_are_refused(tmp_path):
@@ -151,7 +162,7 @@ def test_doctor_reports_version_fingerprints_plugin_and_configuration():
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"installed SGLang: {inst.installed_sglang_version()}" in r.stdout
     assert "supported SGLang: 0.5.17, 0.5.23" in r.stdout
-    assert r.stdout.count("matches its fingerprint") == 10 and "FAIL" not in r.stdout
+    assert r.stdout.count("matches its fingerprint") == len(load_table("0.5.17")) == 12 and "FAIL" not in r.stdout
     assert "plugin entry point sglang.srt.plugins: sglang_capture" in r.stdout
     assert f"writers = auto ({CaptureConfig(capture_dir='.').writer_processes()} here)" in r.stdout and "max_pending_mb = 8192" in r.stdout
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
 
+from sglang_capture.testbed import server as testbed_server
 from sglang_capture.testbed.cpu import build_cuda_stub
 from sglang_capture.testbed.once import build_once
 
@@ -70,6 +72,38 @@ def test_a_failed_build_leaves_nothing_and_the_next_caller_builds_it(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["artifact.lock"]
     build_once(path, lambda tmp: open(os.path.join(tmp, "whole"), "w").close())
     assert sorted(os.listdir(path)) == [".built", "whole"]
+
+
+# Binds the HTTP port as uvicorn does: on a taken port it logs uvicorn's error line and exits.
+_HTTP_SERVER = """
+import sys, http.server
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+try:
+    srv = http.server.HTTPServer(("127.0.0.1", port), H)
+except OSError:
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+          "address already in use", flush=True)
+    sys.exit(3)
+srv.serve_forever()
+"""
+
+
+def test_a_server_whose_port_is_taken_before_it_binds_is_started_again_on_another(tmp_path, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], testbed_server.free_port()])
+        monkeypatch.setattr(testbed_server, "free_port", lambda: next(ports))
+        server = testbed_server.start_server([sys.executable, "-c", _HTTP_SERVER], dict(os.environ),
+                                             str(tmp_path / "server.log"))
+        try:
+            assert server.url != f"http://127.0.0.1:{taken.getsockname()[1]}"
+            assert server.proc.poll() is None
+        finally:
+            testbed_server.stop_server(server)
 
 
 def test_servers_starting_together_on_a_fresh_machine_share_one_working_cuda_stub(tmp_path):

@@ -67,6 +67,17 @@ def read_model_shape(model_path: str, trust_remote_code: bool) -> Tuple[str, int
         raise ConfigError(f"cannot read the model config of {model_path} to check the capture layers: {e}") from None
 
 
+def check_transfer_engine(backend: str) -> None:
+    """A PD prefill server whose transfer engine cannot load would fail in its scheduler, after start."""
+    if backend not in ("mooncake", "mooncake_tcp"):
+        return
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"--disaggregation-transfer-backend {backend} needs Mooncake's transfer engine, which does "
+                          f"not load ({e}); pip install mooncake-transfer-engine (or -non-cuda on a CPU host)") from None
+
+
 def check_server_args(server_args) -> None:
     """Reject SGLang settings under which captured rows would be wrong or incomplete."""
     if getattr(server_args, "speculative_algorithm", None):
@@ -78,9 +89,12 @@ def check_server_args(server_args) -> None:
     # 0.5.17 resolves an unset mode to "full" when parsing; 0.5.23 leaves it None until resolution
     if getattr(server_args, "return_hidden_states_mode", None) not in (None, "full"):
         raise ConfigError("capture needs --return-hidden-states-mode full (or leave it unset)")
-    if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
-        raise ConfigError("capture does not support --disaggregation-mode yet: a prefill server's results bypass "
-                          "the seams that take the rows, so every capture would fail; capture on a server without it")
+    if getattr(server_args, "disaggregation_mode", "null") == "decode":
+        raise ConfigError("a PD decode server computes no prompt rows (it receives the prompt's KV cache): start it "
+                          "with python -m sglang.launch_server and capture on the prefill servers "
+                          "(--disaggregation-mode prefill through sglang_capture.launch)")
+    if getattr(server_args, "disaggregation_mode", "null") == "prefill":
+        check_transfer_engine(server_args.disaggregation_transfer_backend)
     if needs_shared_dir(server_args) and not getattr(server_args, "enable_dp_attention", False):
         raise ConfigError("capture supports --dp > 1 across several nodes only with --enable-dp-attention (data-parallel "
                           "replicas across nodes are untested); use --nnodes 1, or --enable-dp-attention")
@@ -102,7 +116,10 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
         argv.append("--enable-return-hidden-states")
     from sglang.srt.server_args import prepare_server_args
 
-    server_args = prepare_server_args(argv)
+    try:
+        server_args = prepare_server_args(argv)
+    except (AssertionError, ValueError) as e:  # SGLang's own checks of its arguments
+        raise ConfigError(f"SGLang refused its arguments: {e}") from None
     check_server_args(server_args)
     arch, num_layers = read_model_shape(server_args.model_path, server_args.trust_remote_code)
     try:

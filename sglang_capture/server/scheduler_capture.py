@@ -25,6 +25,7 @@ from sglang_capture.server.batch_rows import BatchRows, ResultRows
 from sglang_capture.server.host_pool import HostPool
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.node_budget import NodeBudget
+from sglang_capture.server.pd_prefill import chunk_like_any_request, decode_rows_error, is_pd_prefill
 from sglang_capture.server.request_capture import RequestCapture
 from sglang_capture.server.seam_clock import SeamClock
 from sglang_capture.server.writer_pool import CaptureJob, WriterPool
@@ -79,6 +80,7 @@ class SchedulerCapture:
         self.launching: Optional[BatchRows] = None
         self.processing: Optional[ResultRows] = None
         self._is_writer: Optional[bool] = None
+        self.pd_prefill = False  # a PD prefill server (pd_prefill.py), known once the model is loaded
         from sglang_capture import __version__
         from sglang_capture.server.instrumentor import installed_sglang_version
 
@@ -99,6 +101,7 @@ class SchedulerCapture:
         model = runner.model
         arch, hidden, num_layers, dtype = _model_facts(runner)
         layers = resolve_layers(self.config.layers, num_layers, arch)
+        self.pd_prefill = is_pd_prefill(runner.server_args)
         self.aux = AuxCapture(runner, layers)
         self.aux.enable()
         self.model = ModelInfo(
@@ -174,6 +177,8 @@ class SchedulerCapture:
         # A private radix-cache namespace: a prefix hit would leave the cached positions without rows.
         req.extra_key = (req.extra_key or "") + EXTRA_KEY_TAG + req.rid
         setattr(req, AUX_ATTR, True)
+        if self.pd_prefill:
+            chunk_like_any_request(req)
         if not self.is_writer:
             req.return_hidden_states = False
             return
@@ -185,6 +190,9 @@ class SchedulerCapture:
                                  fp8_block=self.model.hidden_size if dtype == "fp8" else None)
         setattr(req, CAPTURE_ATTR, capture)
         capture.finalizer = weakref.finalize(req, capture.release)  # dropped unfinished: free the rows
+        why = decode_rows_error(req) if self.pd_prefill else None
+        if why is not None:
+            capture.fail(why)
 
     def splits(self) -> Dict[str, Tuple[int, int]]:
         """Column ranges of the captured rows: aux layers first, then the final hidden state."""

@@ -1,6 +1,8 @@
 """Environment for serving SGLang on a CPU-only machine (no NVIDIA driver)."""
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 import subprocess
 from typing import Dict, Optional
@@ -35,6 +37,27 @@ def build_cuda_stub(stub_dir: str) -> str:
     return build_once(stub_dir, build, stamp=" ".join(_STUB_SYMBOLS))
 
 
+def build_ibverbs_shim(shim_dir: str) -> Optional[str]:
+    """A folder holding ``libibverbs.so.1`` for mooncake's CPU wheel (PD disaggregation's transfer
+    engine), or None without the ``pyverbs`` wheel. mooncake links libibverbs even for its TCP
+    transport; this machine has no rdma-core, but pyverbs' wheel carries one (renamed by
+    auditwheel, with its libnl), which is what the links here point to."""
+    spec = importlib.util.find_spec("pyverbs")
+    if spec is None or spec.origin is None:
+        return None
+    libs = os.path.join(os.path.dirname(os.path.dirname(spec.origin)), "pyverbs.libs")
+    verbs = glob.glob(os.path.join(libs, "libibverbs-*.so.*"))
+    if not verbs:
+        return None
+
+    def build(tmp: str) -> None:
+        os.symlink(verbs[0], os.path.join(tmp, "libibverbs.so.1"))
+        for lib in glob.glob(os.path.join(libs, "libnl*.so*")):
+            os.symlink(lib, os.path.join(tmp, os.path.basename(lib)))
+
+    return build_once(shim_dir, build, stamp=verbs[0])
+
+
 def server_env(cache_dir: str, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """Environment for a server subprocess: unchanged (offline) with a GPU, the CPU recipe without."""
     env = dict(os.environ if base is None else base)
@@ -42,7 +65,10 @@ def server_env(cache_dir: str, base: Optional[Dict[str, str]] = None) -> Dict[st
     if has_nvidia_driver():
         return env
     stub = build_cuda_stub(os.path.join(cache_dir, "cudastub"))
-    env["LD_LIBRARY_PATH"] = stub + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    libs = [stub]
+    if "libibverbs.so.1 " not in subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout:
+        libs += [d for d in [build_ibverbs_shim(os.path.join(cache_dir, "ibverbs"))] if d]
+    env["LD_LIBRARY_PATH"] = ":".join(libs + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else []))
     env.update(
         SGLANG_USE_CPU_ENGINE="1",
         TORCHDYNAMO_DISABLE="1",  # else inductor compiles MoE top-k for ~40 s on the first request
@@ -51,6 +77,9 @@ def server_env(cache_dir: str, base: Optional[Dict[str, str]] = None) -> Dict[st
         # Several ranks (TP, DP attention) talk over gloo on a CPU; a loadable NCCL (the pip wheel
         # torch brings) would make SGLang set up a CUDA communicator and fail on the CPU device.
         SGLANG_NCCL_SO_PATH=os.path.join(stub, "no-nccl-on-cpu"),
+        # A PD prefill server under overlap scheduling records a CUDA event before it sends a
+        # cached prefix's KV early; on a CPU that raises. The send then waits for the last chunk.
+        SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX="false",
     )
     return env
 

@@ -54,7 +54,28 @@ def plain_cmd(model: str, *extra: str) -> List[str]:
 
 
 def start_server(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir: str = "") -> Server:
-    """Start a server in its own process group and wait until /health answers."""
+    """Start a server in its own process group and wait until /health answers.
+
+    ``free_port`` only finds a port that was free a moment ago: another server starting beside
+    this one (SGLang opens several ports of its own) can take it first, and then this server
+    exits once its HTTP port fails to bind. That server is started again on a new port."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _start_once(cmd, env, log_path, capture_dir)
+        except PortTaken:
+            if attempt == PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    """The server's HTTP port was taken between ``free_port`` and the server binding it."""
+
+
+PORT_ATTEMPTS = 3
+
+
+def _start_once(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir: str) -> Server:
     port = free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
@@ -63,6 +84,9 @@ def start_server(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            stop_server(server)  # what is left of its process group
+            if f"address ('127.0.0.1', {port}): address already in use" in server.log():
+                raise PortTaken(f"port {port} was taken before the server bound it")
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
         try:
             if requests.get(server.url + "/health", timeout=2).status_code == 200:

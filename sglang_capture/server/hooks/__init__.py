@@ -2,10 +2,13 @@
 
 ``patches/`` says which SGLang functions are wrapped and by which function here. Every hook
 takes its process's state as its first argument, bound by the instrumentor: the scheduler
-process's ``SchedulerCapture``, or the ``CaptureConfig`` in the HTTP process (``response``).
+process's ``SchedulerCapture``, or the ``CaptureConfig`` in the HTTP process (``tokenize``,
+``response``).
 
 The order in which SGLang calls the seams, for one batch on one scheduler (0.5.17 and 0.5.23):
 
+0. ``tokenize`` (``TokenizerManager._create_tokenized_object``, HTTP process, PD prefill servers
+   only): a capture request sent without a router gets SGLang's no-decode-server bootstrap.
 1. ``request`` (``Req.__init__``): a capture request is marked when the scheduler creates it.
 2. ``batch_run`` (``Scheduler.run_batch``): the batch is launched. Its ``BatchRows``
    (``batch_rows.py``) becomes ``SchedulerCapture.launching`` for the duration of the call, and is then
@@ -19,7 +22,9 @@ The order in which SGLang calls the seams, for one batch on one scheduler (0.5.1
 5. ``batch_result`` (``Scheduler.process_batch_result``): with overlap, one iteration later,
    after the next batch was launched. Its ``ResultRows`` becomes ``SchedulerCapture.processing``.
 6. ``prefill_rows`` / ``decode_rows`` (``_append_*_hidden_states``), inside step 5: rows are
-   taken by absolute position through ``processing``.
+   taken by absolute position through ``processing``. On a PD prefill server step 5 calls
+   ``process_batch_result_disagg_prefill`` instead, which reads no hidden states: ``pd_prefill_rows``
+   takes every chunk's rows before it runs.
 7. ``finish`` (``_stream_output_generation``), inside step 5: finished requests are sealed and
    handed to the writer; ``response`` (HTTP process) waits for the writer's outcome.
 

@@ -63,12 +63,39 @@ def take_prefill_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args
     if not kwargs["capture_hidden_mode"].is_full():
         raise RuntimeError("sglang_capture needs full hidden-state capture; start the server through sglang_capture.launch")
     if not req.finished() and not req.is_retracted:
-        hidden = kwargs["logits_output"].hidden_states
-        found = _rows_of(state, req, capture, hidden, start, n)
-        if found is not None:
-            row, processing = found
-            capture.add(processing.chunk_start(req), hidden[row:row + n])
+        _store_chunk(state, req, capture, kwargs["logits_output"].hidden_states, start, n)
     return start + n
+
+
+def _store_chunk(state: SchedulerCapture, req: Any, capture: Any, hidden: Any, offset: int, n: int) -> None:
+    """Hand the ``n`` rows at batch offset ``offset`` to ``req``'s capture, at their prompt position."""
+    if capture.failure is not None:
+        return
+    found = _rows_of(state, req, capture, hidden, offset, n)
+    if found is not None:
+        row, processing = found
+        capture.add(processing.chunk_start(req), hidden[row:row + n])
+
+
+def take_pd_prefill_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Before ``process_batch_result_disagg_prefill`` (a PD prefill server, ``--disaggregation-mode
+    prefill``): SGLang's code there never reads the hidden states, so every chunk's rows are taken
+    here, before it hands the request's KV to the decode server. The launcher requires
+    ``--return-hidden-states-mode full``, so each request owns ``extend_input_len`` rows in turn."""
+    batch = args[0] if args else kwargs["batch"]
+    result = args[1] if len(args) > 1 else kwargs["result"]
+    out = result.logits_output
+    lens = result.extend_input_len_per_req
+    if batch.return_hidden_states and out is not None and out.hidden_states is not None and lens is not None:
+        if result.copy_done is not None:
+            result.copy_done.synchronize()
+        offset = 0
+        for req, n in zip(batch.reqs, lens, strict=True):
+            capture = getattr(req, CAPTURE_ATTR, None)
+            if capture is not None and not req.finished() and not req.is_retracted:
+                _store_chunk(state, req, capture, out.hidden_states, offset, n)
+            offset += n
+    return wrapped(*args, **kwargs)
 
 
 def take_decode_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Optional[Any]:
