@@ -25,7 +25,7 @@ from tests.reference import max_abs_diff, reference_states
 from tests.test_extract_tools import cli, extract, make_conversations
 
 # 0.5.23's prefill server sends KV with pinned host memory and a CUDA event (_send_kv_chunk), which
-# a CPU cannot give it: every routed request crashes its scheduler there, with or without capture.
+# a CPU cannot give it: a routed request crashed the scheduler there, inside that SGLang function.
 pytestmark = pytest.mark.skipif(installed_sglang_version() == "0.5.23",
                                 reason="SGLang 0.5.23's PD prefill server does not run on a CPU")
 

@@ -26,6 +26,7 @@ from sglang_capture.core.config import (
 from sglang_capture.core.layers import LayerError, resolve_layers
 from sglang_capture.server.capture_info import add_route, capture_info_body
 from sglang_capture.server.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
+from sglang_capture.server.pd_prefill import is_pd_prefill
 from sglang_capture.server.peers import needs_shared_dir
 
 
@@ -93,7 +94,7 @@ def check_server_args(server_args) -> None:
         raise ConfigError("a PD decode server computes no prompt rows (it receives the prompt's KV cache): start it "
                           "with python -m sglang.launch_server and capture on the prefill servers "
                           "(--disaggregation-mode prefill through sglang_capture.launch)")
-    if getattr(server_args, "disaggregation_mode", "null") == "prefill":
+    if is_pd_prefill(server_args):
         check_transfer_engine(server_args.disaggregation_transfer_backend)
     if needs_shared_dir(server_args) and not getattr(server_args, "enable_dp_attention", False):
         raise ConfigError("capture supports --dp > 1 across several nodes only with --enable-dp-attention (data-parallel "

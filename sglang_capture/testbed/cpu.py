@@ -1,6 +1,7 @@
 """Environment for serving SGLang on a CPU-only machine (no NVIDIA driver)."""
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import os
@@ -20,9 +21,14 @@ _STUB_SYMBOLS = (
 ).split()
 
 
+@functools.lru_cache(maxsize=None)
+def _system_has_lib(soname: str) -> bool:
+    """Whether the dynamic linker's cache lists ``soname`` (asked once per process and name)."""
+    return f"{soname} " in subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+
+
 def has_nvidia_driver() -> bool:
-    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    return "libcuda.so.1 " in out
+    return _system_has_lib("libcuda.so.1")
 
 
 def build_cuda_stub(stub_dir: str) -> str:
@@ -66,7 +72,7 @@ def server_env(cache_dir: str, base: Optional[Dict[str, str]] = None) -> Dict[st
         return env
     stub = build_cuda_stub(os.path.join(cache_dir, "cudastub"))
     libs = [stub]
-    if "libibverbs.so.1 " not in subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout:
+    if not _system_has_lib("libibverbs.so.1"):
         libs += [d for d in [build_ibverbs_shim(os.path.join(cache_dir, "ibverbs"))] if d]
     env["LD_LIBRARY_PATH"] = ":".join(libs + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else []))
     env.update(

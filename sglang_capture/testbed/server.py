@@ -53,26 +53,25 @@ def plain_cmd(model: str, *extra: str) -> List[str]:
             "--enable-return-hidden-states", *extra]
 
 
+class PortTaken(RuntimeError):
+    """The server's HTTP port was taken between ``free_port`` and the server binding it."""
+
+
+PORT_ATTEMPTS = 3
+
+
 def start_server(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir: str = "") -> Server:
     """Start a server in its own process group and wait until /health answers.
 
     ``free_port`` only finds a port that was free a moment ago: another server starting beside
     this one (SGLang opens several ports of its own) can take it first, and then this server
     exits once its HTTP port fails to bind. That server is started again on a new port."""
-    for attempt in range(1, PORT_ATTEMPTS + 1):
+    for _ in range(PORT_ATTEMPTS - 1):
         try:
             return _start_once(cmd, env, log_path, capture_dir)
         except PortTaken:
-            if attempt == PORT_ATTEMPTS:
-                raise
-    raise AssertionError("unreachable")
-
-
-class PortTaken(RuntimeError):
-    """The server's HTTP port was taken between ``free_port`` and the server binding it."""
-
-
-PORT_ATTEMPTS = 3
+            pass
+    return _start_once(cmd, env, log_path, capture_dir)
 
 
 def _start_once(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir: str) -> Server:
