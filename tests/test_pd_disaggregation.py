@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
@@ -42,18 +43,29 @@ class PD:
     decode: Server
     bootstrap_port: int
     model: str
+    dp_ranks: int
 
 
-@pytest.fixture(scope="module")
-def pd(make_server, tiny_models, tmp_path_factory) -> PD:
+# How the prefill server is parallel: one scheduler, or DP attention over two ranks (how DeepSeek-V3
+# and Kimi-K2.5 prefill servers are deployed), where SGLang sends each request to the rank its
+# bootstrap room names: the tokenize seam's random room for direct requests, the router's otherwise.
+PREFILL_PARALLEL = {"tp1": (1, [], None),
+                    "dp2-attention": (2, ["--tp", "2", "--dp", "2", "--enable-dp-attention"],
+                                      {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"})}
+
+
+@pytest.fixture(scope="module", params=list(PREFILL_PARALLEL))
+def pd(request, make_server, tiny_models, tmp_path_factory) -> PD:
     model = tiny_models["tiny-dsv3"]
     capture_dir = str(tmp_path_factory.mktemp("pd-capture"))
     port = free_port()
+    dp_ranks, parallel, env = PREFILL_PARALLEL[request.param]
     prefill = make_server(capture_cmd(model, capture_dir, "--capture-layers", ",".join(map(str, LAYERS)), *PD_ARGS,
-                                      "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)),
-                          capture_dir)
+                                      *parallel, "--disaggregation-mode", "prefill",
+                                      "--disaggregation-bootstrap-port", str(port)),
+                          capture_dir, extra_env=env)
     decode = make_server(plain_cmd(model, *PD_ARGS, "--disaggregation-mode", "decode"))
-    return PD(prefill, decode, port, model)
+    return PD(prefill, decode, port, model, dp_ranks)
 
 
 def _prompt(seed: int, n: int) -> List[int]:
@@ -98,6 +110,36 @@ def test_capture_requests_sent_straight_to_a_prefill_server_store_every_prompt_r
     for name, ids in prompts.items():
         assert refs[name]["status"] == "ok" and refs[name]["rows"] == len(ids)
         _check_rows(pd, refs[name], ids)
+
+
+def test_direct_capture_requests_are_captured_on_whichever_dp_rank_serves_them(pd):
+    """Each DP rank of a prefill server captures the direct requests SGLang sends it (here routed
+    to each rank by ``routed_dp_rank``; without it, by the tokenize seam's random bootstrap room)."""
+    bodies = [{"input_ids": _prompt(500 + k, 40 + 70 * k), "routed_dp_rank": k % pd.dp_ranks,
+               "sampling_params": {"max_new_tokens": 1, "temperature": 0, "custom_params": {
+                   "capture": True, "capture_name": f"pd-rank-{k}"}}} for k in range(2 * pd.dp_ranks)]
+    with ThreadPoolExecutor(len(bodies)) as ex:
+        outs = list(ex.map(lambda body: pd.prefill.generate(body, 600), bodies))
+    for body, out in zip(bodies, outs, strict=True):
+        assert out.status_code == 200, out.text
+        ref = out.json()["meta_info"]["capture"]
+        assert ref["status"] == "ok" and ref["rows"] == len(body["input_ids"])
+        _check_rows(pd, ref, body["input_ids"])
+    def each_rank_wrote_two(stats: List[Dict]) -> bool:
+        return len(stats) == pd.dp_ranks and all(s["written"] >= 2 for s in stats)
+
+    deadline = time.monotonic() + 10  # a writer's stats file follows its last outcome by a moment
+    while not each_rank_wrote_two(stats := _writer_stats(pd)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert each_rank_wrote_two(stats), stats
+
+
+def _writer_stats(pd: PD) -> List[Dict]:
+    stats = []
+    for path in glob.glob(os.path.join(pd.prefill.capture_dir, ".index", "writer-*.json")):
+        with open(path) as f:
+            stats.append(json.load(f))
+    return stats
 
 
 def test_a_routed_capture_request_is_captured_on_the_prefill_server_and_decoded_on_the_decode_server(pd):
