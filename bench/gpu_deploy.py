@@ -1,6 +1,6 @@
 """Capture under the deployment configurations Kimi-K2.5 is served with, on GPUs, against ``--tp 1``.
 
-    python bench/gpu_deploy.py MODEL_DIR OUT_DIR --configs tp1,dp_attn,dp2
+    python bench/gpu_deploy.py MODEL_DIR OUT_DIR --configs tp1,dp_attn,dp2 [--server-args "..."]
 
 Each configuration's capture server (``python -m sglang_capture.launch``) gets the same load:
 concurrent capture and plain requests of 17-700 random tokens, a prompt prefix shared by plain
@@ -18,7 +18,13 @@ DP attention). The first configuration is the reference (``tp1``). For every oth
   so every row must reach 0.999.
 
 Configurations: ``tp1``, ``tp2``, ``dp2`` (two schedulers), ``dp_attn`` (``--tp 2 --dp 2
---enable-dp-attention``), ``tp2_nodes`` (``--tp 2`` as two "nodes" of one GPU each on loopback).
+--enable-dp-attention``), ``tp2_nodes`` (``--tp 2`` as two "nodes" of one GPU each on loopback),
+``pd`` (PD disaggregation on one GPU: a capture prefill server and a plain decode server, KV over
+Mooncake's TCP transport). Under ``pd`` capture requests go straight to the prefill server with one
+new token (what ``sglang-capture extract`` sends; their prompt rows are compared), plain requests go
+to both servers with one bootstrap room as a PD router sends them, and two routed capture requests
+check the rest: one new token (captured; the decode server's token equals the prefill server's)
+and four (a capture ``error`` naming the decode rows; the request still decodes its four tokens).
 Prints one line per configuration and writes OUT_DIR/gpu_deploy.json.
 """
 from __future__ import annotations
@@ -28,6 +34,7 @@ import glob
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -48,15 +55,18 @@ CONFIGS = {
     "dp2": ["--dp", "2"],
     "dp_attn": ["--tp", "2", "--dp", "2", "--enable-dp-attention"],
     "tp2_nodes": ["--tp", "2"],
+    "pd": ["--tp", "1"],
 }
-WRITER_RANKS = {"tp1": 1, "tp2": 1, "dp2": 2, "dp_attn": 2, "tp2_nodes": 1}
+WRITER_RANKS = {"tp1": 1, "tp2": 1, "dp2": 2, "dp_attn": 2, "tp2_nodes": 1, "pd": 1}
+# two servers share the GPU under ``pd``
+PD_ARGS = ["--disaggregation-transfer-backend", "mooncake_tcp", "--mem-fraction-static", "0.3"]
+SERVING_ARGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--cuda-graph-max-bs", "16",
+                "--chunked-prefill-size", "256", "--mem-fraction-static", "0.5"]
 
 
-def server_cmd(model: str, capture_dir: str, parallel: List[str]) -> List[str]:
+def server_cmd(model: str, capture_dir: str, parallel: List[str], serving: List[str]) -> List[str]:
     return [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir,
-            "--capture-layers", ",".join(map(str, LAYERS)), "--model-path", model, *parallel,
-            "--attention-backend", "triton", "--grammar-backend", "none", "--cuda-graph-max-bs", "16",
-            "--chunked-prefill-size", "256", "--mem-fraction-static", "0.5"]
+            "--capture-layers", ",".join(map(str, LAYERS)), "--model-path", model, *parallel, *serving]
 
 
 def load(vocab: int) -> List[Dict]:
@@ -69,28 +79,83 @@ def load(vocab: int) -> List[Dict]:
     return reqs
 
 
-def send(server: Server, r: Dict) -> Dict:
-    params = {"max_new_tokens": r["new"], "temperature": 0, "ignore_eos": True}
+def body(r: Dict, new: int) -> Dict:
+    params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
     if r["capture"]:
         params["custom_params"] = {"capture": True, "capture_name": r["name"]}
-    resp = server.generate({"input_ids": r["ids"], "sampling_params": params}, timeout=600)
+    return {"input_ids": r["ids"], "sampling_params": params}
+
+
+def answer(resp) -> Dict:
     return resp.json() if resp.status_code == 200 else {"http": resp.status_code, "text": resp.text[:300]}
 
 
-def start(name: str, model: str, capture_dir: str, out_dir: str) -> List[Server]:
-    """The configuration's server(s); for ``tp2_nodes`` node 1 first (no HTTP), then node 0."""
+def send(servers: List[Server], r: Dict) -> Dict:
+    return answer(servers[0].generate(body(r, r["new"]), timeout=600))
+
+
+def send_pd(servers: List[Server], r: Dict) -> Dict:
+    """Capture requests straight to the prefill server with one new token; plain ones routed."""
+    if r["capture"]:
+        return answer(servers[0].generate(body(r, 1), timeout=600))
+    return route(servers, body(r, r["new"]))["decode"]
+
+
+def route(servers: List[Server], payload: Dict) -> Dict:
+    """What a PD router does: the request to both servers at once, with one bootstrap room."""
+    bootstrap = {"bootstrap_host": "127.0.0.1", "bootstrap_port": servers[0].bootstrap_port,
+                 "bootstrap_room": random.randrange(1 << 62)}
+    with ThreadPoolExecutor(2) as pool:
+        outs = [pool.submit(s.generate, {**payload, **bootstrap}, 600) for s in servers]
+        return {"prefill": answer(outs[0].result()), "decode": answer(outs[1].result())}
+
+
+def routed_captures(servers: List[Server], vocab: int) -> Dict:
+    """The two routed capture requests of ``pd`` (docstring), with what each must show."""
+    rng = random.Random(17)
+    out = {}
+    for new in (1, 4):
+        r = {"name": f"routed-{new}", "ids": [rng.randrange(3, vocab) for _ in range(300)], "capture": True}
+        got = route(servers, body(r, new))
+        ref = got["prefill"].get("meta_info", {}).get("capture") or {}
+        decoded = got["decode"].get("output_ids") or []
+        if new == 1:
+            ok = ref.get("status") == "ok" and decoded == got["prefill"].get("output_ids") and len(decoded) == 1
+        else:
+            ok = ref.get("status") == "error" and "decode server computes" in ref.get("error", "") and len(decoded) == 4
+        out[r["name"]] = {"pass": ok, "capture": ref, "decode_output_ids": decoded}
+    return out
+
+
+def start(name: str, model: str, capture_dir: str, out_dir: str, serving: List[str]) -> List[Server]:
+    """The configuration's server(s); for ``tp2_nodes`` node 1 first (no HTTP), then node 0; for
+    ``pd`` the capture prefill server, then the plain decode server."""
     parallel = CONFIGS[name]
+    if name == "pd":
+        port = free_port()
+        prefill = start_server(server_cmd(model, capture_dir, parallel, serving) + PD_ARGS + [
+            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)], dict(os.environ),
+            os.path.join(out_dir, "pd.prefill.log"), capture_dir)
+        prefill.bootstrap_port = port
+        try:
+            decode = start_server([sys.executable, "-m", "sglang.launch_server", "--model-path", model, *parallel,
+                                   *serving, *PD_ARGS, "--disaggregation-mode", "decode"], dict(os.environ),
+                                  os.path.join(out_dir, "pd.decode.log"))
+        except RuntimeError:
+            stop_server(prefill)
+            raise
+        return [prefill, decode]
     if name != "tp2_nodes":
-        return [start_server(server_cmd(model, capture_dir, parallel), dict(os.environ),
+        return [start_server(server_cmd(model, capture_dir, parallel, serving), dict(os.environ),
                              os.path.join(out_dir, f"{name}.log"), capture_dir)]
     addr = f"127.0.0.1:{free_port()}"
     nodes = ["--nnodes", "2", "--dist-init-addr", addr]
     env1 = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
     log1 = open(os.path.join(out_dir, f"{name}.node1.log"), "w")
-    node1 = subprocess.Popen(server_cmd(model, capture_dir, parallel) + nodes + ["--node-rank", "1"], env=env1,
+    node1 = subprocess.Popen(server_cmd(model, capture_dir, parallel, serving) + nodes + ["--node-rank", "1"], env=env1,
                              stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
     env0 = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
-    s0 = start_server(server_cmd(model, capture_dir, parallel) + nodes + ["--node-rank", "0"], env0,
+    s0 = start_server(server_cmd(model, capture_dir, parallel, serving) + nodes + ["--node-rank", "0"], env0,
                       os.path.join(out_dir, f"{name}.log"), capture_dir)
     return [s0, Server("node1", node1, log1.name, capture_dir)]
 
@@ -105,18 +170,20 @@ def writer_stats(capture_dir: str) -> List[Dict]:
     return out
 
 
-def run_config(name: str, model: str, out_dir: str, captures: str, reqs: List[Dict]) -> Dict:
+def run_config(name: str, model: str, out_dir: str, captures: str, reqs: List[Dict], vocab: int,
+               serving: List[str]) -> Dict:
     capture_dir = os.path.join(captures, f"cap-{name}")
     os.makedirs(capture_dir, exist_ok=True)
     t0 = time.time()
     try:
-        servers = start(name, model, capture_dir, out_dir)
+        servers = start(name, model, capture_dir, out_dir, serving)
     except RuntimeError as e:
         return {"error": str(e)[-1500:]}
     try:
         startup = time.time() - t0
         with ThreadPoolExecutor(16) as pool:
-            outs = list(pool.map(lambda r: send(servers[0], r), reqs))
+            outs = list(pool.map(lambda r: (send_pd if name == "pd" else send)(servers, r), reqs))
+        routed = routed_captures(servers, vocab) if name == "pd" else None
         log = servers[0].log()
     finally:
         for s in reversed(servers):
@@ -127,10 +194,13 @@ def run_config(name: str, model: str, out_dir: str, captures: str, reqs: List[Di
     return {"startup_s": round(startup, 1), "capture_dir": capture_dir,
             "not_ok": {k: (o.get("meta_info", {}).get("capture") or o) for k, o in caps.items()
                        if (o.get("meta_info", {}).get("capture") or {}).get("status") != "ok"},
-            "one_file_per_request": files == sorted(caps),
+            "one_file_per_request": files == sorted([*caps, *(["routed-1"] if routed else [])]),
             "writers": writer_stats(capture_dir),
             "log": [line[-220:] for line in log.splitlines() if "sglang_capture:" in line][:12],
-            "outputs": {k: o.get("output_ids") for k, o in caps.items()}}
+            "outputs": {k: o.get("output_ids") for k, o in caps.items()},
+            **({"plain_decoded": all(len(o.get("output_ids") or []) == r["new"] for r, o in zip(reqs, outs, strict=True)
+                                     if not r["capture"]),
+                "routed_captures": routed} if routed is not None else {})}
 
 
 def compare(ref_dir: str, dir_: str, names: List[str], strict: bool = False) -> Dict:
@@ -165,6 +235,7 @@ def main() -> int:
     p.add_argument("out")
     p.add_argument("--configs", default="tp1,dp_attn,dp2")
     p.add_argument("--captures", help="where the capture dirs go (default: OUT; files stay out of OUT on the device)")
+    p.add_argument("--server-args", default="", help="more arguments for every server, e.g. --trust-remote-code")
     a = p.parse_args()
     names = a.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -173,14 +244,17 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     from transformers import AutoTokenizer
 
-    reqs = load(AutoTokenizer.from_pretrained(a.model).vocab_size)
+    vocab = AutoTokenizer.from_pretrained(a.model).vocab_size
+    reqs = load(vocab)
     results = {"configs": {}}
     for name in names:
-        results["configs"][name] = run_config(name, a.model, a.out, a.captures or a.out, reqs)
+        results["configs"][name] = run_config(name, a.model, a.out, a.captures or a.out, reqs, vocab,
+                                              SERVING_ARGS + shlex.split(a.server_args))
         print(f"{name}: up in {results['configs'][name].get('startup_s')} s", flush=True)
     ref = results["configs"]["tp1"]
     with open(os.path.join(a.model, "config.json")) as f:
-        strict = json.load(f).get("testbed_routing") == "fixed"
+        config = json.load(f)
+    strict = config.get("text_config", config).get("testbed_routing") == "fixed"  # Kimi-K2.5: its text_config
     results["strict_bar"] = strict
     verdict = 0
     for name in names:
@@ -191,6 +265,9 @@ def main() -> int:
             continue
         checks = {"all_ok": not r["not_ok"], "one_file_per_request": r["one_file_per_request"],
                   "writer_ranks": len(r["writers"]) == WRITER_RANKS[name] and all(w["written"] > 0 for w in r["writers"])}
+        if name == "pd":
+            checks["plain_decoded"] = r["plain_decoded"]
+            checks.update({f"{k}_as_expected": v["pass"] for k, v in r["routed_captures"].items()})
         if name != "tp1" and "error" not in ref and checks["all_ok"] and not ref["not_ok"]:
             r["vs_tp1"] = compare(ref["capture_dir"], r["capture_dir"], sorted(r["outputs"]), strict)
             checks["rows_vs_tp1"] = r["vs_tp1"]["pass"]
