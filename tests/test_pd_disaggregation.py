@@ -118,6 +118,7 @@ def test_direct_capture_requests_are_captured_on_whichever_dp_rank_serves_them(p
     bodies = [{"input_ids": _prompt(500 + k, 40 + 70 * k), "routed_dp_rank": k % pd.dp_ranks,
                "sampling_params": {"max_new_tokens": 1, "temperature": 0, "custom_params": {
                    "capture": True, "capture_name": f"pd-rank-{k}"}}} for k in range(2 * pd.dp_ranks)]
+    before = _written_per_writer_rank(pd)
     with ThreadPoolExecutor(len(bodies)) as ex:
         outs = list(ex.map(lambda body: pd.prefill.generate(body, 600), bodies))
     for body, out in zip(bodies, outs, strict=True):
@@ -125,21 +126,24 @@ def test_direct_capture_requests_are_captured_on_whichever_dp_rank_serves_them(p
         ref = out.json()["meta_info"]["capture"]
         assert ref["status"] == "ok" and ref["rows"] == len(body["input_ids"])
         _check_rows(pd, ref, body["input_ids"])
-    def each_rank_wrote_two(stats: List[Dict]) -> bool:
-        return len(stats) == pd.dp_ranks and all(s["written"] >= 2 for s in stats)
 
+    def added_since_before() -> Dict[str, int]:
+        return {path: n - before.get(path, 0) for path, n in _written_per_writer_rank(pd).items()}
+
+    want = [2] * pd.dp_ranks
     deadline = time.monotonic() + 10  # a writer's stats file follows its last outcome by a moment
-    while not each_rank_wrote_two(stats := _writer_stats(pd)) and time.monotonic() < deadline:
+    while sorted((added := added_since_before()).values()) != want and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert each_rank_wrote_two(stats), stats
+    assert sorted(added.values()) == want, added
 
 
-def _writer_stats(pd: PD) -> List[Dict]:
-    stats = []
+def _written_per_writer_rank(pd: PD) -> Dict[str, int]:
+    """Files written so far by each writer rank, from its stats file (``.index/writer-<pid>.json``)."""
+    written = {}
     for path in glob.glob(os.path.join(pd.prefill.capture_dir, ".index", "writer-*.json")):
         with open(path) as f:
-            stats.append(json.load(f))
-    return stats
+            written[path] = json.load(f)["written"]
+    return written
 
 
 def test_a_routed_capture_request_is_captured_on_the_prefill_server_and_decoded_on_the_decode_server(pd):
