@@ -22,7 +22,7 @@ import sglang_capture
 from sglang_capture.server.instrumentor import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd
 from sglang_capture.tools.client import ServerInfo, capture_prefill
-from tests.reference import max_abs_diff, reference_states
+from tests.reference import max_abs_diff, min_row_cosine, reference_states
 from tests.test_extract_tools import cli, extract, make_conversations
 
 # 0.5.23's prefill server sends KV with pinned host memory and a CUDA event (_send_kv_chunk), which
@@ -144,6 +144,28 @@ def _written_per_writer_rank(pd: PD) -> Dict[str, int]:
         with open(path) as f:
             written[path] = json.load(f)["written"]
     return written
+
+
+def test_an_fp8_capture_on_a_prefill_server_keeps_every_row_within_cos_0_999(pd):
+    """``capture_dtype`` fp8 per request, in a prefill batch shared with a plain routed request: the
+    rows are quantized before the copy on a prefill server as on any server."""
+    ids = _prompt(9, 200)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "custom_params": {
+        "capture": True, "capture_name": "pd-fp8", "capture_dtype": "fp8"}}}
+    with ThreadPoolExecutor(2) as ex:
+        plain = ex.submit(_via_router, pd, _prompt(10, 120), {"max_new_tokens": 3, "temperature": 0,
+                                                              "ignore_eos": True})
+        out = pd.prefill.generate(body, 600)
+        assert len(plain.result()[1]["output_ids"]) == 3
+    ref = out.json()["meta_info"]["capture"]
+    assert ref["status"] == "ok" and ref["storage_dtype"] == "float8_e4m3fn" and ref["rows"] == len(ids)
+    data = sglang_capture.load(ref["path"])
+    assert data["schema"] == "sglang_capture/v2"
+    aux, last = reference_states(pd.model, torch.float32, ids, LAYERS)
+    h = last.shape[-1]
+    for k in range(len(LAYERS)):
+        assert min_row_cosine(data["aux_hidden_states"][:, k * h:(k + 1) * h], aux[:, k * h:(k + 1) * h]) >= 0.999
+    assert min_row_cosine(data["last_hidden_states"], last) >= 0.999
 
 
 def test_a_routed_capture_request_is_captured_on_the_prefill_server_and_decoded_on_the_decode_server(pd):
