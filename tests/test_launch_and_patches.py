@@ -85,8 +85,8 @@ def test_prefill_server_whose_transfer_engine_does_not_load_is_refused_at_start(
     result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", tiny_models["tiny-dsv3"], "--device", "cpu",
                             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake_tcp")
     assert result.exit_code != 0 and len(lines) == 1, result.output[-2000:]
-    assert lines[0].startswith("Error: --disaggregation-transfer-backend mooncake needs Mooncake's transfer engine, "
-                               "which does not load (")
+    assert lines[0].startswith("Error: --disaggregation-transfer-backend mooncake (or mooncake_tcp) needs Mooncake's "
+                               "transfer engine, which does not load (")
 
 
 def test_writer_cpus_that_are_not_a_list_or_not_the_servers_are_refused(tmp_path):

@@ -158,9 +158,11 @@ def _routed_experts(model_dir: str, prompts) -> list:
 
     def keep(layer):
         def hook(module, args, out):
-            # transformers' DeepSeek-V3 router: sigmoid scores, plus the selection bias for the choice
-            scores = torch.sigmoid(out.float()) + module.e_score_correction_bias
-            chosen.setdefault(layer, set()).update(tuple(sorted(r)) for r in scores.topk(2, -1).indices.tolist())
+            if isinstance(out, tuple):  # newer transformers' router: (logits, weights, the chosen experts)
+                picks = out[2]
+            else:  # older: the logits; sigmoid scores plus the selection bias make the choice
+                picks = (torch.sigmoid(out.float()) + module.e_score_correction_bias).topk(2, -1).indices
+            chosen.setdefault(layer, set()).update(tuple(sorted(r)) for r in picks.tolist())
         return hook
 
     for i, layer in enumerate(model.model.layers):

@@ -75,8 +75,9 @@ def check_transfer_engine(backend: str) -> None:
     try:
         import mooncake.engine  # noqa: F401
     except ImportError as e:
-        raise ConfigError(f"--disaggregation-transfer-backend {backend} needs Mooncake's transfer engine, which does "
-                          f"not load ({e}); pip install mooncake-transfer-engine (or -non-cuda on a CPU host)") from None
+        raise ConfigError(f"--disaggregation-transfer-backend mooncake (or mooncake_tcp) needs Mooncake's transfer "
+                          f"engine, which does not load ({e}); pip install mooncake-transfer-engine (or -non-cuda on a "
+                          f"CPU host)") from None
 
 
 def check_server_args(server_args) -> None:
@@ -119,6 +120,11 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
 
     try:
         server_args = prepare_server_args(argv)
+        # 0.5.23 checks and resolves its arguments only when the server starts (0.5.17 while
+        # parsing); resolving now makes its refusals one line here, not a traceback after start.
+        # It is done once per record: the server's own call then returns at once.
+        if hasattr(server_args, "resolve_once"):
+            server_args.resolve_once()
     except (AssertionError, ValueError) as e:  # SGLang's own checks of its arguments
         raise ConfigError(f"SGLang refused its arguments: {e}") from None
     check_server_args(server_args)
