@@ -44,6 +44,7 @@ from typing import Dict, List
 import torch
 
 import sglang_capture
+from sglang_capture.core.capture_dir import writer_stats
 from sglang_capture.testbed.server import Server, free_port, start_server, stop_server
 
 LAYERS = [1, 2, 3]
@@ -160,11 +161,9 @@ def start(name: str, model: str, capture_dir: str, out_dir: str, serving: List[s
     return [s0, Server("node1", node1, log1.name, capture_dir)]
 
 
-def writer_stats(capture_dir: str) -> List[Dict]:
+def writer_summary(capture_dir: str) -> List[Dict]:
     out = []
-    for path in glob.glob(os.path.join(capture_dir, ".index", "writer-*.json")):
-        with open(path) as f:
-            s = json.load(f)
+    for s in writer_stats(capture_dir).values():
         out.append({"written": s["written"], "failed": s["failed"], "cap_mib": s["cap_bytes"] >> 20,
                     "writer_processes": len(s["writer_pids"]), "pinned": s.get("pinned")})
     return out
@@ -195,7 +194,7 @@ def run_config(name: str, model: str, out_dir: str, captures: str, reqs: List[Di
             "not_ok": {k: (o.get("meta_info", {}).get("capture") or o) for k, o in caps.items()
                        if (o.get("meta_info", {}).get("capture") or {}).get("status") != "ok"},
             "one_file_per_request": files == sorted([*caps, *(["routed-1"] if routed else [])]),
-            "writers": writer_stats(capture_dir),
+            "writers": writer_summary(capture_dir),
             "log": [line[-220:] for line in log.splitlines() if "sglang_capture:" in line][:12],
             "outputs": {k: o.get("output_ids") for k, o in caps.items()},
             **({"plain_decoded": all(len(o.get("output_ids") or []) == r["new"] for r, o in zip(reqs, outs, strict=True)

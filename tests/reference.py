@@ -30,3 +30,9 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def min_row_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min().item()
+
+
+def min_block_cosines(stored_aux: torch.Tensor, aux: torch.Tensor, width: int) -> List[float]:
+    """The lowest row cosine of each aux layer's block (``width`` columns each): an FP8 file scales
+    every block on its own, so each is held to the bar, not only their concatenation."""
+    return [min_row_cosine(stored_aux[:, k:k + width], aux[:, k:k + width]) for k in range(0, aux.shape[1], width)]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import random
 import subprocess
@@ -21,9 +20,10 @@ import pytest
 import torch
 
 import sglang_capture
+from sglang_capture.core.capture_dir import writer_stats
 from sglang_capture.server.instrumentor import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd, start_server, stop_server
-from tests.reference import max_abs_diff, min_row_cosine, reference_states
+from tests.reference import max_abs_diff, min_block_cosines, min_row_cosine, reference_states
 
 LAYERS = [0, 2, 3]
 TOL = 1e-4
@@ -77,9 +77,7 @@ def _check_load(server, model: str, fp8: bool = False) -> List[Dict]:
         assert data["aux_hidden_states"].shape == aux.shape, r["i"]
         if fp8:
             assert data["schema"] == "sglang_capture/v2"
-            h = last.shape[-1]
-            for k in range(len(LAYERS)):
-                assert min_row_cosine(data["aux_hidden_states"][:, k * h:(k + 1) * h], aux[:, k * h:(k + 1) * h]) >= 0.999
+            assert min(min_block_cosines(data["aux_hidden_states"], aux, last.shape[-1])) >= 0.999, r["i"]
             assert min_row_cosine(data["last_hidden_states"], last) >= 0.999, r["i"]
             continue
         assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL, r["i"]
@@ -89,10 +87,7 @@ def _check_load(server, model: str, fp8: bool = False) -> List[Dict]:
 
 def _check_two_writer_ranks(server, captured: List[Dict]) -> None:
     """Each DP rank wrote its own requests' files, with half the node's memory and writers."""
-    stats = []
-    for path in glob.glob(os.path.join(server.capture_dir, ".index", "writer-*.json")):
-        with open(path) as f:
-            stats.append(json.load(f))
+    stats = list(writer_stats(server.capture_dir).values())
     written = sorted(s["written"] for s in stats)
     assert len(written) == 2 and sum(written) == len(captured) and min(written) > 0
     # defaults: 8192 MiB for the node; writers auto = 2 on this 2-core machine
@@ -198,7 +193,7 @@ def test_tp_across_two_nodes_writes_every_file_where_the_response_says(make_test
         data = sglang_capture.load(ref["path"])
         aux, last = reference_states(model, torch.float32, ids + out["output_ids"][:-1], LAYERS)
         assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL and max_abs_diff(data["last_hidden_states"], last) <= TOL
-        assert len(glob.glob(os.path.join(capture_dir, ".index", "writer-*.json"))) == 1  # node 1 writes nothing
+        assert len(writer_stats(capture_dir)) == 1  # node 1 writes nothing
 
 
 def test_a_plain_sglang_node_beside_a_launcher_node_is_refused_at_start(tiny_models, tmp_path, env):
@@ -230,7 +225,7 @@ def test_dp_attention_across_two_nodes_sharing_one_capture_dir_writes_each_file_
     model, capture_dir = tiny_models["tiny-dsv3"], str(tmp_path / "capture")
     with _two_nodes(make_test_server, model, capture_dir, tmp_path, env, _dp_node_args) as server:
         captured = _check_load(server, model)
-        stats = [json.load(open(p)) for p in glob.glob(os.path.join(capture_dir, ".index", "writer-*.json"))]
+        stats = list(writer_stats(capture_dir).values())
         written = sorted(s["written"] for s in stats)
         assert len(written) == 2 and sum(written) == len(captured) and min(written) > 0  # one writer rank per node
         assert [s["cap_bytes"] for s in stats] == [8192 << 20] * 2  # each node's budget, one writer rank on each

@@ -3,8 +3,6 @@ writer processes killed."""
 from __future__ import annotations
 
 import errno
-import glob
-import json
 import os
 import signal
 import subprocess
@@ -16,6 +14,7 @@ import pytest
 import requests
 
 import sglang_capture
+from sglang_capture.core.capture_dir import writer_stats
 from sglang_capture.testbed.server import capture_cmd
 
 
@@ -123,12 +122,12 @@ def test_killed_writer_processes_are_replaced_and_capture_goes_on(tiny_models, m
         assert r.status_code == 200, r.text
         return r.json()["meta_info"]["capture"]
 
-    def writer_stats():
-        [path] = glob.glob(os.path.join(capture_dir, ".index", "writer-*.json"))
-        return json.load(open(path))
+    def one_writer_stats():
+        [stats] = writer_stats(capture_dir).values()
+        return stats
 
     assert capture("before")["status"] == "ok"
-    killed = writer_stats()["writer_pids"]
+    killed = one_writer_stats()["writer_pids"]
     assert killed and server.proc.pid not in killed
     for pid in killed:
         os.kill(pid, signal.SIGKILL)
@@ -136,7 +135,7 @@ def test_killed_writer_processes_are_replaced_and_capture_goes_on(tiny_models, m
     assert after["status"] == "ok", after
     assert sglang_capture.load(after["path"])["aux_hidden_states"].shape[0] == after["rows"]
     deadline = time.monotonic() + 10
-    while not (stats := writer_stats())["restarts"]:
+    while not (stats := one_writer_stats())["restarts"]:
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)
     assert stats["writer_pids"] and not set(stats["writer_pids"]) & set(killed) and stats["failed"] == 0

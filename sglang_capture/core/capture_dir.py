@@ -121,6 +121,16 @@ def write_stats(dirs: DirFds, doc: Dict[str, Any]) -> None:
     replace_atomic(f"{STATS_PREFIX}{os.getpid()}.json", _write_json(doc), dir_fd=dirs.index, sync=False)
 
 
+def writer_stats(capture_dir: str) -> Dict[str, Dict[str, Any]]:
+    """Every writer stats file in ``capture_dir``, by path: one per writer rank (DP ranks and
+    nodes sharing the dir each keep their own)."""
+    out = {}
+    for path in glob.glob(os.path.join(capture_dir, INDEX_DIR, STATS_PREFIX + "*.json")):
+        with open(path) as f:
+            out[path] = json.load(f)
+    return out
+
+
 def read_stats(capture_dir: str) -> Dict[str, Any]:
     """The newest writer stats file in ``capture_dir`` ({} before the first file; a server that
     ran there before may have left its own)."""
