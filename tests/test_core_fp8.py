@@ -99,3 +99,26 @@ def test_an_fp8_tensor_without_its_scales_and_a_bad_dtype_option_are_refused(tmp
     with pytest.raises(ValueError, match="not a multiple of the block"):
         quantize(torch.zeros(2, H + 1), H)
     assert numpy.dtype("uint8").name in fmt.DTYPES
+
+
+def _whole_batch_pack(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The formula applied to the whole batch at once (the earlier implementation), as the reference."""
+    rows, width = x.shape
+    blocks = x.reshape(rows, width // block, block).float()
+    scales = blocks.abs().amax(dim=-1) / 448.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = (blocks / scales.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return torch.cat([q.reshape(rows, width).view(torch.uint8), scales.view(torch.uint8)], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_packing_in_row_chunks_gives_the_bytes_of_packing_the_whole_batch_at_once(dtype):
+    x = _activations(101, 4).to(dtype)
+    x[7, H:2 * H] = -x[7, H:2 * H].abs()  # a block whose largest magnitude is negative
+    original, want = x.clone(), _whole_batch_pack(x, H)
+    row_bytes = 4 * 4 * H
+    for chunk_bytes in (1, row_bytes, 3 * row_bytes, 64 * row_bytes, 1 << 30):  # 1 row, 1, 3, 64 rows, all
+        got = pack(x, H, chunk_bytes=chunk_bytes)
+        assert got.dtype == torch.uint8 and torch.equal(got, want), chunk_bytes
+        assert torch.equal(x, original)  # the input is never scaled in place (float32 rows once were)
+    assert pack(x[:0], H).shape == (0, 4 * H + 16)

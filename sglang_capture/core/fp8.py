@@ -26,18 +26,18 @@ SCALE_SUFFIX = "_scale"
 CAPTURE_DTYPES = ("model", "fp8")  # --capture-dtype: the model's serving dtype, or FP8
 
 
+# Float32 working memory of one row chunk in ``pack``: a whole batch at once took three float32
+# copies of it (a [16384, 28672] bf16 batch: 5.25 GiB more device memory while the next forward ran).
+PACK_CHUNK_BYTES = 128 << 20
+
+
 def quantize(x: "torch.Tensor", block: int) -> Tuple["torch.Tensor", "torch.Tensor"]:
     """``x`` [rows, k * block] as (e4m3 [rows, k * block], float32 scales [rows, k])."""
     import torch
 
-    rows, width = x.shape
-    if width % block:
-        raise ValueError(f"row width {width} is not a multiple of the block {block}")
-    blocks = x.reshape(rows, width // block, block).float()
-    scales = blocks.abs().amax(dim=-1) / E4M3_MAX
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block stays zero
-    q = (blocks / scales.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(rows, width), scales
+    width = x.shape[1]
+    packed = pack(x, block)
+    return packed[:, :width].contiguous().view(torch.float8_e4m3fn), packed[:, width:].contiguous().view(torch.float32)
 
 
 def dequantize(q: "torch.Tensor", scales: "torch.Tensor", dtype: "torch.dtype") -> "torch.Tensor":
@@ -48,12 +48,33 @@ def dequantize(q: "torch.Tensor", scales: "torch.Tensor", dtype: "torch.dtype") 
     return blocks.reshape(rows, width).to(dtype)
 
 
-def pack(x: "torch.Tensor", block: int) -> "torch.Tensor":
-    """``x`` quantized and packed into uint8 rows: e4m3 bytes of every block, then their scales."""
+def pack(x: "torch.Tensor", block: int, chunk_bytes: int = PACK_CHUNK_BYTES) -> "torch.Tensor":
+    """``x`` quantized and packed into uint8 rows: e4m3 bytes of every block, then their scales.
+
+    Runs over row chunks written straight into the packed output, so the memory it needs beyond
+    its output is one chunk's float32 rows (``chunk_bytes``) whatever the batch size. The caller
+    owns stream safety: ``x`` is read on the current stream.
+    """
     import torch
 
-    q, scales = quantize(x, block)
-    return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=-1)
+    rows, width = x.shape
+    if width % block:
+        raise ValueError(f"row width {width} is not a multiple of the block {block}")
+    k = width // block
+    out = torch.empty((rows, width + 4 * k), dtype=torch.uint8, device=x.device)
+    codes, scale_bytes = out[:, :width].view(torch.float8_e4m3fn), out[:, width:]
+    step = max(1, chunk_bytes // (4 * max(width, 1)))
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        blocks = x[lo:hi].reshape(hi - lo, k, block)
+        # max |x| per block from two reductions in x's own dtype (exact), without an |x| copy
+        scales = torch.maximum(blocks.amax(dim=-1), blocks.amin(dim=-1).neg()).float().div_(E4M3_MAX)
+        scales.masked_fill_(scales == 0, 1.0)  # an all-zero block stays zero
+        scaled = blocks.to(torch.float32, copy=True).div_(scales.unsqueeze(-1))  # never x itself.clamp_(-E4M3_MAX, E4M3_MAX)
+        codes[lo:hi].copy_(scaled.view(hi - lo, width))  # the cast to e4m3 happens in the copy
+        scale_bytes[lo:hi].copy_(scales.view(torch.uint8))
+        del scaled  # else the next chunk's float32 rows are allocated while these are still held
+    return out
 
 
 def packed_splits(splits: Dict[str, Tuple[int, int]], block: int, width: int

@@ -35,10 +35,13 @@ def _to_host(rows: torch.Tensor, pool: Optional[HostPool]) -> Tuple[torch.Tensor
     or into pinned memory of its own when the pool is full."""
     import torch
 
+    from sglang_capture.server.host_pool import read_on_current_stream
+
     host = pool.take(rows) if pool is not None else None
     if host is None:
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         host.copy_(rows, non_blocking=True)
+        read_on_current_stream(rows)
     event = torch.cuda.Event()
     event.record()
     return host, event

@@ -25,6 +25,7 @@ import torch
 
 from sglang_capture.core.fp8 import pack
 from sglang_capture.server.batch_rows import RESULT_ATTR, BatchRows, Selection
+from sglang_capture.server.host_pool import read_on_current_stream
 from sglang_capture.server.scheduler_capture import CAPTURE_ATTR, SchedulerCapture
 
 
@@ -128,6 +129,7 @@ def copy_hidden_to_pool(state: SchedulerCapture, wrapped: Any, instance: Any, ar
 def _copy_hidden(state: SchedulerCapture, wrapped: Any, out: Any, rows: BatchRows, return_logprob: bool, args: tuple, kwargs: dict) -> Any:
     pool = state.pool
     hidden = out.hidden_states
+    read_on_current_stream(hidden)  # the gather and the FP8 pack below read it here, then drop it
     if rows.row_map is None:  # not gathered in the forward: keep only the capture rows now, if that is safe
         batch_rows = hidden.shape[0]
         selected = rows.selection(batch_rows)
