@@ -29,5 +29,9 @@ def test_drafter_config_layer_ids_follow_sglang_setters():
     assert eagle3_config_layer_ids([3, 31, 59], "KimiK25ForConditionalGeneration") == [3, 31, 59]
     assert eagle3_config_layer_ids([3, 31, 59], "DeepseekV3ForCausalLM") == [3, 31, 59]
     assert eagle3_config_layer_ids([3, 16, 30], "LlamaForCausalLM") == [2, 15, 29]
-    with pytest.raises(LayerError):
-        eagle3_config_layer_ids([1, 2, 3], "DeepseekV3ForCausalLM")
+    # ids starting with 1 would be shifted by DeepSeek's setter: another layer goes first instead
+    assert eagle3_config_layer_ids([1, 2, 3], "DeepseekV3ForCausalLM") == [2, 1, 3]
+    with pytest.raises(LayerError, match="layer 1 alone"):
+        eagle3_config_layer_ids([1], "DeepseekV3ForCausalLM")
+    with pytest.raises(LayerError, match="cannot capture layer 0"):
+        eagle3_config_layer_ids([0, 1, 2], "LlamaForCausalLM")

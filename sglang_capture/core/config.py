@@ -68,13 +68,20 @@ class CaptureConfig:
 
     ``layers`` uses the package's single convention: i is the residual stream entering decoder
     layer i (= transformers' ``output_hidden_states[i]``); ``None`` means the model default,
-    resolved by ``layers.resolve_layers`` once the model's depth is known.
+    resolved by ``layers.resolve_layers`` once the model's depth is known. ``layers_from_draft``
+    (a drafter config) is resolved into ``layers`` by the launcher, which also needs the model,
+    and the configuration it publishes carries the layers, not the path.
     """
 
     capture_dir: str = option("--capture-dir", "Existing directory for capture files.")
     layers: Optional[List[int]] = option(
         "--capture-layers", "Comma-separated layer ids (input of layer i = HF hidden_states[i]). "
         "Default: EAGLE-3's, 3,31,59 for a 61-layer model.", parse=parse_layers, default=None)
+    layers_from_draft: Optional[str] = option(
+        "--capture-layers-from-draft", "An EAGLE-3 drafter's config.json (or its directory): capture the layers "
+        "SGLang captures when serving that drafter on this model (its eagle_aux_hidden_state_layer_ids by the "
+        "model's rule, e.g. [1,29,57] -> 2,30,58 on Kimi-K2.5), to train it further. Excludes --capture-layers.",
+        default=None)
     keep_last_hidden: bool = option("--capture-keep-last/--capture-no-keep-last",
                                     "Also keep the final post-norm hidden state.", default=True)
     capture_dtype: str = option("--capture-dtype", "How hidden states are stored: in the model's serving dtype, "
@@ -138,6 +145,12 @@ class CaptureConfig:
             raise ConfigError(f"--capture-max-pending-mb must be at least 1, got {self.max_pending_mb}")
         if self.wait_timeout_s < 0:
             raise ConfigError("--capture-wait-timeout must be zero or positive")
+        if self.layers_from_draft is not None:
+            if self.layers is not None:
+                raise ConfigError("--capture-layers and --capture-layers-from-draft exclude each other; give one")
+            if not self.layers_from_draft:
+                raise ConfigError("--capture-layers-from-draft is empty; give a drafter's config.json or its directory")
+            object.__setattr__(self, "layers_from_draft", os.path.abspath(self.layers_from_draft))
         if self.layers is not None:
             if not self.layers:
                 raise ConfigError("--capture-layers is empty; give comma-separated layer ids such as 3,31,59")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import replace
 from typing import Any, List, Sequence, Tuple
 
 import click
@@ -23,7 +24,7 @@ from sglang_capture.core.config import (
     click_options,
     config_from_options,
 )
-from sglang_capture.core.layers import LayerError, resolve_layers
+from sglang_capture.core.layers import LayerError, draft_capture_layers, read_draft_eagle3_ids, resolve_layers
 from sglang_capture.server.capture_info import add_route, capture_info_body
 from sglang_capture.server.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
 from sglang_capture.server.pd_prefill import is_pd_prefill
@@ -104,6 +105,24 @@ def check_server_args(server_args) -> None:
         raise ConfigError("capture needs SGLang's default pickle IPC; unset SGLANG_USE_PICKLE_IPC")
 
 
+def resolve_capture_layers(config: CaptureConfig, num_layers: int, architecture: str) -> List[int]:
+    """The layers this server captures (package convention), or a one-line ConfigError.
+
+    With ``--capture-layers-from-draft`` they are the layers SGLang itself would capture when
+    serving that drafter on this model (core/layers.py applies SGLang's rule to the drafter's
+    ``eagle_config.eagle_aux_hidden_state_layer_ids``, or SGLang's default without ids): the
+    drafter is then trained further on exactly the features the server will give it.
+    """
+    option = "--capture-layers-from-draft"
+    try:
+        if config.layers_from_draft is not None:
+            draft = read_draft_eagle3_ids(config.layers_from_draft, option)
+            return resolve_layers(draft_capture_layers(draft, num_layers, architecture, option), num_layers, architecture)
+        return resolve_layers(config.layers, num_layers, architecture)
+    except LayerError as e:
+        raise ConfigError(str(e)) from None
+
+
 def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
     """Validate everything, publish the configuration, and return SGLang's parsed server args."""
     try:
@@ -129,10 +148,12 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
         raise ConfigError(f"SGLang refused its arguments: {e}") from None
     check_server_args(server_args)
     arch, num_layers = read_model_shape(server_args.model_path, server_args.trust_remote_code)
-    try:
-        layers = resolve_layers(config.layers, num_layers, arch)
-    except LayerError as e:
-        raise ConfigError(str(e)) from None
+    layers = resolve_capture_layers(config, num_layers, arch)
+    if config.layers_from_draft is not None:
+        click.echo(f"--capture-layers-from-draft {config.layers_from_draft}: capturing layers "
+                   f"{','.join(map(str, layers))} of {arch}", err=True)
+        # the schedulers resolve config.layers themselves: hand them the drafter's, not the path
+        config = replace(config, layers=layers, layers_from_draft=None)
     os.environ[ENV_VAR] = config.to_env()
     add_route(capture_info_body(config, str(server_args.model_path), arch, layers))
     return server_args
@@ -156,6 +177,7 @@ def main(sglang_args: Tuple[str, ...], **options: Any) -> None:
 
         load_plugins()
         server_args = prepare(config, sglang_args)
+        config = CaptureConfig.from_env() or config  # what prepare published (drafter layers resolved)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     INSTRUMENTOR.instrument(config)
