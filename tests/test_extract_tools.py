@@ -371,3 +371,22 @@ def test_one_extract_per_directory_and_the_lock_is_released(server, conversation
         fcntl.flock(held, fcntl.LOCK_EX)  # as a running extract holds it
         r = extract(server, conversations[0], reference_run, env=env)
     assert r.returncode == 1 and "another extract is writing to" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_extract_can_store_fp8_on_a_server_whose_default_is_the_model_dtype(server, conversations, reference_run, tmp_path, env):
+    inp = tmp_path / "five.jsonl"
+    inp.write_text("".join(open(conversations[0]).readlines()[:5]))
+    out = tmp_path / "fp8"
+    r = extract(server, inp, out, "--capture-dtype", "fp8", env=env)
+    assert r.returncode == 0, r.stderr
+    names = _files(out)
+    assert len(names) == 5
+    for name in names:
+        raw = sglang_capture.load(out / name, raw_fp8=True)
+        assert raw["aux_hidden_states"].dtype == torch.float8_e4m3fn and raw["meta"]["storage_dtype"] == "float8_e4m3fn"
+        fp8, bf16 = sglang_capture.load(out / name), sglang_capture.load(os.path.join(reference_run, name))
+        assert torch.equal(fp8["input_ids"], bf16["input_ids"]) and torch.equal(fp8["loss_mask"], bf16["loss_mask"])
+        cos = torch.nn.functional.cosine_similarity(fp8["aux_hidden_states"].float(), bf16["aux_hidden_states"].float(), dim=-1)
+        assert cos.min().item() >= 0.999
+    bad = extract(server, inp, tmp_path / "bad", "--capture-dtype", "fp16", env=env)
+    assert bad.returncode == 2 and "Invalid value for '--capture-dtype'" in bad.stderr and "Traceback" not in bad.stderr

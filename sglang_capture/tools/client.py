@@ -54,10 +54,12 @@ def discover(url: str, timeout: float = 10.0) -> ServerInfo:
 
 
 def capture_prefill(server: ServerInfo, input_ids: Sequence[int], name: str,
-                    loss_spans: Sequence[Tuple[int, int]], timeout: float) -> Dict[str, Any]:
+                    loss_spans: Sequence[Tuple[int, int]], timeout: float,
+                    capture_dtype: Optional[str] = None) -> Dict[str, Any]:
     """One capture request that only prefills (one sampled token, no decode step); returns the
-    reference from ``meta_info["capture"]`` once its file is complete."""
-    body = {
+    reference from ``meta_info["capture"]`` once its file is complete. ``capture_dtype`` overrides
+    the server's ``--capture-dtype`` for this request."""
+    body: Dict[str, Any] = {
         "input_ids": list(input_ids),
         "sampling_params": {
             "max_new_tokens": 1, "temperature": 0.0,
@@ -65,6 +67,8 @@ def capture_prefill(server: ServerInfo, input_ids: Sequence[int], name: str,
                               "capture_loss_mask": [list(s) for s in loss_spans]},
         },
     }
+    if capture_dtype is not None:
+        body["sampling_params"]["custom_params"]["capture_dtype"] = capture_dtype
     try:
         r = requests.post(server.url + "/generate", json=body, timeout=timeout)
     except requests.RequestException as e:

