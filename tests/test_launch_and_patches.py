@@ -167,6 +167,35 @@ def test_doctor_reports_version_fingerprints_plugin_and_configuration():
     assert f"writers = auto ({CaptureConfig(capture_dir='.').writer_processes()} here)" in r.stdout and "max_pending_mb = 8192" in r.stdout
 
 
+def test_doctor_and_the_launcher_help_label_every_unset_option_with_its_own_meaning(monkeypatch):
+    """Each option's unset meaning is declared once in the option table; doctor shows the table's
+    text for every option left out (it once called every one "model default (EAGLE-3 layers)")."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from sglang_capture.core.config import ENV_VAR, shown_value
+    from sglang_capture.server.launch import main
+    from sglang_capture.tools.doctor import diagnose
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    lines, _ = diagnose(seams=[])
+    shown = dict(line.strip().split(" = ", 1) for line in lines if line.startswith("  "))
+    unset = {f.name: f.metadata["option"]["unset"] for f in dataclasses.fields(CaptureConfig) if f.default is None}
+    assert set(unset) == {"layers", "layers_from_draft", "level", "writer_cpus"}
+    assert len(set(unset.values())) == len(unset)  # no two options share one meaning
+    for f in dataclasses.fields(CaptureConfig):
+        if f.name == "capture_dir":
+            continue
+        want = f"auto ({CaptureConfig(capture_dir='.').writer_processes()} here)" if f.name == "writers" else \
+            shown_value(f.name, f.default)
+        assert shown[f.name] == want, f.name
+    assert shown["level"].startswith("entropy-first") and shown["writer_cpus"] == "the CPUs the server may use"
+    help_text = " ".join(CliRunner().invoke(main, ["--help"]).output.split())
+    for text in unset.values():
+        assert f"[default: ({' '.join(text.split())})]" in help_text
+
+
 def test_doctor_fails_on_a_changed_sglang_function():
     import dataclasses
 

@@ -28,11 +28,23 @@ class ConfigError(ValueError):
 
 
 def option(flag: str, help: str, *, type: Any = None, choices: Sequence[str] = (),
-           parse: Optional[Callable[[str], Any]] = None, default: Any = MISSING) -> Dict[str, Any]:
+           parse: Optional[Callable[[str], Any]] = None, default: Any = MISSING,
+           unset: Optional[str] = None) -> Dict[str, Any]:
     """A field of ``CaptureConfig`` that is also a launcher option (``--capture-x/--capture-no-x``
-    for a boolean); ``parse`` turns the option's text into the field's value."""
-    meta = {"flag": flag, "help": help, "type": type, "choices": tuple(choices), "parse": parse}
+    for a boolean); ``parse`` turns the option's text into the field's value. ``unset`` says what
+    the option means when it is not given (its default is None): the launcher's help and
+    ``doctor`` both show that text, so it is written once, here."""
+    if default is None and not unset:
+        raise TypeError(f"{flag}: an option whose default is None needs `unset`, what leaving it out means")
+    meta = {"flag": flag, "help": help, "type": type, "choices": tuple(choices), "parse": parse, "unset": unset}
     return field(default=default, metadata={"option": meta})
+
+
+def shown_value(name: str, value: Any) -> str:
+    """An option's value as the launcher's help and ``doctor`` show it: what it means when unset."""
+    if value is None:
+        return next(f.metadata["option"]["unset"] for f in fields(CaptureConfig) if f.name == name)
+    return str(value)
 
 
 def parse_layers(text: str) -> List[int]:
@@ -75,13 +87,13 @@ class CaptureConfig:
 
     capture_dir: str = option("--capture-dir", "Existing directory for capture files.")
     layers: Optional[List[int]] = option(
-        "--capture-layers", "Comma-separated layer ids (input of layer i = HF hidden_states[i]). "
-        "Default: EAGLE-3's, 3,31,59 for a 61-layer model.", parse=parse_layers, default=None)
+        "--capture-layers", "Comma-separated layer ids (input of layer i = HF hidden_states[i]).",
+        parse=parse_layers, default=None, unset="the model's EAGLE-3 layers (3,31,59 for a 61-layer model)")
     layers_from_draft: Optional[str] = option(
         "--capture-layers-from-draft", "An EAGLE-3 drafter's config.json (or its directory): capture the layers "
         "SGLang captures when serving that drafter on this model (its eagle_aux_hidden_state_layer_ids by the "
         "model's rule, e.g. [1,29,57] -> 2,30,58 on Kimi-K2.5), to train it further. Excludes --capture-layers.",
-        default=None)
+        default=None, unset="none (the layers are --capture-layers')")
     keep_last_hidden: bool = option("--capture-keep-last/--capture-no-keep-last",
                                     "Also keep the final post-norm hidden state.", default=True)
     capture_dtype: str = option("--capture-dtype", "How hidden states are stored: in the model's serving dtype, "
@@ -89,8 +101,9 @@ class CaptureConfig:
                                 "half the bytes, rows within cos 0.999; files say schema v2).",
                                 choices=CAPTURE_DTYPES, default="model")
     codec: str = option("--capture-codec", "Compression of the hidden states on disk.", choices=CODECS, default="zstd")
-    level: Optional[int] = option("--capture-level", "zstd level. Default: entropy-first settings tuned for "
-                                  "activations (2-3x faster than level 1, same ratio).", type=int, default=None)
+    level: Optional[int] = option("--capture-level", "zstd level.", type=int, default=None,
+                                  unset="entropy-first zstd settings tuned for activations (2-3x faster than level 1, "
+                                        "same ratio)")
     shuffle: bool = option("--capture-shuffle/--capture-no-shuffle", "Byte-shuffle before zstd (better ratio on bf16).",
                            default=True)
     writers: int = option("--capture-writers", "Writer processes per node, split among its writer ranks "
@@ -98,9 +111,9 @@ class CaptureConfig:
     writer_nice: int = option("--capture-writer-nice", "How much lower the writer processes' CPU priority is than "
                               "the server's (0-19), for hosts short of cores.", type=int, default=0)
     writer_cpus: Optional[List[int]] = option(
-        "--capture-writer-cpus", "CPUs the writer processes run on, as a list such as 8-15 (default: the "
-        "server's): keeps their compression off the cores SGLang's scheduler runs on.", parse=parse_cpu_list,
-        default=None)
+        "--capture-writer-cpus", "CPUs the writer processes run on, as a list such as 8-15: keeps their "
+        "compression off the cores SGLang's scheduler runs on.", parse=parse_cpu_list, default=None,
+        unset="the CPUs the server may use")
     compress_threads: int = option("--capture-compress-threads", "zstd threads per file (0 = in the writer "
                                    "process, -1 = all cores).", type=int, default=0)
     switch_interval_ms: float = option("--capture-switch-interval-ms", "GIL switch interval of the scheduler "
@@ -238,7 +251,7 @@ def click_options(command: Callable) -> Callable:
             kwargs["required"] = True
         else:
             kwargs["default"] = f.default if meta["parse"] is None else None
-            kwargs["show_default"] = f.default is not None
+            kwargs["show_default"] = True if f.default is not None else meta["unset"]
         command = click.option(meta["flag"], f.name, **kwargs)(command)
     return command
 

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from importlib.metadata import entry_points
 from typing import List, Optional, Sequence, Tuple
 
-from sglang_capture.core.config import ENV_VAR, CaptureConfig, ConfigError
+from sglang_capture.core.config import ENV_VAR, CaptureConfig, ConfigError, shown_value
 from sglang_capture.server.instrumentor import (
     UnsupportedSGLang,
     check_seam,
@@ -65,5 +65,5 @@ def diagnose(seams: Optional[Sequence] = None) -> Tuple[List[str], bool]:
     if not config.writers:
         shown["writers"] = f"auto ({config.writer_processes()} here)"
     for key, value in shown.items():
-        lines.append(f"  {key} = {value if value is not None else 'model default (EAGLE-3 layers)'}")
+        lines.append(f"  {key} = {shown_value(key, value)}")
     return lines, ok
