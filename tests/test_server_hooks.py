@@ -30,7 +30,7 @@ def _fake_batch(mode, reqs, lens=None):
 
 
 def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
-    from sglang_capture.server.hooks.transfer import capture_rows
+    from sglang_capture.server.batch_rows import capture_rows
 
     req, batch = _fake_req, _fake_batch
     # prefill: plain (5 rows), capture (3), capture (2), plain (4), capture (1)

@@ -1,4 +1,4 @@
-"""How capture files are laid out on disk (schema v1): encoding and decoding, nothing else.
+"""How capture files are laid out on disk (schema v1, and v2 for FP8): encoding and decoding, nothing else.
 
 A file is one msgpack map::
 
@@ -6,12 +6,14 @@ A file is one msgpack map::
      "meta":    {...plain msgpack values...},
      "tensors": {name: {"dtype": str, "shape": [int, ...], "byteorder": "little",
                         "codec": "zstd" | "none", "shuffle": int, "nbytes": int,
-                        "data": bin}}}
+                        "frame_rows": int, "data": [bin, ...]}}}
 
 ``data`` holds the tensor's raw little-endian bytes; with ``shuffle = k > 0`` the bytes of
 each k-byte element are first split into k planes (all first bytes, then all second bytes,
-...), which lets zstd find the low-entropy exponent bytes of bf16 activations. ``zstd`` data
-is one zstd frame with the content size and a content checksum. The writer streams the map
+...), which lets zstd find the low-entropy exponent bytes of bf16 activations. ``data`` is a
+list of frames of ``frame_rows`` rows each (at most 64 MiB raw, so neither side holds a whole
+tensor's temporaries); ``zstd`` frames are ordinary zstd frames with the content size and a
+content checksum. Files holding FP8 tensors say v2 (below). The writer streams the map
 (headers first, then each payload) so a multi-GB tensor is never copied into a msgpack
 buffer; any msgpack reader can still parse the whole file. See docs/format.md.
 """

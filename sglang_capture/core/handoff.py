@@ -14,18 +14,28 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import msgpack
 import numpy
 
 from sglang_capture.core.format import HostTensor, host_tensor
 
-if TYPE_CHECKING:
-    from sglang_capture.server.host_pool import HostPool
-    from sglang_capture.server.request_capture import RowChunk
-
 _HEADER = struct.Struct(">Q")
+
+
+class Chunk(Protocol):
+    """What the wire form needs of a request's rows (the server's ``RowChunk``)."""
+
+    start: int  # absolute position of the first row
+    rows: Any  # a host tensor
+    ready: Any  # an event to wait on before the rows are read, or None
+
+
+class Pool(Protocol):
+    """What the wire form needs of the host pool (the server's ``HostPool``)."""
+
+    def offset_of(self, t: Any) -> Optional[int]: ...
 
 
 def send(fd: int, message: Dict[str, Any]) -> None:
@@ -64,7 +74,7 @@ def recv(fd: int) -> Optional[Dict[str, Any]]:
     return None if body is None else msgpack.unpackb(body, raw=False, strict_map_key=False)
 
 
-def describe_chunks(chunks: List[RowChunk], pool: Optional[HostPool]) -> Tuple[List[list], int]:
+def describe_chunks(chunks: Sequence[Chunk], pool: Optional[Pool]) -> Tuple[List[list], int]:
     """Wire form of a request's chunks, and how many bytes of them travel inline.
 
     Waits for any device-to-host copy still in flight (the writer process cannot see CUDA events).

@@ -13,11 +13,14 @@ end, other requests' rows inside it (the DP-attention defect of issue 16).
 So the map lives in a ``BatchRows`` object: created when ``Scheduler.run_batch`` launches the
 batch, filled by the forward or the copy, attached to the batch's result object (which SGLang
 passes unchanged from ``run_batch`` to ``process_batch_result``), and read by the row seams
-through the ``ResultRows`` that the result seam builds for the batch being processed.
+through the ``ResultRows`` that the result seam builds for the batch being processed. Which rows
+are kept (``capture_rows``) is decided here too: the hooks call this module, never the reverse.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
+
+from sglang_capture.server.request_capture import CAPTURE_ATTR
 
 Selection = Tuple[List[Tuple[int, int]], Dict[int, int]]  # kept row runs, batch offset -> kept offset
 RESULT_ATTR = "_sglang_capture_batch"  # on a GenerationBatchResult: its BatchRows
@@ -38,8 +41,6 @@ class BatchRows:
     def selection(self, n_rows: int) -> Optional[Selection]:
         """The capture rows to keep out of ``n_rows`` (computed once; the forward and the copy ask)."""
         if self._selection is None or self._selection[0] != n_rows:
-            from sglang_capture.server.hooks.transfer import capture_rows
-
             self._selection = (n_rows, capture_rows(self.batch, n_rows) if self.captures else None)
         return self._selection[1]
 
@@ -90,3 +91,45 @@ class ResultRows:
         if offset + n > hidden.shape[0]:
             raise RowsMismatch(f"rows {offset}-{offset + n - 1} asked of {hidden.shape[0]}")
         return offset
+
+
+def capture_rows(batch: Any, n_rows: int) -> Optional[Selection]:
+    """The row ranges of the batch's capture requests and each one's offset among them, or None
+    when the whole batch must be copied: every row is captured, another request wants SGLang's
+    hidden states, or the batch's row layout is not the one the result processor assumes."""
+    if batch is None:
+        return None
+    reqs, mode = batch.reqs, batch.forward_mode
+    if mode.is_decode():
+        lens: List[int] = [1] * len(reqs)
+    elif mode.is_extend() and not mode.is_mixed():
+        lens = _extend_lens(batch)
+    else:
+        return None
+    if len(lens) != len(reqs) or sum(lens) != n_rows:
+        return None
+    runs: List[Tuple[int, int]] = []
+    offsets: Dict[int, int] = {}
+    pos = kept = 0
+    for req, n in zip(reqs, lens, strict=False):
+        if getattr(req, CAPTURE_ATTR, None) is not None:
+            offsets[pos] = kept
+            kept += n
+            if runs and runs[-1][1] == pos:
+                runs[-1] = (runs[-1][0], pos + n)
+            else:
+                runs.append((pos, pos + n))
+        elif req.return_hidden_states:
+            return None
+        pos += n
+    if kept == n_rows or not runs:
+        return None
+    return runs, offsets
+
+
+def _extend_lens(batch: Any) -> List[int]:
+    """Rows per request of an extend batch, computed as SGLang computes the offsets it later
+    hands to the row seams (0.5.17 from each Req's extend range, 0.5.23 from the batch)."""
+    if batch.reqs and hasattr(batch.reqs[0], "extend_range"):
+        return [r.extend_range.length if r.extend_range is not None else 0 for r in batch.reqs]
+    return list(batch.extend_lens)

@@ -4,7 +4,8 @@ Without it, SGLang copies each such batch into a fresh pinned buffer from torch'
 allocator, and captured rows keep that buffer until a writer has read them. Under capture the
 allocator therefore keeps pinning more memory, on the scheduler thread (on the H200:
 76 ``cudaHostAlloc`` calls taking 9.9 s in one 14 s window, bench/RESULTS.md), and never gives it
-back (13 GB pinned against an 8 GiB cap). The pool pins ``--capture-max-pending-mb`` once,
+back (13 GB pinned against an 8 GiB cap). Each writer rank's pool pins its share of
+``--capture-max-pending-mb`` (the node's budget split among its writer ranks, node_budget.py) once,
 before the server takes requests, and hands out blocks of it (large ones first-fit from the
 bottom, small ones from the top: see ``_alloc_locked``).
 

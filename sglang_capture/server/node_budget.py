@@ -19,7 +19,8 @@ def writer_ranks_on_node(server_args: Any) -> int:
     """How many ranks on this node write capture files.
 
     One per DP group (DP attention) or DP replica, spread evenly over the nodes; without DP, only
-    the node holding TP rank 0 writes. (DP across nodes is refused at start for now, launch.py.)
+    the node holding TP rank 0 writes. (DP attention across nodes needs one capture dir that every
+    node shares, checked at model load, peers.py; DP without attention across nodes is refused.)
     """
     dp = max(1, int(getattr(server_args, "dp_size", 1) or 1))
     nodes = max(1, int(getattr(server_args, "nnodes", 1) or 1))

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from sglang_capture.server.ledger import HostMemoryLedger
 
 
+CAPTURE_ATTR = "_sglang_capture"  # the RequestCapture hung on a captured Req
+
+
 @dataclass
 class RowChunk:
     """Rows for positions ``start .. start+len(rows)``; ``ready`` is set when they are still in flight."""
@@ -69,8 +72,9 @@ class RequestCapture:
             self.failure = why
 
     def add(self, start: int, rows: torch.Tensor) -> None:
-        """Hot path: keep a reference to the rows (a view of the batch's host buffer, no copy)
-        and account for the host memory it keeps."""
+        """Hot path: keep a reference to the rows and account for the host memory it keeps. Rows
+        already on the host are a view of the batch's pool block (no copy); rows still on the
+        device (or needing FP8 packing) are packed and copied into the pool first."""
         ready = None
         if self.fp8_block is not None and rows.element_size() != 1:
             # Packed on the device when the copy hook could (no SGLang JSON request in the batch);

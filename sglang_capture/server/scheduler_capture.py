@@ -26,13 +26,12 @@ from sglang_capture.server.host_pool import HostPool
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.node_budget import NodeBudget
 from sglang_capture.server.pd_prefill import chunk_like_any_request, decode_rows_error, is_pd_prefill
-from sglang_capture.server.request_capture import RequestCapture
+from sglang_capture.server.request_capture import CAPTURE_ATTR, RequestCapture
 from sglang_capture.server.seam_clock import SeamClock
 from sglang_capture.server.writer_pool import CaptureJob, WriterPool
 
 logger = logging.getLogger(__name__)
 
-CAPTURE_ATTR = "_sglang_capture"  # the RequestCapture hung on a captured Req
 EXTRA_KEY_TAG = "\x00sglang_capture:"
 
 

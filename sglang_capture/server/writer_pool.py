@@ -224,7 +224,7 @@ class WriterPool:
         self._queue.put(OutcomeOnly(rid, outcome))
 
     def write(self, job: CaptureJob, timeout: float = 600.0) -> Dict[str, Any]:
-        """Queue ``job`` and wait for its outcome (tools and tests; the server only submits)."""
+        """Queue ``job`` and wait for its outcome (tests drive a writer this way; the server only submits)."""
         self.submit(job)
         if not job.done.wait(timeout):
             raise TimeoutError(f"the writer did not finish {job.meta.get('rid')} in {timeout:.0f} s")

@@ -19,12 +19,12 @@ concatenated, instead of a [batch tokens, (layers + 1) x hidden] tensor (940 MB 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 
 from sglang_capture.core.fp8 import pack
-from sglang_capture.server.batch_rows import RESULT_ATTR, BatchRows, Selection
+from sglang_capture.server.batch_rows import RESULT_ATTR, BatchRows
 from sglang_capture.server.host_pool import read_on_current_stream
 from sglang_capture.server.scheduler_capture import CAPTURE_ATTR, SchedulerCapture
 
@@ -53,48 +53,6 @@ def gather_in_forward(state: SchedulerCapture, stored: torch.Tensor, final: torc
         at += b - a
     rows.keep(selected, n_rows, in_forward=True)
     return out
-
-
-def capture_rows(batch: Any, n_rows: int) -> Optional[Selection]:
-    """The row ranges of the batch's capture requests and each one's offset among them, or None
-    when the whole batch must be copied: every row is captured, another request wants SGLang's
-    hidden states, or the batch's row layout is not the one the result processor assumes."""
-    if batch is None:
-        return None
-    reqs, mode = batch.reqs, batch.forward_mode
-    if mode.is_decode():
-        lens: List[int] = [1] * len(reqs)
-    elif mode.is_extend() and not mode.is_mixed():
-        lens = _extend_lens(batch)
-    else:
-        return None
-    if len(lens) != len(reqs) or sum(lens) != n_rows:
-        return None
-    runs: List[Tuple[int, int]] = []
-    offsets: Dict[int, int] = {}
-    pos = kept = 0
-    for req, n in zip(reqs, lens, strict=False):
-        if getattr(req, CAPTURE_ATTR, None) is not None:
-            offsets[pos] = kept
-            kept += n
-            if runs and runs[-1][1] == pos:
-                runs[-1] = (runs[-1][0], pos + n)
-            else:
-                runs.append((pos, pos + n))
-        elif req.return_hidden_states:
-            return None
-        pos += n
-    if kept == n_rows or not runs:
-        return None
-    return runs, offsets
-
-
-def _extend_lens(batch: Any) -> List[int]:
-    """Rows per request of an extend batch, computed as SGLang computes the offsets it later
-    hands to the row seams (0.5.17 from each Req's extend range, 0.5.23 from the batch)."""
-    if batch.reqs and hasattr(batch.reqs[0], "extend_range"):
-        return [r.extend_range.length if r.extend_range is not None else 0 for r in batch.reqs]
-    return list(batch.extend_lens)
 
 
 def _all_fp8(batch: Any) -> bool:
