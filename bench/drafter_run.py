@@ -10,8 +10,9 @@ Stages (bench/h200_drafter.sh chains them over device calls; WORK keeps every st
               (default layers), ``sglang-capture extract`` of the conversations in bf16 and again
               with ``--capture-dtype fp8``, ``verify``, ``export --format specforge`` of each:
               WORK/ckpt-bf16, WORK/ckpt-fp8 (+ the exported drafter-config fragment).
-``baseline``  the same conversations' features the way SpecForge's offline path computes them: a
-              transformers forward of the target (bf16), aux = output_hidden_states at the layers
+``baseline``  the same conversations' features computed as SpecForge's offline path defines them
+              (its layer convention), by a transformers forward of the target, one sample at a time
+              (bf16; SpecForge batches its forward, so this is a slower baseline), aux = output_hidden_states at the layers
               SGLang will capture for the drafter's ids, last = the post-norm final state; same
               input ids and loss masks as WORK/ckpt-bf16: WORK/ckpt-baseline.
 ``train``     one SpecForge (0.2.0) run per feature set, the same seed, steps, draft config and
@@ -327,6 +328,7 @@ def train(a: argparse.Namespace) -> None:
         exported[f] = json.load(open(os.path.join(out, "config.json"))).get("eagle_config")
     _mark(a.work, "train", {"steps": steps, "samples": samples, "epochs": round(steps / samples, 3),
                             "seconds": round(seconds, 1), "probe": probe, "exported_eagle_config": exported,
+                            "train_budget_s": a.train_budget_s, "parallel_slowdown": a.parallel_slowdown,
                             "lr": a.lr, "max_length": a.max_length, "draft_vocab": a.draft_vocab})
     log(f"train: 3 runs of {steps} steps in {seconds:.0f} s; exported {list(exported)}")
 
@@ -386,6 +388,9 @@ def serve(a: argparse.Namespace) -> None:
                                                           "speculative_eagle_topk", "speculative_num_draft_tokens")}}
             results["configs"][name] = r
             log(f"{name}: {json.dumps(r)}")
+            if a.mirror:  # what was measured survives a call cut off at its time limit
+                with open(os.path.join(a.mirror, "drafter-serve-partial.json"), "w") as f:
+                    json.dump(results, f, indent=1)
     finally:
         for server in servers.values():
             stop_server(server)
@@ -421,6 +426,7 @@ def main() -> int:
     ap.add_argument("--specforge", default=f"{sys.executable} -m specforge.cli",
                     help="the SpecForge command (a CPU dry run passes a wrapper)")
     ap.add_argument("--eval-tokens", type=int, default=256, help="max new tokens per held-out prompt")
+    ap.add_argument("--mirror", default="", help="serve: also write the results so far here after each configuration")
     ap.add_argument("--bs1-prompts", type=int, default=20, help="held-out prompts also run one at a time (tok/s at batch 1)")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)

@@ -39,21 +39,12 @@ import sglang_capture
 from sglang_capture.core.fp8 import pack
 from sglang_capture.server.host_pool import read_on_current_stream
 from sglang_capture.testbed.cpu import server_env
+from sglang_capture.testbed.fp8_reference import whole_batch_pack
 from sglang_capture.testbed.once import cache_dir
 from sglang_capture.testbed.server import Server, start_server, stop_server
 
 GPU_ARGS = ("--attention-backend triton --grammar-backend none --cuda-graph-max-bs 128 --max-running-requests 128 "
             "--chunked-prefill-size 8192 --max-total-tokens 400000 --mem-fraction-static 0.88")
-
-
-def _whole_batch_pack(x: torch.Tensor, block: int) -> torch.Tensor:
-    """The formula ``pack`` had before it worked in row chunks (three float32 copies of the batch)."""
-    rows, width = x.shape
-    blocks = x.reshape(rows, width // block, block).float()
-    scales = blocks.abs().amax(dim=-1) / 448.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = (blocks / scales.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return torch.cat([q.reshape(rows, width).view(torch.uint8), scales.view(torch.uint8)], dim=-1)
 
 
 def _extra_memory(fn, x: torch.Tensor, block: int) -> int:
@@ -96,7 +87,7 @@ def race(a: argparse.Namespace) -> Dict:
         results["corrupted"]["with_record_stream" if record else "without_record_stream"] = corrupted
     x = torch.randn(a.rows, a.width, device="cuda", dtype=torch.bfloat16)
     results["pack_extra_bytes"] = {"row_chunks": _extra_memory(pack, x, block),
-                                   "whole_batch": _extra_memory(_whole_batch_pack, x, block),
+                                   "whole_batch": _extra_memory(whole_batch_pack, x, block),
                                    "input_bytes": x.numel() * x.element_size()}
     results["detector_fails_without_fix"] = results["corrupted"]["without_record_stream"] > 0
     results["ok"] = results["corrupted"]["with_record_stream"] == 0 and results["detector_fails_without_fix"]
@@ -122,7 +113,7 @@ def repeat(a: argparse.Namespace) -> Dict:
     cfg = json.load(open(os.path.join(a.model_dir, "config.json")))
     cfg = cfg.get("text_config", cfg)
     cmd = [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir, "--capture-dtype", "fp8",
-           "--model-path", a.model_dir, *shlex.split(a.server_args)]
+           "--model-path", a.model_dir, *shlex.split(a.server_args), *shlex.split(a.extra_server_args)]
     server = start_server(cmd, server_env(cache_dir()), os.path.join(a.out_dir, "server.log"), capture_dir)
     ids = torch.randint(3, cfg["vocab_size"], (a.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     stop, done = threading.Event(), [0]
@@ -160,7 +151,7 @@ def repeat(a: argparse.Namespace) -> Dict:
                 cos[f"{k}[{b}]"] = round(c.min().item(), 6)
         per_repeat.append({"name": os.path.basename(ref["path"]), "rows_differing": stored, "min_cos": cos})
     differing = sum(sum(p["rows_differing"].values()) for p in per_repeat)
-    return {"model": a.model_dir, "server_args": a.server_args, "tokens": a.tokens, "repeats": a.repeats,
+    return {"model": a.model_dir, "server_args": f"{a.server_args} {a.extra_server_args}".strip(), "tokens": a.tokens, "repeats": a.repeats,
             "load_clients": a.load, "load_requests_finished": done[0], "rows": first["aux_hidden_states"].shape[0],
             "layers": first["layers"], "per_repeat": per_repeat, "rows_differing_total": differing, "ok": differing == 0}
 
@@ -181,6 +172,7 @@ def main() -> int:
     p.add_argument("--load", type=int, default=64, help="plain clients decoding while the captures run")
     p.add_argument("--settle", type=float, default=20.0, help="seconds for the clients' prompts to be prefilled")
     p.add_argument("--server-args", default=GPU_ARGS)
+    p.add_argument("--extra-server-args", default="", help="added to --server-args (e.g. --load-format dummy)")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

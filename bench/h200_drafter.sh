@@ -14,6 +14,7 @@
 #   4. carry [dist]                     source .devkit/env.sh; bash bench/h200_drafter.sh train $OUT
 #   5. carry [dist]                     source .devkit/env.sh; bash bench/h200_drafter.sh serve $OUT
 # Knobs: SAMPLES (2000), ANSWER_TOKENS (384), TRAIN_BUDGET_S (540), TEST_PROMPTS (200).
+set -o pipefail
 PHASE=${1:?usage: $0 kit|part|prep|train|serve OUT}
 shift
 W=/tmp/dr
@@ -49,10 +50,12 @@ case $PHASE in
   train)
     for _ in $(seq 1 110); do [ -e $W/.done-train ] && break; pgrep -f "drafter_run.py train" > /dev/null || break; sleep 5; done
     tail -5 $W/train-stage.log; grep -h "step" $W/train-bf16.log | tail -2 | cut -c1-300
+    [ -e $W/.done-train ]
     ;;
   serve)
     [ -e $W/.done-train ] || { echo "training not done"; tail -20 $W/train-stage.log; exit 1; }
-    run serve $W 2>&1 | tee -a $W/drafter.log | tail -12
+    run serve $W --mirror $OUT 2>&1 | tee -a $W/drafter.log | tail -12
+    [ -e $W/.done-serve ]
     ;;
 esac
 rc=$?

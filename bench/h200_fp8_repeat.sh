@@ -18,9 +18,7 @@ tail -2 $W/race.txt
 tiny_model /tmp/kimi --arch deepseek_v3 --shape kimi --layers ${KIMI_LAYERS:-61} --hidden 7168 \
   --experts ${KIMI_EXPERTS:-8} > $W/mk.log 2>&1 || { cat $W/mk.log; exit 1; }
 timeout ${REPEAT_TIMEOUT:-420} python "$R/bench/gpu_fp8_repeat.py" repeat /tmp/kimi $W/repeat --repeats ${REPEATS:-16} \
-  --load ${LOAD:-64} --server-args "--attention-backend triton --grammar-backend none --cuda-graph-max-bs 128 \
-  --max-running-requests 128 --chunked-prefill-size 8192 --max-total-tokens 400000 --mem-fraction-static 0.88 \
-  --load-format dummy" > $W/repeat.txt 2>&1
+  --load ${LOAD:-64} --extra-server-args "--load-format dummy" > $W/repeat.txt 2>&1
 rc2=$?
 cp $W/repeat/gpu_fp8_repeat.json "$OUT/" 2>/dev/null
 tail -2 $W/repeat.txt

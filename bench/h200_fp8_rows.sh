@@ -3,7 +3,7 @@
 # bench/gpu_fp8.py captures each of 12 prompts (up to 4,096 tokens) alone in bf16 and in FP8 on one
 # launcher (4-layer DeepSeek-V3 of width 7168 from the test bed, fixed routing, layers 1,2,3) and
 # compares them row for row: cosine and relative error per block, bytes per token on disk.
-#   source .devkit/env.sh; bash bench/h200_fp8_rows.sh $OUT
+#   make wheel (here); source .devkit/env.sh; bash bench/h200_fp8_rows.sh $OUT   carry: .devkit, dist
 W=/tmp/fp8-work
 rm -rf $W  # a warm machine still holds the last call's captures
 source bench/device_setup.sh "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: plain SGLang under the mixed load while background processes spin, stream
 # memory, or encode captures like the writers (bench/interference.py says why).
-#   source .devkit/env.sh; bash bench/h200_interference.sh $OUT
+#   make wheel (here); source .devkit/env.sh; bash bench/h200_interference.sh $OUT   carry: .devkit, dist
 W=/tmp/bench-work
 source bench/device_setup.sh "$@"
 cd /tmp

@@ -7,7 +7,7 @@
 # in alternating windows by bench/e2e.py: plain vs launcher idle (ab), capture-all vs nothing
 # capturing on the launcher (capture_ab), and decode clients beside a capture stream vs beside the
 # same stream not capturing (mixed with --idle-mixed).
-#   source .devkit/env.sh; bash bench/h200_kimi.sh $OUT
+#   make wheel (here); source .devkit/env.sh; bash bench/h200_kimi.sh $OUT   carry: .devkit, dist
 # Knobs: KIMI_LAYERS, KIMI_EXPERTS, KIMI_HIDDEN (a smaller model for a dry run), MEM_FRACTION,
 # PHASES, E2E_SECONDS, AB_ROUNDS, MIXED_ROUNDS, MIXED_RATES, CONCURRENCY, CAPTURE_ARGS,
 # REQUEST_VARIANTS (issue 18: '{"capture_dtype": "fp8"}' adds FP8 windows on the same server), and

@@ -3,7 +3,7 @@
 # item 2). SGLang 0.5.17 gives KimiK25ForConditionalGeneration tc_piecewise prefill CUDA graphs by
 # default, for extend batches of up to 2,048 tokens under MLA; nothing graph-related is passed
 # here except the decode graphs' batch size (--cuda-graph-max-bs, decode only, for a short start).
-#   source .devkit/env.sh; bash bench/h200_kimi_graphs.sh $OUT
+#   make wheel (here); source .devkit/env.sh; bash bench/h200_kimi_graphs.sh $OUT   carry: .devkit, dist
 # 1. Exactness: bench/gpu_e2e.py on the test bed's tiny Kimi-K2.5 (4 layers, width 512, GPU MLA
 #    head dims) against transformers on its language model, with chunks of 2,560 tokens and a
 #    3,000-token prompt (first chunk above the graphs' limit: eager; last below: graph); batches of

@@ -3,7 +3,7 @@
 # decode clients) on plain SGLang and on capture servers that differ in one setting each, all up
 # at once so the comparison shares the machine's state. Which setting keeps the requests that do
 # not capture at plain SGLang's speed?
-#   source .devkit/env.sh; bash bench/h200_mixed.sh $OUT
+#   make wheel (here); source .devkit/env.sh; bash bench/h200_mixed.sh $OUT   carry: .devkit, dist
 # Variants (';'-separated capture args, each one more server) via MIXED_VARIANTS. Results and
 # server logs go to $OUT/e2e (e2e.json rewritten after every window: a call cut short keeps them).
 W=/tmp/bench-work

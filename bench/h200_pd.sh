@@ -5,7 +5,7 @@
 # decode server share the GPU, the KV cache going over Mooncake's TCP transport (see gpu_deploy.py).
 # PD_ARCH=kimi_k25: the test bed's tiny Kimi-K2.5 (its own class) instead, under SGLang's default
 # graph settings, which give its prefill server tc_piecewise prefill CUDA graphs.
-#   source .devkit/env.sh; [PD_ARCH=kimi_k25] bash bench/h200_pd.sh $OUT     carry: .devkit, .whl
+#   make wheel; source .devkit/env.sh; [PD_ARCH=kimi_k25] bash bench/h200_pd.sh $OUT   carry: .devkit, .whl, dist
 # .whl/mooncake-slim.tar.xz: Mooncake's CUDA 13 transfer engine cut to what `mooncake.engine`
 # loads (engine.so and its libraries), pyverbs' libibverbs/libmlx5 as vb/, and fallback/: Debian's
 # libnuma.so.1 and a stand-in libcurl.so.4 (engine.so links libcurl for an HTTP metadata server

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: host and disk facts, the writer's host-side ceiling (bench/writer.py), then the
 # end-to-end benchmark (bench/e2e.py) with the writer count that the sweep found fastest.
-# Run from the repo root on the GPU machine, with the device kit (carry .devkit):
+# Run from the repo root on the GPU machine, with the device kit and the wheel (make wheel; carry .devkit, dist):
 #   source .devkit/env.sh; bash bench/h200_throughput.sh $OUT
 # Leaves at most 8 files in OUT (the device tool's limit): writer.json, e2e.md, host.txt, logs.tgz and
 # e2e/ (e2e.json, rewritten after every window so a call cut short keeps it, and the two server logs).

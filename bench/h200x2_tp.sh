@@ -2,7 +2,7 @@
 # One device call on nvidia-h200-x2: the capture server's GPU check (bench/gpu_e2e.py) with --tp 1
 # and with --tp 2 on the same dense Llama, then the two captures compared
 # file by file (bench/compare_captures.py). Issue 5 item 3.
-#   source .devkit/env.sh; bash bench/h200x2_tp.sh $OUT
+#   make wheel (here); source .devkit/env.sh; bash bench/h200x2_tp.sh $OUT   carry: .devkit, dist
 W=/tmp/tp-work
 source bench/device_setup.sh "$@"
 cd /tmp

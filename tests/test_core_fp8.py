@@ -12,6 +12,7 @@ from sglang_capture.core import format as fmt
 from sglang_capture.core.config import CaptureConfig, ConfigError
 from sglang_capture.core.fp8 import dequantize, pack, packed_splits, quantize
 from sglang_capture.core.reader import loads
+from sglang_capture.testbed.fp8_reference import whole_batch_pack
 from sglang_capture.writer.assemble import assemble_rows, relabel
 
 H = 64
@@ -101,24 +102,16 @@ def test_an_fp8_tensor_without_its_scales_and_a_bad_dtype_option_are_refused(tmp
     assert numpy.dtype("uint8").name in fmt.DTYPES
 
 
-def _whole_batch_pack(x: torch.Tensor, block: int) -> torch.Tensor:
-    """The formula applied to the whole batch at once (the earlier implementation), as the reference."""
-    rows, width = x.shape
-    blocks = x.reshape(rows, width // block, block).float()
-    scales = blocks.abs().amax(dim=-1) / 448.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = (blocks / scales.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return torch.cat([q.reshape(rows, width).view(torch.uint8), scales.view(torch.uint8)], dim=-1)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_packing_in_row_chunks_gives_the_bytes_of_packing_the_whole_batch_at_once(dtype):
     x = _activations(101, 4).to(dtype)
     x[7, H:2 * H] = -x[7, H:2 * H].abs()  # a block whose largest magnitude is negative
-    original, want = x.clone(), _whole_batch_pack(x, H)
+    x[9, 3] = float("nan")  # a NaN block keeps its finite values (scale 1), an infinity is clamped
+    x[10, 2 * H + 5] = float("inf")
+    original, want = x.clone(), whole_batch_pack(x, H)
     row_bytes = 4 * 4 * H
     for chunk_bytes in (1, row_bytes, 3 * row_bytes, 64 * row_bytes, 1 << 30):  # 1 row, 1, 3, 64 rows, all
         got = pack(x, H, chunk_bytes=chunk_bytes)
         assert got.dtype == torch.uint8 and torch.equal(got, want), chunk_bytes
-        assert torch.equal(x, original)  # the input is never scaled in place (float32 rows once were)
+        assert torch.equal(x.nan_to_num(), original.nan_to_num())  # the input is never scaled in place
     assert pack(x[:0], H).shape == (0, 4 * H + 16)

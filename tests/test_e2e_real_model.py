@@ -3,8 +3,8 @@ bf16 and FP8 (per request) captures of chat prompts against transformers.
 
 Random tiny models have no "massive activations"; a real residual stream does (a few channels
 hundreds of times the row's median). On such a row the few big channels decide the row cosine
-alone: there the reference's 4 largest channels by themselves are within cos 0.997 of the whole
-row, so a capture that got every other channel wrong would still pass a row-cosine bar of 0.99.
+alone: on such rows the reference's 4 largest channels by themselves are within cos 0.99 of the
+whole row (the test shows one), so a capture that got every other channel wrong would still pass a row-cosine bar of 0.99.
 Every block is therefore also compared with each row's largest channels removed, where an error
 in the ordinary channels (FP8 flushing them to zero, a wrong layer, a wrong norm) shows.
 """

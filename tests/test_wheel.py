@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -16,10 +17,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _source_modules() -> List[str]:
-    """Every module the tree holds, under the names it has once installed."""
+def _modules(trees) -> List[str]:
+    """Every module under ``trees`` ((folder, package name) pairs), under its installed name."""
     names = []
-    trees = ((os.path.join(ROOT, "sglang_capture"), "sglang_capture"), (os.path.join(ROOT, "patches"), "sglang_capture.patches"))
     for base, prefix in trees:
         for path in glob.glob(os.path.join(base, "**", "*.py"), recursive=True):
             rel = os.path.relpath(path, base)[:-3].replace(os.sep, ".")
@@ -28,6 +28,12 @@ def _source_modules() -> List[str]:
             parts = [p for p in rel.split(".") if p != "__init__"]
             names.append(".".join([prefix, *parts]))
     return sorted(names)
+
+
+def _source_modules() -> List[str]:
+    """Every module the tree holds, under the names it has once installed."""
+    return _modules(((os.path.join(ROOT, "sglang_capture"), "sglang_capture"),
+                     (os.path.join(ROOT, "patches"), "sglang_capture.patches")))
 
 
 @dataclass
@@ -44,9 +50,15 @@ class Installed:
 def installed(tmp_path_factory) -> Installed:
     """The wheel built from this tree, installed with ``pip --target`` into an empty directory."""
     work = tmp_path_factory.mktemp("wheel")
-    dist, target = work / "dist", work / "site"
+    src, dist, target = work / "src", work / "dist", work / "site"
+    # the tracked files only: a build/ or *.egg-info left in the checkout cannot leak into the wheel
+    tracked = subprocess.run(["git", "-C", ROOT, "ls-files", "-z"], capture_output=True, check=True).stdout
+    for rel in filter(None, tracked.decode().split("\0")):
+        if os.path.isfile(os.path.join(ROOT, rel)):
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, rel), src / rel)
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(dist), ROOT], capture_output=True, text=True, timeout=600, cwd=str(work))
+                            "-w", str(dist), str(src)], capture_output=True, text=True, timeout=600, cwd=str(work))
     assert build.returncode == 0, build.stderr[-3000:]
     wheels = glob.glob(str(dist / "sglang_capture-*.whl"))
     assert len(wheels) == 1, os.listdir(dist)
@@ -78,6 +90,8 @@ print(json.dumps({
 
 
 def test_every_module_of_the_tree_imports_from_the_installed_wheel_outside_the_checkout(installed):
+    shipped = _modules(((os.path.join(installed.target, "sglang_capture"), "sglang_capture"),))
+    assert shipped == _source_modules()  # nothing missing, nothing left over from an old build
     modules = [m for m in _source_modules() if not m.endswith("__main__")]
     probe = installed.run([sys.executable, "-c", _PROBE, json.dumps(modules)])
     assert probe.returncode == 0, probe.stderr[-3000:]

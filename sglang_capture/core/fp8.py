@@ -27,7 +27,7 @@ CAPTURE_DTYPES = ("model", "fp8")  # --capture-dtype: the model's serving dtype,
 
 
 # Float32 working memory of one row chunk in ``pack``: a whole batch at once took three float32
-# copies of it (a [16384, 28672] bf16 batch: 5.25 GiB more device memory while the next forward ran).
+# copies of it (a [16384, 28672] bf16 batch: 4.81 GiB more device memory, bench/RESULTS.md r47).
 PACK_CHUNK_BYTES = 128 << 20
 
 
@@ -69,8 +69,9 @@ def pack(x: "torch.Tensor", block: int, chunk_bytes: int = PACK_CHUNK_BYTES) -> 
         blocks = x[lo:hi].reshape(hi - lo, k, block)
         # max |x| per block from two reductions in x's own dtype (exact), without an |x| copy
         scales = torch.maximum(blocks.amax(dim=-1), blocks.amin(dim=-1).neg()).float().div_(E4M3_MAX)
-        scales.masked_fill_(scales == 0, 1.0)  # an all-zero block stays zero
-        scaled = blocks.to(torch.float32, copy=True).div_(scales.unsqueeze(-1))  # never x itself.clamp_(-E4M3_MAX, E4M3_MAX)
+        scales.masked_fill_(~(scales > 0), 1.0)  # an all-zero block stays zero (and a NaN one keeps its finite values)
+        # a float32 copy, never x itself (float32 rows were once scaled in place)
+        scaled = blocks.to(torch.float32, copy=True).div_(scales.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX)
         codes[lo:hi].copy_(scaled.view(hi - lo, width))  # the cast to e4m3 happens in the copy
         scale_bytes[lo:hi].copy_(scales.view(torch.uint8))
         del scaled  # else the next chunk's float32 rows are allocated while these are still held

@@ -120,9 +120,9 @@ def layers_from_eagle3_ids(ids: Optional[Sequence[int]], num_layers: int, archit
     ids, or a one-line LayerError when SGLang would not capture one layer per id.
 
     SGLang captures in ascending layer order whatever order the ids have; a stored layer
-    outside the target's decoder loop is silently never captured (fewer aux states than the
-    drafter's fc expects), a duplicate is captured once, and a Llama-family layer 0 crashes
-    (no residual yet): all three are refused here instead of failing inside a server.
+    outside the target's decoder loop, a duplicate, or a Llama-family layer 0 (no residual yet)
+    either fails inside the server or silently leaves the drafter's fc fewer aux states,
+    depending on the model: all three are refused here instead.
     """
     stored = sglang_layers_to_capture(ids, num_layers, architecture)
     lo, hi = min_layer(architecture), num_layers - 1
@@ -233,5 +233,5 @@ def draft_capture_layers(draft: DraftEagle3Ids, num_layers: int, architecture: s
     source = f"{option} {draft.path}"
     if not draft.use_aux_hidden_state:
         raise LayerError(f"{source} sets eagle_config.use_aux_hidden_state false: SGLang captures no aux layers "
-                         "for it, so there are none to match")
+                         "for it; set it true (EAGLE-3 drafters need aux layers) or pick layers with --capture-layers")
     return layers_from_eagle3_ids(draft.ids, num_layers, architecture, source)

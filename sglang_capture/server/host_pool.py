@@ -42,7 +42,7 @@ def read_on_current_stream(t: torch.Tensor) -> None:
     (SGLang's copy stream). Without it, dropping the last reference hands its memory back to the
     caching allocator for its own stream at once, and the next forward can overwrite the rows
     before the kernels queued here have read them: on the H200, an FP8 pack read the next
-    tensor's values in 5 of 10 trials without this and 0 of 10 with it."""
+    tensor's values in 9 of 10 trials without this and 0 of 10 with it (bench/RESULTS.md, r47)."""
     if t.is_cuda:
         t.record_stream(torch.cuda.current_stream(t.device))
 

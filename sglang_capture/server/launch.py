@@ -123,8 +123,9 @@ def resolve_capture_layers(config: CaptureConfig, num_layers: int, architecture:
         raise ConfigError(str(e)) from None
 
 
-def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
-    """Validate everything, publish the configuration, and return SGLang's parsed server args."""
+def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, CaptureConfig]:
+    """Validate everything, publish the configuration, and return SGLang's parsed server args with
+    the configuration as published (a drafter's layers resolved)."""
     try:
         seams = seams_for_installed()
     except UnsupportedSGLang as e:
@@ -156,7 +157,7 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]):
         config = replace(config, layers=layers, layers_from_draft=None)
     os.environ[ENV_VAR] = config.to_env()
     add_route(capture_info_body(config, str(server_args.model_path), arch, layers))
-    return server_args
+    return server_args, config
 
 
 @click.command(
@@ -176,8 +177,7 @@ def main(sglang_args: Tuple[str, ...], **options: Any) -> None:
         from sglang.srt.plugins import load_plugins
 
         load_plugins()
-        server_args = prepare(config, sglang_args)
-        config = CaptureConfig.from_env() or config  # what prepare published (drafter layers resolved)
+        server_args, config = prepare(config, sglang_args)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     INSTRUMENTOR.instrument(config)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from sglang_capture.core.fp8 import pack
+from sglang_capture.server.host_pool import read_on_current_stream
 
 if TYPE_CHECKING:
     import torch
@@ -38,13 +39,10 @@ def _to_host(rows: torch.Tensor, pool: Optional[HostPool]) -> Tuple[torch.Tensor
     or into pinned memory of its own when the pool is full."""
     import torch
 
-    from sglang_capture.server.host_pool import read_on_current_stream
-
     host = pool.take(rows) if pool is not None else None
     if host is None:
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         host.copy_(rows, non_blocking=True)
-        read_on_current_stream(rows)
     event = torch.cuda.Event()
     event.record()
     return host, event
@@ -76,6 +74,7 @@ class RequestCapture:
         already on the host are a view of the batch's pool block (no copy); rows still on the
         device (or needing FP8 packing) are packed and copied into the pool first."""
         ready = None
+        read_on_current_stream(rows)  # device rows of another stream are read below (pack, copy)
         if self.fp8_block is not None and rows.element_size() != 1:
             # Packed on the device when the copy hook could (no SGLang JSON request in the batch);
             # otherwise here, on the device or, for rows already on the host, on the host.

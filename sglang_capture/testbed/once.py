@@ -34,7 +34,7 @@ def build_once(path: str, build: Callable[[str], None], stamp: str = "") -> str:
     stamp_file = os.path.join(path, ".built")
     with open(path + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _read(stamp_file) == stamp:
+        if read_text(stamp_file) == stamp:
             return path
         tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".", dir=parent)
         try:
@@ -51,7 +51,8 @@ def build_once(path: str, build: Callable[[str], None], stamp: str = "") -> str:
     return path
 
 
-def _read(path: str) -> object:
+def read_text(path: str) -> object:
+    """The file's text, or None when it cannot be read (a stamp not written yet)."""
     try:
         with open(path) as f:
             return f.read()

