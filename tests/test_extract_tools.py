@@ -248,8 +248,11 @@ def test_export_specforge_files_load_with_the_exact_contract(reference_run, tmp_
     r = cli("export", "--format", "specforge", reference_run, out, "--no-progress")
     assert r.returncode == 0, r.stderr
     assert '"eagle_aux_hidden_state_layer_ids": [0, 2, 3]' in r.stdout  # DeepSeek: SGLang keeps ids as given
-    ckpts = sorted(os.listdir(out))
-    assert len(ckpts) == N_SAMPLES and all(c.endswith(".ckpt") for c in ckpts)
+    fragment = json.load(open(out / "eagle3_draft_config_fragment.json"))
+    assert fragment == {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}}
+    assert set(os.listdir(out)) - {"eagle3_draft_config_fragment.json"} == {c for c in os.listdir(out) if c.endswith(".ckpt")}
+    ckpts = sorted(c for c in os.listdir(out) if c.endswith(".ckpt"))
+    assert len(ckpts) == N_SAMPLES
     for ckpt in ckpts:
         s = torch.load(out / ckpt, weights_only=False, mmap=True)
         d = sglang_capture.load(os.path.join(reference_run, ckpt[:-len(".ckpt")] + ".capture.msgpack"))
