@@ -15,3 +15,22 @@ def make_job(tmp_path, chunks, n_rows, name="req-1"):
     meta = {"rid": name, "layers": [1], "layer_convention": "c", "hidden_size": 2, "model": "m",
             "sglang_version": "0.5.17", "schema": "sglang_capture/v1"}
     return CaptureJob(cap, n_rows, {"aux_hidden_states": (0, 2), "last_hidden_states": (2, 4)}, [1, 2], [3], meta), ledger
+
+
+def write_and_wait(pool, job, timeout=60.0):
+    """Submit ``job`` to a writer pool and wait for its outcome, as the response hook does."""
+    pool.submit(job)
+    if not job.done.wait(timeout):
+        raise TimeoutError(f"the writer did not finish {job.meta.get('rid')} in {timeout:.0f} s")
+    return job.outcome
+
+
+def as_torch(host):
+    """A writer-side HostTensor's bytes as a torch tensor of its stored dtype (a copy)."""
+    import numpy
+    import torch
+
+    t = torch.from_numpy(numpy.ascontiguousarray(host.array).copy())
+    if host.dtype == "bfloat16":
+        return t.view(torch.int16).view(torch.bfloat16)
+    return t.view(getattr(torch, host.dtype)) if host.dtype == "float8_e4m3fn" else t

@@ -14,6 +14,7 @@ from sglang_capture.core.fp8 import dequantize, pack, packed_splits, quantize
 from sglang_capture.core.reader import loads
 from sglang_capture.testbed.fp8_reference import whole_batch_pack
 from sglang_capture.writer.assemble import assemble_rows, relabel
+from tests.jobs import as_torch
 
 H = 64
 
@@ -52,10 +53,10 @@ def test_packed_rows_are_assembled_by_the_writer_into_e4m3_tensors_and_their_sca
     pieces = [(6, fmt.host_tensor(packed[6:])), (0, fmt.host_tensor(packed[:6]))]
     out = relabel(assemble_rows(pieces, 10, stored), dtypes)
     q, scales = quantize(x, H)
-    aux = out["aux_hidden_states"].to_torch()
+    aux = as_torch(out["aux_hidden_states"])
     assert aux.dtype == torch.float8_e4m3fn and torch.equal(aux.view(torch.uint8), q[:, :layers * H].view(torch.uint8))
-    assert torch.equal(out["aux_hidden_states_scale"].to_torch(), scales[:, :layers])
-    assert torch.equal(out["last_hidden_states_scale"].to_torch(), scales[:, layers:])
+    assert torch.equal(as_torch(out["aux_hidden_states_scale"]), scales[:, :layers])
+    assert torch.equal(as_torch(out["last_hidden_states_scale"]), scales[:, layers:])
     empty = relabel(assemble_rows([], 0, stored), dtypes)  # a capture with no rows
     assert empty["aux_hidden_states_scale"].array.shape == (0, layers)
 

@@ -6,6 +6,7 @@ import types
 import torch
 
 from sglang_capture.core.config import CaptureConfig
+from tests.jobs import write_and_wait
 
 
 def test_rows_survive_the_finished_req_being_freed_before_the_writer_runs(tmp_path):
@@ -37,7 +38,7 @@ def test_rows_survive_the_finished_req_being_freed_before_the_writer_runs(tmp_pa
     del req, capture
     gc.collect()
     del state.writer.submit  # the writer gets to the job now
-    outcome = state.writer.write(jobs[0], timeout=60)
+    outcome = write_and_wait(state.writer, jobs[0])
     assert outcome["status"] == "ok", outcome
     data = __import__("sglang_capture").load(outcome["path"])
     assert torch.equal(data["aux_hidden_states"], rows[:, :2]) and torch.equal(data["last_hidden_states"], rows[:, 2:])

@@ -9,7 +9,7 @@ import torch
 
 from sglang_capture.core.config import CaptureConfig, ConfigError
 from sglang_capture.server.ledger import HostMemoryLedger
-from tests.jobs import make_job
+from tests.jobs import make_job, write_and_wait
 
 
 def test_writer_publishes_whole_files_and_records_the_outcome(tmp_path):
@@ -92,7 +92,7 @@ def test_writer_processes_read_pool_rows_in_place_at_lower_priority_on_their_cpu
     writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=2, writer_nice=7, writer_cpus=[cpu]), ledger)
     writer.start(pool)
     try:
-        outcome = writer.write(job, timeout=60)
+        outcome = write_and_wait(writer, job)
         assert outcome["status"] == "ok", outcome
         data = load(outcome["path"])
         assert torch.equal(data["aux_hidden_states"].view(torch.int16), rows[:, :2].view(torch.int16))
@@ -142,7 +142,7 @@ def test_a_writer_process_that_dies_fails_only_its_job_and_is_replaced(tmp_path)
         assert first.done.wait(30)
         assert first.outcome["status"] == "error" and f"writer process {pid} exited" in first.outcome["error"]
         second, _ = make_job(tmp_path, [(0, torch.ones(2, 4))], 2, name="kept")
-        assert writer.write(second, timeout=60)["status"] == "ok"
+        assert write_and_wait(writer, second)["status"] == "ok"
         assert writer.stats["restarts"] == 1 and writer.writer_pids() != [pid]
         assert ledger.held_bytes == 0
     finally:
@@ -165,7 +165,7 @@ def test_a_writer_process_gone_before_it_took_the_job_is_replaced_and_the_job_wr
         while open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z":
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        outcome = writer.write(job, timeout=60)
+        outcome = write_and_wait(writer, job)
         assert outcome["status"] == "ok", outcome
         assert writer.stats["restarts"] == 1 and writer.writer_pids() != [pid] and ledger.held_bytes == 0
     finally:

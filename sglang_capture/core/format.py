@@ -130,15 +130,6 @@ class HostTensor:
     def nbytes(self) -> int:
         return int(self.array.nbytes)
 
-    def to_torch(self) -> torch.Tensor:
-        """The same bytes as a torch tensor of the stored dtype (a copy)."""
-        import torch
-
-        t = torch.from_numpy(numpy.ascontiguousarray(self.array).copy())
-        if self.dtype == "bfloat16":
-            return t.view(torch.int16).view(torch.bfloat16)
-        return t.view(getattr(torch, self.dtype)) if self.dtype in _BYTE_DTYPES else t
-
 
 def host_tensor(t: Union[torch.Tensor, HostTensor, numpy.ndarray]) -> HostTensor:
     """A HostTensor sharing ``t``'s memory (no copy; strides kept)."""

@@ -133,8 +133,5 @@ class CaptureInstrumentor:
         self._instrumented = False
         self._config = self._scheduler = None
 
-    def patched_seams(self) -> List[str]:
-        return sorted(self._originals)
-
 
 INSTRUMENTOR = CaptureInstrumentor()

@@ -46,7 +46,6 @@ class CaptureJob:
     meta: Dict[str, Any]
     dtypes: Dict[str, str] = field(default_factory=dict)  # stored dtype per tensor, where not the rows' (FP8)
     enqueued: float = field(default_factory=time.monotonic)
-    submitted: float = field(default_factory=time.time)
     outcome: Optional[Dict[str, Any]] = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -222,13 +221,6 @@ class WriterPool:
         if not self._threads:
             self.start()
         self._queue.put(OutcomeOnly(rid, outcome))
-
-    def write(self, job: CaptureJob, timeout: float = 600.0) -> Dict[str, Any]:
-        """Queue ``job`` and wait for its outcome (tests drive a writer this way; the server only submits)."""
-        self.submit(job)
-        if not job.done.wait(timeout):
-            raise TimeoutError(f"the writer did not finish {job.meta.get('rid')} in {timeout:.0f} s")
-        return job.outcome
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued jobs, stop the threads and their writer processes (shutdown, tests)."""

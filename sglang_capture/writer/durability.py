@@ -21,8 +21,6 @@ from sglang_capture.core.config import DURABILITY_MODES
 class Durability:
     """Per-file flushes (policy ``file``)."""
 
-    name = "file"
-
     def sync_data(self, fd: int) -> None:
         """Make the bytes written to ``fd`` durable (called before the file gets its name)."""
         os.fsync(fd)
@@ -34,8 +32,6 @@ class Durability:
 
 class NoSync(Durability):
     """Leave flushing to the kernel's writeback (policy ``none``)."""
-
-    name = "none"
 
     def sync_data(self, fd: int) -> None:
         pass
