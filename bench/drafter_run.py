@@ -347,14 +347,40 @@ def _measure(server: Server, prompts: List[List[int]], max_new: int, concurrency
         outs = list(pool.map(lambda ids: _generate(server, ids, max_new)["meta_info"], prompts))
     seconds = time.monotonic() - t0
     completion = sum(m["completion_tokens"] for m in outs)
-    res = {"requests": len(outs), "completion_tokens": completion, "seconds": round(seconds, 2),
-           "output_tok_per_s": round(completion / seconds, 1)}
-    verify = [m.get("spec_verify_ct", 0) for m in outs]
-    if any(verify):
-        per_request = [m["completion_tokens"] / v for m, v in zip(outs, verify, strict=True) if v]
-        res.update(mean_acceptance_length=round(sum(per_request) / len(per_request), 4),
-                   token_weighted_acceptance_length=round(completion / sum(verify), 4), verify_steps=sum(verify))
-    return res
+    return {"requests": len(outs), "completion_tokens": completion, "seconds": round(seconds, 2),
+            "output_tok_per_s": round(completion / seconds, 1), **acceptance(outs)}
+
+
+def acceptance(metas: List[Dict]) -> Dict:
+    """Acceptance lengths from the responses' ``meta_info``: the mean over requests of completion
+    tokens / ``spec_verify_ct`` (issue 27's measure), and the token-weighted one ({} without a draft)."""
+    verify = [m.get("spec_verify_ct", 0) for m in metas]
+    if not any(verify):
+        return {}
+    per_request = [m["completion_tokens"] / v for m, v in zip(metas, verify, strict=True) if v]
+    return {"mean_acceptance_length": round(sum(per_request) / len(per_request), 4),
+            "token_weighted_acceptance_length": round(sum(m["completion_tokens"] for m in metas) / sum(verify), 4),
+            "verify_steps": sum(verify)}
+
+
+BARS = {"bf16 / baseline": ("bf16", "baseline", 0.97), "fp8 / bf16": ("fp8", "bf16", 0.97)}
+MIN_ACCEPTANCE = ("bf16-s3k1d4", 1.5)
+
+
+def verdicts(configs: Dict[str, Dict]) -> Dict[str, Dict]:
+    """Issue 27's bars on a serve record's configs: each draft's mean acceptance length against
+    the one it must match (ratio >= 0.97) at every setting, and bf16 at 3/1/4 against 1.5."""
+    mean = lambda name: configs.get(name, {}).get("acceptance", {}).get("mean_acceptance_length")
+    out: Dict[str, Dict] = {}
+    for label, (num, den, bar) in BARS.items():
+        for setting in SETTINGS:
+            a, b = mean(f"{num}-{setting}"), mean(f"{den}-{setting}")
+            if a is not None and b is not None:
+                out[f"{label} ({setting})"] = {"ratio": round(a / b, 4), "bar": bar, "pass": a / b >= bar}
+    name, bar = MIN_ACCEPTANCE
+    if mean(name) is not None:
+        out[f"{name} mean acceptance length"] = {"value": mean(name), "bar": bar, "pass": mean(name) >= bar}
+    return out
 
 
 def serve(a: argparse.Namespace) -> None:
@@ -378,6 +404,8 @@ def serve(a: argparse.Namespace) -> None:
                      "failed": {k: v for k, v in started.items() if not isinstance(v, Server)}}
     try:
         for name, server in servers.items():
+            # first requests of each batch size compile and tune kernels: not part of the figure
+            _measure(server, prompts[:a.concurrency], 32, a.concurrency)
             try:
                 info = requests.get(server.url + "/server_info", timeout=30).json()
             except (requests.RequestException, ValueError):
@@ -399,6 +427,7 @@ def serve(a: argparse.Namespace) -> None:
         for k in ("acceptance", "bs1"):
             if target:
                 r[k]["speedup_vs_target"] = round(r[k]["output_tok_per_s"] / target[k]["output_tok_per_s"], 3)
+    results["verdicts"] = verdicts(results["configs"])
     _mark(a.work, "serve", results)
 
 
@@ -417,7 +446,7 @@ def main() -> int:
     ap.add_argument("--train-budget-s", type=float, default=660.0, help="seconds the three runs may take side by side")
     ap.add_argument("--probe-steps", type=int, default=40)
     ap.add_argument("--parallel-slowdown", type=float, default=1.0,
-                    help="a step's slowdown with three runs side by side (r48: none; 0.15 s against 0.20 s alone)")
+                    help="a step's slowdown with three runs side by side (measured: none, 0.15 s a step side by side against 0.20 s alone)")
     ap.add_argument("--epochs", type=int, default=3, help="upper bound on the steps: epochs x samples")
     ap.add_argument("--lr", type=float, default=3e-4, help="a short run of a small draft: above SpecForge's 1e-4")
     ap.add_argument("--max-length", type=int, default=2048)

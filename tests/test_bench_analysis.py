@@ -6,6 +6,7 @@ samples are attributed to the right frames, and that interference windows are co
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -214,3 +215,40 @@ def test_the_fp8_benchmark_compares_each_request_captured_in_bf16_and_fp8_row_fo
     assert sizes["fp8"]["before_compression"] < sizes["model"]["before_compression"]
     assert res["checks"]["every_row_cos_ge_0.999"] and res["checks"]["fp8_smaller_than_model_dtype"]
     assert proc.stdout.splitlines()[-1].startswith("PASS every row cos >= 0.999")
+
+
+def test_drafter_acceptance_is_the_mean_over_requests_of_completion_tokens_per_verify_step():
+    import drafter_run
+
+    metas = [{"completion_tokens": 30, "spec_verify_ct": 20}, {"completion_tokens": 10, "spec_verify_ct": 4}]
+    assert drafter_run.acceptance(metas) == {"mean_acceptance_length": 2.0, "token_weighted_acceptance_length": 1.6667,
+                                             "verify_steps": 24}
+    assert drafter_run.acceptance([{"completion_tokens": 30}]) == {}  # served without a draft
+
+
+def test_drafter_verdicts_apply_issue_27_bars_to_the_recorded_run_and_catch_a_shortfall():
+    import drafter_run
+
+    record = json.load(open(os.path.join(BENCH, "results", "drafter-smollm2-h200-2026-12-02-r49.json")))
+    v = drafter_run.verdicts(record["serve"]["configs"])
+    assert set(v) == {"bf16 / baseline (s3k1d4)", "bf16 / baseline (default)", "fp8 / bf16 (s3k1d4)",
+                      "fp8 / bf16 (default)", "bf16-s3k1d4 mean acceptance length"}
+    assert all(x["pass"] for x in v.values()) and v["bf16-s3k1d4 mean acceptance length"]["value"] == 1.5246
+    short = {"bf16-s3k1d4": {"acceptance": {"mean_acceptance_length": 1.4}},
+             "baseline-s3k1d4": {"acceptance": {"mean_acceptance_length": 1.5}}}
+    v = drafter_run.verdicts(short)
+    assert v["bf16 / baseline (s3k1d4)"] == {"ratio": 0.9333, "bar": 0.97, "pass": False}
+    assert not v["bf16-s3k1d4 mean acceptance length"]["pass"] and "fp8 / bf16 (s3k1d4)" not in v
+
+
+def test_drafter_prompts_are_whole_objects_up_to_the_cut_first_human_turns_without_duplicates(tmp_path):
+    import drafter_data
+
+    conv = lambda i, who, text: {"id": str(i), "conversations": [{"from": who, "value": text}, {"from": "gpt", "value": "a"}]}
+    whole = [conv(1, "human", "hello"), conv(2, "gpt", "not a prompt"), conv(3, "human", "hello"),
+             conv(4, "human", "x" * 50), conv(5, "human", " second ")]
+    path = tmp_path / "sharegpt.json"
+    path.write_text("[" + ", ".join(json.dumps(c) for c in whole) + ', {"id": "6", "conversations": [{"from": "hu')
+    prompts, read = drafter_data.first_prompts(str(path), max_chars=20)
+    assert read == 5
+    assert prompts == [{"id": "sharegpt-1", "prompt": "hello"}, {"id": "sharegpt-5", "prompt": "second"}]
