@@ -114,11 +114,11 @@ def test_writer_processes_read_pool_rows_in_place_at_lower_priority_on_their_cpu
     assert writer.writer_pids() == []
 
 
-def _one_writer(tmp_path, ledger):
+def _one_writer(tmp_path, ledger, **config):
     """A started writer with one writer process, and that process's pid."""
     from sglang_capture.server.writer_pool import WriterPool
 
-    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), ledger)
+    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1, **config), ledger)
     writer.start()
     deadline = time.monotonic() + 30
     while not writer.writer_pids():
@@ -147,6 +147,86 @@ def test_a_writer_process_that_dies_fails_only_its_job_and_is_replaced(tmp_path)
         assert ledger.held_bytes == 0
     finally:
         writer.close()
+
+
+def test_a_writer_process_that_makes_no_progress_fails_its_job_is_killed_replaced_and_counted(tmp_path):
+    import os
+    import signal
+
+    job, ledger = make_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="stuck")
+    writer, pid = _one_writer(tmp_path, ledger, writer_stall_s=1.0)
+    try:
+        os.kill(pid, signal.SIGSTOP)  # as a process blocked on a hung mount: alive, silent
+        t0 = time.monotonic()
+        outcome = write_and_wait(writer, job, timeout=30)
+        assert 1.0 <= time.monotonic() - t0 < 15
+        assert outcome["status"] == "error" and outcome["error"] == (
+            f"WriterStalled: writer process {pid} made no progress for 1 s (a hung disk or network mount?); "
+            "it was killed and replaced")
+        assert writer.stats["stalled"] == 1 and writer.stats["failed"] == 1 and writer.stats["restarts"] == 1
+        assert ledger.held_bytes == 0
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}"):  # killed, and reaped: no zombie left behind
+            assert time.monotonic() < deadline, open(f"/proc/{pid}/stat").read()
+            time.sleep(0.05)
+        kept, _ = make_job(tmp_path, [(0, torch.ones(2, 4))], 2, name="kept")
+        assert write_and_wait(writer, kept)["status"] == "ok" and writer.writer_pids() not in ([], [pid])
+        assert not os.path.exists(tmp_path / "stuck.capture.msgpack")
+    finally:
+        writer.close()
+
+
+def test_writer_stall_timeout_must_be_positive(tmp_path):
+    with pytest.raises(ConfigError, match="^--capture-writer-stall-timeout must be a positive number of seconds, got 0"):
+        CaptureConfig(capture_dir=str(tmp_path), writer_stall_s=0)
+
+
+def test_a_gone_quiet_side_is_stalled_while_one_sending_progress_is_waited_for():
+    import os
+    import select
+
+    from sglang_capture.core.handoff import Heartbeat, Stalled, recv_reply, send
+
+    r, w = os.pipe()
+    try:
+        beat = Heartbeat(w, interval=0.1)
+
+        def slow_but_moving():  # 1.5 s of work in small steps, then the answer
+            for _ in range(30):
+                time.sleep(0.05)
+                beat()
+            send(w, {"op": "done", "n": 1})
+
+        t = threading.Thread(target=slow_but_moving)
+        t0 = time.monotonic()
+        t.start()
+        assert recv_reply(r, stall_s=0.5) == {"op": "done", "n": 1} and time.monotonic() - t0 >= 1.5
+        t.join()
+        t0 = time.monotonic()
+        with pytest.raises(Stalled):
+            recv_reply(r, stall_s=0.3)  # nothing comes
+        assert 0.3 <= time.monotonic() - t0 < 2
+        Heartbeat(w, interval=10.0)()  # within its interval: sends nothing (small files cost no wake-ups)
+        assert not select.select([r], [], [], 0.1)[0]
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_writer_shows_progress_after_every_write_and_flush_of_a_file(tmp_path, monkeypatch):
+    from sglang_capture.core import format as fmt
+    from sglang_capture.core.capture_dir import DirFds
+    from sglang_capture.core.format import host_tensor
+    from sglang_capture.writer.capture_file import write_capture_file
+    from sglang_capture.writer.durability import durability_for
+
+    monkeypatch.setattr(fmt, "FRAME_BYTES", 4096)  # 16 frames of 4 KiB rows
+    calls = []
+    rows = host_tensor(torch.randn(16, 1024))
+    write_capture_file(DirFds.open(str(tmp_path)), "moving", {"rid": "moving"}, {"rows": rows},
+                       CaptureConfig(capture_dir=str(tmp_path)).codec_spec(), durability_for("file"),
+                       progress=lambda: calls.append(1))
+    assert len(calls) >= 16 + 2  # each frame's write, then the file's and the name's flush
 
 
 def test_a_writer_process_gone_before_it_took_the_job_is_replaced_and_the_job_written(tmp_path, monkeypatch):

@@ -7,13 +7,17 @@ or the server has none) travel inline as bytes. Messages are length-prefixed msg
 
 Protocol, per writer process: ``hello`` (configuration, pool descriptor), then per job
 ``write`` → ``copied`` (the rows are read out of the pool: the scheduler side may free it) →
-``done`` (the outcome). EOF on either side ends it.
+``done`` (the outcome), with ``progress`` messages between them while a long file is still being
+written (at most one a second): the scheduler side gives up on a writer that sends nothing for
+``--capture-writer-stall-timeout``. EOF on either side ends it.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import select
 import struct
+import time
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import msgpack
@@ -54,10 +58,18 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
-def _read_exact(fd: int, n: int) -> Optional[bytearray]:
+class Stalled(TimeoutError):
+    """The other side sent nothing for the whole allowed time."""
+
+
+def _read_exact(fd: int, n: int, deadline: Optional[float]) -> Optional[bytearray]:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise Stalled()
         k = os.readv(fd, [view[got:]])
         if not k:
             return None
@@ -65,13 +77,43 @@ def _read_exact(fd: int, n: int) -> Optional[bytearray]:
     return buf
 
 
-def recv(fd: int) -> Optional[Dict[str, Any]]:
-    """Read one message; None when the other side closed its end (or died)."""
-    header = _read_exact(fd, _HEADER.size)
+def recv(fd: int, timeout: Optional[float] = None) -> Optional[Dict[str, Any]]:
+    """Read one message; None when the other side closed its end (or died). With ``timeout``,
+    raises Stalled when the message is not whole within that many seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    header = _read_exact(fd, _HEADER.size, deadline)
     if header is None:
         return None
-    body = _read_exact(fd, _HEADER.unpack(header)[0])
+    body = _read_exact(fd, _HEADER.unpack(header)[0], deadline)
     return None if body is None else msgpack.unpackb(body, raw=False, strict_map_key=False)
+
+
+def recv_reply(fd: int, stall_s: float) -> Optional[Dict[str, Any]]:
+    """The next message that is not ``progress``; raises Stalled after ``stall_s`` seconds
+    without any message (each ``progress`` starts the time again)."""
+    while True:
+        message = recv(fd, stall_s)
+        if message is None or message.get("op") != "progress":
+            return message
+
+
+class Heartbeat:
+    """Sends ``progress`` on ``fd`` when called, at most once per ``interval`` seconds: the
+    writer calls it after every write to its file and after each flush, so a writer stuck in
+    the kernel (a hung mount) goes silent while one that is slow but moving does not."""
+
+    def __init__(self, fd: int, interval: float) -> None:
+        self.fd, self.interval = fd, interval
+        self.last = time.monotonic()
+
+    def restart(self) -> None:
+        self.last = time.monotonic()
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            send(self.fd, {"op": "progress"})
+            self.last = now
 
 
 def describe_chunks(chunks: Sequence[Chunk], pool: Optional[Pool]) -> Tuple[List[list], int]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 
 from sglang_capture.core.capture_dir import DirFds, error_text, record_outcome, remove_orphans, write_stats
 from sglang_capture.core.config import CaptureConfig
-from sglang_capture.core.handoff import describe_chunks, ids_bytes, recv, send
+from sglang_capture.core.handoff import Stalled, describe_chunks, ids_bytes, recv_reply, send
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.request_capture import RequestCapture
@@ -66,10 +66,15 @@ class NotTaken(WriterProcessDied):
     """The writer process was gone before it could take the job: another one may write it."""
 
 
+class WriterStalled(WriterProcessDied):
+    """The writer process sent nothing for ``--capture-writer-stall-timeout`` (a hung mount)."""
+
+
 class _Child:
     """One writer process and the pipes to it."""
 
     def __init__(self, config: CaptureConfig, pool: Optional[HostPool]) -> None:
+        self.stall_s = config.writer_stall_s
         pass_fds = (pool.fd,) if pool is not None else ()  # the pool's memfd, mapped read-only there
         self.proc = subprocess.Popen([sys.executable, "-m", "sglang_capture.writer.process"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, pass_fds=pass_fds)
@@ -94,7 +99,11 @@ class _Child:
             raise NotTaken(str(self._died())) from None
 
     def recv(self) -> Dict[str, Any]:
-        reply = recv(self.proc.stdout.fileno())
+        try:
+            reply = recv_reply(self.proc.stdout.fileno(), self.stall_s)
+        except Stalled:
+            raise WriterStalled(f"writer process {self.pid} made no progress for {self.stall_s:g} s (a hung disk "
+                                "or network mount?); it was killed and replaced") from None
         if reply is None:
             raise self._died()
         return reply
@@ -117,7 +126,10 @@ class _Child:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:  # stuck in the kernel (a hung mount): reaped when it returns
+                threading.Thread(target=self.proc.wait, name=f"sglang-capture-reap-{self.pid}", daemon=True).start()
         finally:
             self.proc.stdout.close()
 
@@ -166,7 +178,7 @@ class WriterPool:
         self._extra_stats: Callable[[], Dict[str, Any]] = dict
         self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
                                       "queue_wait_s": 0.0, "assemble_s": 0.0, "encode_write_s": 0.0,
-                                      "fsync_publish_s": 0.0, "inline_bytes": 0, "restarts": 0}
+                                      "fsync_publish_s": 0.0, "inline_bytes": 0, "restarts": 0, "stalled": 0}
 
     def dirs(self) -> DirFds:
         """The capture dir's descriptors, opened on first use (raises OSError if unusable)."""
@@ -288,13 +300,18 @@ class WriterPool:
             return self._hand_off(child, job)
         except NotTaken:
             return self._hand_off(self._replace(slot), job)
+        except WriterStalled:
+            with self._lock:
+                self.stats["stalled"] += 1
+            self._replace_quietly(slot, stop_timeout=0.0)
+            raise
 
-    def _replace(self, slot: int) -> _Child:
+    def _replace(self, slot: int, stop_timeout: float = 1.0) -> _Child:
         """Start the slot's writer process, stopping the one it replaces (raises WriterProcessDied)."""
         with self._lock:
             old = self._children.pop(slot, None)
         if old is not None:
-            old.stop(1.0)
+            old.stop(stop_timeout)
         try:
             child = _Child(self.config, self.pool)
         except OSError as e:
@@ -304,9 +321,9 @@ class WriterPool:
             self.stats["restarts"] += int(old is not None)
         return child
 
-    def _replace_quietly(self, slot: int) -> None:
+    def _replace_quietly(self, slot: int, stop_timeout: float = 1.0) -> None:
         try:
-            self._replace(slot)
+            self._replace(slot, stop_timeout)
         except WriterProcessDied as e:  # each job will retry, and fail with this reason
             logger.error("sglang_capture: %s", e)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, Mapping, Tuple
+from typing import IO, Any, Callable, Dict, Mapping, Tuple
 
 from sglang_capture.core.capture_dir import DirFds
 from sglang_capture.core.durable import publish_new
@@ -17,21 +17,34 @@ from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.writer.durability import Durability
 
 
+class _Progressing:
+    """A file whose every write is followed by ``progress()``."""
+
+    def __init__(self, f: IO[bytes], progress: Callable[[], None]) -> None:
+        self._f, self._progress = f, progress
+
+    def write(self, data: Any) -> None:
+        self._f.write(data)
+        self._progress()
+
+
 def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors: Mapping[str, HostTensor],
-                       codec: Codec, durability: Durability,
-                       keep_page_cache: bool = False) -> Tuple[int, str, Dict[str, float]]:
+                       codec: Codec, durability: Durability, keep_page_cache: bool = False,
+                       progress: Callable[[], None] = lambda: None) -> Tuple[int, str, Dict[str, float]]:
     """Encode ``tensors`` into ``<name>.capture.msgpack`` and publish it; returns its size,
     checksum and stage timings. Raises on failure (FileExistsError when the name is taken),
     leaving no file behind.
 
     Unless ``keep_page_cache``, the file's pages leave the page cache once flushed: at 1.4 GB/s
     of captures the cache otherwise grows until the kernel must reclaim memory for every other
-    allocation on the host, the server's included, and nothing reads these files back soon."""
+    allocation on the host, the server's included, and nothing reads these files back soon.
+
+    ``progress`` is called after each write and each flush: how the writer shows it is not hung."""
     t0 = time.monotonic()
     encoded_at = [t0]
 
     def encode(f) -> Tuple[int, str]:
-        out = write_capture(f, meta, tensors, codec)
+        out = write_capture(_Progressing(f, progress), meta, tensors, codec)
         encoded_at[0] = time.monotonic()
         return out
 
@@ -39,10 +52,15 @@ def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors
         durability.sync_data(fd)
         if not keep_page_cache:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # flushed pages go; dirty ones start writeback
+        progress()
+
+    def sync_names(dir_fd: int) -> None:
+        durability.sync_names(dir_fd)
+        progress()
 
     try:
         nbytes, checksum = publish_new(name + FILE_SUFFIX, encode, dir_fd=dirs.capture, tmp_dir_fd=dirs.tmp,
-                                       sync_data=sync_data, sync_names=durability.sync_names)
+                                       sync_data=sync_data, sync_names=sync_names)
     except FileExistsError:
         raise FileExistsError(f"a capture file named {name!r} already exists") from None
     return nbytes, checksum, {"encode_write_s": encoded_at[0] - t0, "fsync_publish_s": time.monotonic() - encoded_at[0]}

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 
 from sglang_capture.core.capture_dir import DirFds, error_text
 from sglang_capture.core.config import CaptureConfig
-from sglang_capture.core.handoff import chunk_arrays, ids_array, recv, send
+from sglang_capture.core.handoff import Heartbeat, chunk_arrays, ids_array, recv, send
 from sglang_capture.core.loss_mask import mask_from_spans
 from sglang_capture.writer.assemble import assemble_rows, relabel
 from sglang_capture.writer.capture_file import write_capture_file
@@ -48,8 +48,10 @@ class WriterProcess:
             self.dirs_error = e
 
     def write(self, msg: Dict[str, Any], out_fd: int) -> Dict[str, Any]:
-        """Publish one job; sends ``copied`` as soon as its rows are out of the pool."""
+        """Publish one job; sends ``copied`` as soon as its rows are out of the pool, then
+        ``progress`` while the file is written (core/handoff.py)."""
         t0 = time.monotonic()
+        beat = Heartbeat(out_fd, min(1.0, self.config.writer_stall_s / 4))
         copied = False
         timings: Dict[str, float] = {}
         try:
@@ -67,8 +69,9 @@ class WriterProcess:
                 tensors["loss_mask"] = mask_from_spans([tuple(s) for s in msg["loss_spans"]], len(input_ids))
             if self.dirs is None:
                 raise self.dirs_error or OSError("the capture dir is unusable")
-            nbytes, checksum, stage = write_capture_file(self.dirs, msg["name"], msg["meta"], tensors, self.codec, self.durability,
-                                              self.config.keep_page_cache)
+            beat.restart()  # "copied" went just now
+            nbytes, checksum, stage = write_capture_file(self.dirs, msg["name"], msg["meta"], tensors, self.codec,
+                                                         self.durability, self.config.keep_page_cache, beat)
             timings.update(stage)
             result = {"status": "ok", "bytes": nbytes, "checksum": checksum,
                       "raw_bytes": sum(int(t.nbytes) for t in tensors.values())}
