@@ -12,6 +12,7 @@
 #      (model from the GGUF, regen, capture bf16 + fp8, baseline; the three trainings then run on
 #      in the background, past the end of the call)
 #   4. carry [dist]                     source .devkit/env.sh; bash bench/h200_drafter.sh train $OUT
+#      (waits up to 550 s; if it says training is not done yet, run it again)
 #   5. carry [dist]                     source .devkit/env.sh; bash bench/h200_drafter.sh serve $OUT
 # Knobs: SAMPLES (2000), ANSWER_TOKENS (384), TRAIN_BUDGET_S (660), TEST_PROMPTS (200).
 set -o pipefail

@@ -1,4 +1,4 @@
-"""A writer job with known rows, for tests of the writer pool and the capture dir."""
+"""Writer-side test helpers: a job with known rows, waiting for its outcome, its tensors as torch."""
 from __future__ import annotations
 
 from sglang_capture.server.ledger import HostMemoryLedger
@@ -30,7 +30,9 @@ def as_torch(host):
     import numpy
     import torch
 
+    from sglang_capture.core.format import _BYTE_DTYPES
+
     t = torch.from_numpy(numpy.ascontiguousarray(host.array).copy())
     if host.dtype == "bfloat16":
         return t.view(torch.int16).view(torch.bfloat16)
-    return t.view(getattr(torch, host.dtype)) if host.dtype == "float8_e4m3fn" else t
+    return t.view(getattr(torch, host.dtype)) if host.dtype in _BYTE_DTYPES else t

@@ -238,7 +238,9 @@ def test_drafter_verdicts_apply_issue_27_bars_to_the_recorded_run_and_catch_a_sh
              "baseline-s3k1d4": {"acceptance": {"mean_acceptance_length": 1.5}}}
     v = drafter_run.verdicts(short)
     assert v["bf16 / baseline (s3k1d4)"] == {"ratio": 0.9333, "bar": 0.97, "pass": False}
-    assert not v["bf16-s3k1d4 mean acceptance length"]["pass"] and "fp8 / bf16 (s3k1d4)" not in v
+    assert not v["bf16-s3k1d4 mean acceptance length"]["pass"]
+    assert v["fp8 / bf16 (s3k1d4)"] == {"bar": 0.97, "pass": False, "missing": ["fp8-s3k1d4"]}  # a draft that never served
+    assert v["bf16 / baseline (default)"]["missing"] == ["bf16-default", "baseline-default"]
 
 
 def test_drafter_prompts_are_whole_objects_up_to_the_cut_first_human_turns_without_duplicates(tmp_path):
