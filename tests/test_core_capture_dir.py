@@ -57,29 +57,105 @@ def test_files_are_created_owner_and_group_only(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / ".tmp").st_mode) == 0o700
 
 
-def test_temp_files_of_a_killed_server_are_removed_at_start_and_live_ones_kept(tmp_path):
+def _aged(path, seconds=3600):
     import os
-    import subprocess
-    import sys
+    import time
+
+    os.utime(path, (time.time() - seconds, time.time() - seconds))
+
+
+def test_temp_files_of_a_killed_server_are_removed_at_start_and_live_ones_kept(tmp_path):
+    import fcntl
+    import os
 
     from sglang_capture.core.capture_dir import prepare_capture_dir
     from sglang_capture.core.durable import host_tag
     from sglang_capture.server.writer_pool import WriterPool
 
     prepare_capture_dir(str(tmp_path))
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(gone.stdout)  # a process that has exited
     here = host_tag()
-    orphans = [tmp_path / ".tmp" / f"req.7.{here}.{dead_pid}.{'a' * 32}.part",
-               tmp_path / ".index" / f"x.json.{here}.{dead_pid}.{'b' * 32}.part"]
-    live = [tmp_path / ".tmp" / f"other.{here}.{os.getpid()}.{'c' * 32}.part", tmp_path / ".tmp" / "notes.part",
-            # another host sharing the directory: its pids mean nothing here, its files stay
-            tmp_path / ".tmp" / f"req.8.h0badc0de.{dead_pid}.{'d' * 32}.part"]
-    for path in orphans + live:
+    orphans = [tmp_path / ".tmp" / f"req.7.{here}.{os.getpid()}.{'a' * 32}.part",  # a pid proves nothing
+               tmp_path / ".index" / f"x.json.{here}.99999999.{'b' * 32}.part"]
+    held = tmp_path / ".tmp" / f"live.{here}.1.{'c' * 32}.part"
+    kept = [held, tmp_path / ".tmp" / "notes.part",
+            tmp_path / ".tmp" / f"fresh.{here}.2.{'e' * 32}.part",  # unlocked for a moment after its creation
+            # another host sharing the directory: its locks may not reach this one, its files stay
+            tmp_path / ".tmp" / f"req.8.h0badc0de.3.{'d' * 32}.part"]
+    for path in orphans + kept:
         path.write_bytes(b"half a file")
+        if "fresh" not in path.name:
+            _aged(path)
+    holder = os.open(held, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # its writer runs
     writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), HostMemoryLedger(1 << 20))
     try:
         writer.start()
-        assert not any(p.exists() for p in orphans) and all(p.exists() for p in live)
+        assert not any(p.exists() for p in orphans) and all(p.exists() for p in kept)
     finally:
         writer.close()
+        os.close(holder)
+
+
+def test_a_server_in_another_pid_namespace_keeps_its_temp_files_until_it_dies(tmp_path):
+    """Two servers on one capture dir and one host name, not one pid namespace (containers of one
+    host): the temp file of a live writer in the other namespace names a pid that means nothing
+    here, yet this server's start-up clean-up keeps it; once that writer is killed, it goes."""
+    import fcntl
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sglang_capture.core.capture_dir import prepare_capture_dir
+    from sglang_capture.server.writer_pool import WriterPool
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "true"]).returncode != 0:
+        pytest.skip("needs unshare --pid (util-linux, root or user namespaces)")
+    prepare_capture_dir(str(tmp_path))
+    # the writer's pid in its namespace is chosen to be no process here: a pid check would call it dead
+    target = next(p for p in range(60, 5000) if not os.path.exists(f"/proc/{p}"))
+    writer_code = (
+        "import os, sys, time\n"
+        "from sglang_capture.core.capture_dir import DirFds\n"
+        "from sglang_capture.core.durable import publish_new\n"
+        "dirs = DirFds.open(sys.argv[1])\n"
+        "def write(f):\n"
+        "    f.write(b'half a file'); f.flush(); print(os.getpid(), flush=True); time.sleep(600)\n"
+        "publish_new('req.capture.msgpack', write, dir_fd=dirs.capture, tmp_dir_fd=dirs.tmp)\n")
+    script = f'i=0; while [ $i -lt {target - 2} ]; do /bin/true; i=$((i+1)); done; "$0" -c "$1" "$2"; exit $?'
+    other = subprocess.Popen(["unshare", "--pid", "--fork", "sh", "-c", script, sys.executable, writer_code, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        inner_pid = int(other.stdout.readline())
+        (temp,) = os.listdir(tmp_path / ".tmp")
+        assert temp.split(".")[-3] == str(inner_pid) == str(target) and not os.path.exists(f"/proc/{inner_pid}")
+        _aged(tmp_path / ".tmp" / temp)
+        for _ in range(2):  # this server starting, and starting again while the other still writes
+            pool = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), HostMemoryLedger(1 << 20))
+            pool.start()
+            pool.close()
+            assert os.listdir(tmp_path / ".tmp") == [temp]
+        os.killpg(other.pid, signal.SIGKILL)  # the other server dies mid-write
+        other.wait(30)
+        fd = os.open(tmp_path / ".tmp" / temp, os.O_RDONLY)
+        try:  # its lock goes with its last descriptor, once the kernel has finished the process
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, "the killed writer's lock was never released"
+                    time.sleep(0.05)
+        finally:
+            os.close(fd)
+        pool = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), HostMemoryLedger(1 << 20))
+        pool.start()
+        pool.close()
+        assert os.listdir(tmp_path / ".tmp") == [] and not (tmp_path / "req.capture.msgpack").exists()
+    finally:
+        if other.poll() is None:
+            os.killpg(other.pid, signal.SIGKILL)
+            other.wait(30)

@@ -167,6 +167,9 @@ def test_killed_extract_resumes_to_the_same_files_without_duplicates(server, con
         for key in TENSORS:
             assert a[key].dtype == b[key].dtype and torch.equal(_bits(a[key]), _bits(b[key])), (name, key)
     assert cli("verify", out, "--no-progress").returncode == 0
+    # the killed run's attempts and run lock are gone from the server's dir, as are the second run's
+    assert not [n for n in os.listdir(server.capture_dir) if ".try-" in n]
+    assert os.listdir(os.path.join(server.capture_dir, ".extract-runs")) == []
 
 
 def test_rerun_of_a_finished_extract_sends_nothing(server, conversations, reference_run, env):
@@ -393,3 +396,43 @@ def test_extract_can_store_fp8_on_a_server_whose_default_is_the_model_dtype(serv
         assert cos.min().item() >= 0.999
     bad = extract(server, inp, tmp_path / "bad", "--capture-dtype", "fp16", env=env)
     assert bad.returncode == 2 and "Invalid value for '--capture-dtype'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_extract_runs_sharing_a_capture_dir_remove_only_the_attempts_of_runs_that_are_gone(tmp_path):
+    """Another extract still running against the same server keeps its attempts; a run killed
+    with -9 loses them (and its lock file); attempts named before runs were tagged go too."""
+    from sglang_capture.core.names import FILE_SUFFIX
+    from sglang_capture.tools.attempts import RUNS_DIR, RunLocks
+
+    cap = tmp_path / "capture-dir"
+    cap.mkdir()
+    code = ("import sys, time\nfrom sglang_capture.tools.attempts import RunLocks\nr = RunLocks()\n"
+            "r.acquire([sys.argv[1]])\nopen(sys.argv[1] + '/' + r.attempt_name('s1') + sys.argv[2], 'w').close()\n"
+            "print(r.run, flush=True)\ntime.sleep(600)\n")
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(cap), FILE_SUFFIX], stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    live, dead = runs
+    try:
+        tags = [p.stdout.readline().strip() for p in runs]
+        dead.kill()
+        dead.wait(30)
+        (cap / f"s2.try-0123abcd{FILE_SUFFIX}").write_bytes(b"")  # an untagged attempt of an older version
+        (cap / f"s3{FILE_SUFFIX}").write_bytes(b"")  # a plain capture file: never an attempt
+        me = RunLocks()
+        me.acquire([str(cap)])
+        (cap / (me.attempt_name("s4") + FILE_SUFFIX)).write_bytes(b"")
+        assert me.remove_leftovers([str(cap)]) == 2
+        left = sorted(os.listdir(cap))
+        attempts = {n.split(".try-")[1].split("-")[0] for n in left if ".try-" in n}
+        assert attempts == {tags[0], me.run} and f"s3{FILE_SUFFIX}" in left
+        assert sorted(os.listdir(cap / RUNS_DIR)) == sorted([f"{tags[0]}.lock", f"{me.run}.lock"])
+        live.kill()
+        live.wait(30)
+        assert me.remove_leftovers([str(cap)], own=True) == 2  # the end of this run: its own, and the now dead one's
+        me.release()
+        assert sorted(os.listdir(cap)) == [RUNS_DIR, f"s3{FILE_SUFFIX}"] and os.listdir(cap / RUNS_DIR) == []
+    finally:
+        for p in runs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)

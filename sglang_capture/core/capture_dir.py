@@ -2,7 +2,8 @@
 the offline tools all read or write.
 
 - ``<name>.capture.msgpack``: published capture files (writer/capture_file.py).
-- ``.tmp/``: files being written, under temp names that say their host and process.
+- ``.tmp/``: files being written, under temp names that say their host and process, each locked
+  by its writer (core/durable.py) until it has its final name.
 - ``.index/<rid-name>.json``: each request's outcome (ok or error, bytes, checksum), which the
   HTTP process waits on before it answers; ``.unrecorded`` beside it when even that failed.
 - ``.index/writer-<pid>.json``: the stats of each scheduler process that writes, for monitoring.
@@ -15,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict
 
-from sglang_capture.core.durable import CREATE_FLAGS, TEMP_SUFFIX, host_tag, replace_atomic
+from sglang_capture.core.durable import CREATE_FLAGS, TEMP_SUFFIX, host_tag, remove_unowned, replace_atomic
 from sglang_capture.core.names import name_for_rid
 
 TMP_DIR = ".tmp"
@@ -59,32 +60,24 @@ class DirFds:
         return cls(top, os.open(TMP_DIR, flags, dir_fd=top), os.open(INDEX_DIR, flags, dir_fd=top))
 
 
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+# A temp file is unlocked for a moment after its creation; a rank's peer marker (server/peers.py)
+# lives unlocked until global rank 0 has seen it, within the 60 s the ranks wait for each other.
+ORPHAN_MIN_AGE_S = 120.0
 
 
-def remove_orphans(dirs: DirFds) -> int:
-    """Remove temp files left in ``.tmp/`` and ``.index/`` by this host's processes that no longer
-    run (a server killed mid-write); returns how many. Files of a live process, or of another host
-    sharing the directory, are kept."""
+def remove_orphans(dirs: DirFds, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
+    """Remove temp files left in ``.tmp/`` and ``.index/`` by this host's processes that died
+    mid-write (a killed server); returns how many. Proof of death is the file's lock, which its
+    writer holds (core/durable.create_owned), not its process id: servers in containers share a
+    host name but not pid namespaces. Locked files, files younger than ``min_age_s`` and other
+    hosts' files are kept."""
     removed, here = 0, host_tag()
     for dir_fd in (dirs.tmp, dirs.index):
         for entry in os.listdir(dir_fd):
             parts = entry.split(".")
-            if (len(parts) < 5 or "." + parts[-1] != TEMP_SUFFIX or parts[-4] != here or not parts[-3].isdigit()
-                    or _pid_running(int(parts[-3]))):
+            if len(parts) < 5 or "." + parts[-1] != TEMP_SUFFIX or parts[-4] != here:
                 continue
-            try:
-                os.unlink(entry, dir_fd=dir_fd)
-                removed += 1
-            except FileNotFoundError:
-                pass
+            removed += remove_unowned(entry, dir_fd, min_age_s)
     return removed
 
 

@@ -10,14 +10,21 @@ partial file:
   samples, outcome records, stats), with ``os.replace`` and, unless told not to, a flush of the
   file and of its directory.
 
-Also here: the ``sha256:<hex>`` tag every checksum in this package uses, and temp names that
-say which host and process own them (a capture dir may be shared by several hosts).
+Also here: the ``sha256:<hex>`` tag every checksum in this package uses, and temp files whose
+ownership can be proven. Each temp file is locked (``flock``) by the process writing it from the
+moment it exists until its final name does, and the kernel drops the lock when that process dies,
+however it dies: a temp file whose lock can be taken is an orphan. Process ids cannot prove that:
+two servers in containers of one host share its host name, not their pid namespace. Temp names
+still say their host (a capture dir may be shared by several hosts, whose locks may not reach each
+other on a network filesystem mounted without them), and, for people, the writing process.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import socket
+import time
 import uuid
 from typing import IO, Callable, Optional, TypeVar
 
@@ -36,9 +43,44 @@ def host_tag() -> str:
     return "h" + hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
+def create_owned(name: str, dir_fd: Optional[int] = None, mode: int = 0o640) -> int:
+    """Create ``name`` (it must not exist) for writing, locked by this process until the
+    descriptor is closed: proof that its writer is alive (``remove_unowned``)."""
+    fd = os.open(name, CREATE_FLAGS, mode, dir_fd=dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(name, dir_fd)
+        raise
+    return fd
+
+
+def remove_unowned(name: str, dir_fd: Optional[int] = None, min_age_s: float = 0.0) -> bool:
+    """Remove ``name`` if no process holds its lock and it is at least ``min_age_s`` old (a file
+    is unlocked for the moment between its creation and its lock); returns whether it was removed."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:  # gone meanwhile, or not a file this process may open: not ours to judge
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # its writer runs
+            return False
+        if time.time() - os.fstat(fd).st_mtime < min_age_s:
+            return False
+        os.unlink(name, dir_fd=dir_fd)  # temp names are unique: this name is still the file locked
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def temp_name(name: str) -> str:
-    """``<name>.<host>.<pid>.<random>.part``: host and pid say whose file it is, so a start-up
-    clean-up removes only temp files of this host's dead processes (capture_dir.remove_orphans)."""
+    """``<name>.<host>.<pid>.<random>.part``: the host whose start-up clean-up may judge it
+    (capture_dir.remove_orphans), the writing process's id for people reading the folder."""
     return f"{name}.{host_tag()}.{os.getpid()}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
 
 
@@ -73,20 +115,20 @@ def publish_new(name: str, write: Callable[[IO[bytes]], T], *, dir_fd: Optional[
 
     The temp file lives in ``tmp_dir_fd`` (default: beside ``name``; it must be on the same
     filesystem). ``sync_data(fd)`` runs once the bytes are written, before the name appears
-    (default: fsync of the file); ``sync_names(dir_fd)`` after (default: fsync of the directory). Raises FileExistsError
-    when the name is taken; leaves nothing behind on any failure."""
+    (default: fsync of the file); ``sync_names(dir_fd)`` after (default: fsync of the directory).
+    Raises FileExistsError when the name is taken; leaves nothing behind on any failure. The temp
+    file stays locked (``create_owned``) until it has its name."""
     tmp_dir = tmp_dir_fd if tmp_dir_fd is not None else dir_fd
     tmp = temp_name(os.path.basename(name)) if tmp_dir is not None else temp_name(name)
     try:
-        fd = os.open(tmp, CREATE_FLAGS, 0o640, dir_fd=tmp_dir)
-        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
+        with os.fdopen(create_owned(tmp, tmp_dir), "wb", buffering=1 << 20) as f:
             result = write(f)
             f.flush()
             (sync_data or os.fsync)(f.fileno())
-        try:
-            os.link(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd, follow_symlinks=False)
-        except FileExistsError:
-            raise FileExistsError(f"{name} already exists") from None
+            try:
+                os.link(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd, follow_symlinks=False)
+            except FileExistsError:
+                raise FileExistsError(f"{name} already exists") from None
         if sync_names is None:
             _sync_dir_of(name, dir_fd)
         else:
@@ -103,13 +145,12 @@ def replace_atomic(name: str, write: Callable[[IO[bytes]], object], *, dir_fd: O
     so a crash leaves the old file or the new one; without, only readers are protected."""
     tmp = temp_name(name)
     try:
-        fd = os.open(tmp, CREATE_FLAGS, 0o640, dir_fd=dir_fd)
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(create_owned(tmp, dir_fd), "wb") as f:
             write(f)
             f.flush()
             if sync:
                 os.fsync(f.fileno())
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         if sync:
             _sync_dir_of(name, dir_fd)
     finally:

@@ -3,9 +3,10 @@
 Flow per sample: chat-template and tokenize (client side, so the loss mask is exact), send one
 prefill-only capture request that carries the mask, move the published file to
 ``OUT/<id>.capture.msgpack`` without ever overwriting, then append the manifest line. Each
-attempt uses a fresh capture name (``<id>.try-<nonce>``) so a retry never collides with a late
-file from an earlier attempt; leftovers of attempts are removed. A re-run reads the manifest and
-skips what is done, so an interrupted run resumes without duplicates or half samples.
+attempt uses a fresh capture name (``<id>.try-<run>-<nonce>``) so a retry never collides with a
+late file from an earlier attempt; leftovers of attempts are removed, other live runs' attempts
+kept (tools/attempts.py). A re-run reads the manifest and skips what is done, so an interrupted
+run resumes without duplicates or half samples.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import itertools
 import os
 import shutil
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
@@ -25,12 +25,12 @@ from sglang_capture.core.fp8 import CAPTURE_DTYPES
 from sglang_capture.core.loss_mask import spans_from_mask
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.core.reader import load
+from sglang_capture.tools.attempts import RunLocks
 from sglang_capture.tools.client import ServerError, ServerInfo, capture_prefill, discover
 from sglang_capture.tools.conversations import BadLine, Sample, read_samples
 from sglang_capture.tools.manifest import Entry, ManifestWriter, file_checksum, read_manifest, rewrite_manifest
 from sglang_capture.tools.templating import ChatEncoder, Encoded, TemplateError, load_tokenizer
 
-ATTEMPT_TAG = ".try-"
 LOCK_FILE = ".extract.lock"
 
 
@@ -64,24 +64,6 @@ class ExtractReport:
 
 def sample_path(out: str, sample_id: str) -> str:
     return os.path.join(out, sample_id + FILE_SUFFIX)
-
-
-def remove_attempt_leftovers(out: str, capture_dirs: Sequence[str] = ()) -> int:
-    """Delete files of attempts that never became a sample (their run died or retried)."""
-    removed = 0
-    for d in {out, *capture_dirs}:
-        try:
-            names = os.listdir(d)
-        except OSError:
-            continue
-        for name in names:
-            if ATTEMPT_TAG in name and name.endswith(FILE_SUFFIX):
-                try:
-                    os.unlink(os.path.join(d, name))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-    return removed
 
 
 def move_to_sample(src: str, dst: str) -> None:
@@ -136,6 +118,7 @@ class Extractor:
         self.server_urls = list(server_urls)
         self.tokenizer_path = tokenizer
         self.report = ExtractReport()
+        self._runs = RunLocks()
 
     def _prepare_out(self) -> None:
         try:
@@ -225,14 +208,23 @@ class Extractor:
             raise ExtractError(f"the tokenizer at {source!r} has no chat template, needed for conversations; "
                                "pass --tokenizer with one, or give samples as {\"text\": ...}")
         capture_dirs = [s.capture_dir for s in servers]
-        remove_attempt_leftovers(self.out, capture_dirs)
-        todo = self._resume(samples, encoder)
-        manifest = ManifestWriter(self.out)
+        for d in capture_dirs:
+            try:
+                self._runs.acquire([d])
+            except OSError as e:
+                raise ExtractError(f"cannot mark this run in {d} ({e.strerror}); extract needs write access to "
+                                   "the servers' capture dirs") from None
         try:
-            self._work(todo, servers, encoder, manifest)
+            self._runs.remove_leftovers([self.out, *capture_dirs])
+            todo = self._resume(samples, encoder)
+            manifest = ManifestWriter(self.out)
+            try:
+                self._work(todo, servers, encoder, manifest)
+            finally:
+                manifest.close()
+                self._runs.remove_leftovers([self.out, *capture_dirs], own=True)
         finally:
-            manifest.close()
-            remove_attempt_leftovers(self.out, capture_dirs)
+            self._runs.release()
 
     def _work(self, todo: List[Sample], servers: List[ServerInfo], encoder: ChatEncoder,
               manifest: ManifestWriter) -> None:
@@ -283,7 +275,7 @@ class Extractor:
         self.report.failures.sort(key=lambda x: x.line)
 
     def _capture(self, sample: Sample, enc: Encoded, server: ServerInfo) -> Entry:
-        name = f"{sample.id}{ATTEMPT_TAG}{uuid.uuid4().hex[:8]}"
+        name = self._runs.attempt_name(sample.id)
         ref = capture_prefill(server, enc.input_ids, name, spans_from_mask(enc.loss_mask), self.timeout,
                               self.capture_dtype)
         if int(ref.get("rows", -1)) != len(enc.input_ids):

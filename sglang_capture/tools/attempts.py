@@ -1,0 +1,123 @@
+"""Capture attempts of ``extract`` runs: names that say which run made them, and a clean-up that
+removes only attempts whose run is gone.
+
+An attempt is a file a server published under ``<sample id>.try-<run>-<nonce>`` that its run has
+not yet moved to its sample name (the run died, or the attempt was retried). Several runs may
+share a server, and so its capture dir. While a run lives it holds a lock (``flock``) on
+``<dir>/.extract-runs/<run>.lock`` in every capture dir it uses; the kernel drops the lock when the
+run dies, however it dies. So an attempt of another run is removed only when that run's lock can
+be taken, or is gone; attempts named before runs were tagged are removed as before.
+
+On a network filesystem the locks reach other hosts only where the mount supports locking.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import uuid
+from typing import Dict, Iterable, Optional
+
+from sglang_capture.core.names import FILE_SUFFIX
+
+ATTEMPT_TAG = ".try-"
+RUNS_DIR = ".extract-runs"
+
+
+def attempt_run(name: str) -> Optional[str]:
+    """The run tag in an attempt's file name; "" for an untagged (older) attempt; None if ``name``
+    is no attempt."""
+    if not name.endswith(FILE_SUFFIX) or ATTEMPT_TAG not in name:
+        return None
+    tail = name[name.rindex(ATTEMPT_TAG) + len(ATTEMPT_TAG):-len(FILE_SUFFIX)]
+    run, sep, _ = tail.partition("-")
+    return run if sep else ""
+
+
+def _run_alive(directory: str, run: str) -> bool:
+    """Whether ``run`` still holds its lock in ``directory``; a dead run's lock file is removed."""
+    path = os.path.join(directory, RUNS_DIR, run + ".lock")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return True
+    try:
+        os.unlink(path)  # while locked: its owner re-checks the path after locking (RunLocks.acquire)
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    return False
+
+
+class RunLocks:
+    """One extract run's identity and its locks in the capture dirs it uses."""
+
+    def __init__(self) -> None:
+        self.run = uuid.uuid4().hex[:12]
+        self._fds: Dict[str, int] = {}
+
+    def acquire(self, directories: Iterable[str]) -> None:
+        """Hold this run's lock in each directory (raises OSError if one cannot hold it)."""
+        for d in directories:
+            if d in self._fds:
+                continue
+            runs = os.path.join(d, RUNS_DIR)
+            os.makedirs(runs, mode=0o700, exist_ok=True)
+            path = os.path.join(runs, self.run + ".lock")
+            while True:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:  # another run may have judged the fresh file dead and removed it meanwhile
+                    if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                        break
+                except FileNotFoundError:
+                    pass
+                os.close(fd)
+            self._fds[d] = fd
+
+    def release(self) -> None:
+        """Remove this run's lock files and drop the locks."""
+        for d, fd in self._fds.items():
+            try:
+                os.unlink(os.path.join(d, RUNS_DIR, self.run + ".lock"))
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        self._fds.clear()
+
+    def attempt_name(self, sample_id: str) -> str:
+        """A fresh capture name for one attempt at ``sample_id``."""
+        return f"{sample_id}{ATTEMPT_TAG}{self.run}-{uuid.uuid4().hex[:8]}"
+
+    def remove_leftovers(self, directories: Iterable[str], own: bool = False) -> int:
+        """Delete attempts that never became samples: those of runs that are gone (and untagged
+        ones), and with ``own`` this run's (at its end); returns how many."""
+        removed = 0
+        for d in set(directories):
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            alive: Dict[str, bool] = {}
+            for name in names:
+                run = attempt_run(name)
+                if run is None:
+                    continue
+                if run == self.run:
+                    if not own:
+                        continue
+                elif run:
+                    if run not in alive:
+                        alive[run] = _run_alive(d, run)
+                    if alive[run]:
+                        continue
+                try:
+                    os.unlink(os.path.join(d, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
