@@ -38,7 +38,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sglang_capture
-from sglang_capture.core.capture_dir import read_stats
+from sglang_capture.core.capture_dir import is_record, read_stats, writer_stats
 from sglang_capture.testbed.server import start_server, stop_server
 
 LAYERS = [1, 2, 3]
@@ -222,9 +222,8 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16", chu
         results["files"] = len(files)
         # with --tp N only the writer rank may copy and write: one writer stats file, one file per request
         idx = os.path.join(capture_dir, ".index")
-        writers = [f for f in os.listdir(idx) if f.startswith("writer-")]
-        outcomes = [json.load(open(os.path.join(idx, f))) for f in os.listdir(idx)
-                    if f.endswith(".json") and not f.startswith("writer-")]
+        writers = list(writer_stats(capture_dir))
+        outcomes = [json.load(open(os.path.join(idx, f))) for f in os.listdir(idx) if is_record(f)]
         results["checks"]["one_file_per_request_one_writer"] = {
             "pass": len(writers) == 1 and len(files) == len(outcomes) == sum(o["status"] == "ok" for o in outcomes),
             "writer_processes": len(writers), "outcome_records": len(outcomes), "files": len(files)}

@@ -159,3 +159,85 @@ def test_a_server_in_another_pid_namespace_keeps_its_temp_files_until_it_dies(tm
         if other.poll() is None:
             os.killpg(other.pid, signal.SIGKILL)
             other.wait(30)
+
+
+def test_outcome_records_older_than_the_retention_are_swept_by_a_writer_process(tmp_path):
+    """Three days of one record every ten minutes: a sweep leaves only the last retention's worth
+    (what .index/ holds however long a server runs); stats files, fresh records stay."""
+    import os
+    import time
+
+    from sglang_capture.core.capture_dir import DirFds, record_outcome, writer_stats
+    from sglang_capture.server.writer_pool import WriterPool
+
+    dirs = DirFds.open(str(tmp_path))
+    now = time.time()
+    for i in range(3 * 24 * 6):
+        record_outcome(dirs, f"req-{i}", {"status": "ok"})
+        os.utime(tmp_path / ".index" / f"req-{i}.json", (now - 600 * i, now - 600 * i))
+    old_marker = tmp_path / ".index" / "lost.json.unrecorded"
+    old_marker.write_bytes(b"")
+    _aged(old_marker, 7200)
+    job, ledger = make_job(tmp_path, [(0, torch.ones(2, 4))], 2, name="fresh")
+    pool = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1, index_retention_s=3600 + 300,
+                                    wait_timeout_s=60), ledger)
+    try:
+        pool.submit(job)
+        assert job.done.wait(30) and job.outcome["status"] == "ok"
+        sweep = pool.sweep()
+        assert sweep.done.wait(30)
+        left = sorted(n for n in os.listdir(tmp_path / ".index") if n.startswith("req-"))
+        assert left == sorted(f"req-{i}.json" for i in range(7))  # up to 65 minutes old
+        assert sweep.removed == 3 * 24 * 6 - 7 + 1 and not old_marker.exists()
+        assert (tmp_path / ".index" / "fresh.json").exists()
+        pool._dump_stats(min_interval_s=0)
+        [stats] = writer_stats(str(tmp_path)).values()
+        assert stats["records_swept"] == sweep.removed
+    finally:
+        pool.close()
+
+
+def test_stats_files_of_servers_that_are_gone_are_added_to_the_history_once(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from sglang_capture.core.capture_dir import DirFds, StatsFile, writer_stats
+    from sglang_capture.server.writer_pool import WriterPool
+
+    dirs = DirFds.open(str(tmp_path))
+    code = ("import sys, time\nfrom sglang_capture.core.capture_dir import DirFds, StatsFile\n"
+            "s = StatsFile(DirFds.open(sys.argv[1]))\n"
+            "s.write({'written': 5, 'failed': 1, 'bytes': 500, 'max_queue': 3, 'time': 1000.0})\n"
+            "print('ready', flush=True)\ntime.sleep(600)\n")
+    killed = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert killed.stdout.readline().strip() == "ready"
+        killed.kill()  # a server killed with -9: its stats file stays, its lock goes
+        killed.wait(30)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+    (tmp_path / ".index" / "writer-4242.json").write_text(json.dumps({"written": 2, "bytes": 20, "max_queue": 9,
+                                                                      "time": 2000.0}))  # an older version's
+    other_host = tmp_path / ".index" / "writer-h0badc0de.7.abcdef12.json"
+    other_host.write_text(json.dumps({"written": 100}))
+    live = StatsFile(dirs)  # a server running beside
+    live.write({"written": 7})
+    try:
+        for _ in range(2):  # two start-ups: nothing is counted twice
+            pool = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), HostMemoryLedger(1 << 20))
+            pool.start()
+            pool.close()
+        history = json.load(open(tmp_path / ".index" / "stats-history.json"))
+        assert history["processes"] == 2 + 1  # the killed one, the old one, the first start-up's pool
+        assert history["totals"]["written"] == 5 + 2 and history["totals"]["bytes"] == 520
+        assert history["totals"]["failed"] == 1 and history["peaks"]["max_queue"] == 9
+        assert history["first_time"] == 1000.0
+        names = sorted(os.listdir(tmp_path / ".index"))
+        assert other_host.name in names and live.name + ".json" in names and "writer-4242.json" not in names
+        # the live one, the other host's, and the second start-up's (added by the next start-up)
+        assert len(writer_stats(str(tmp_path))) == 3
+    finally:
+        live.close()

@@ -75,7 +75,7 @@ def test_replace_atomic_swaps_the_whole_file_and_flushes_file_and_directory(tmp_
 @pytest.mark.parametrize("mode", ["file", "none"])
 def test_writer_publishes_readable_files_under_each_policy(tmp_path, mode):
     from sglang_capture import load
-    from sglang_capture.core.capture_dir import index_path
+    from sglang_capture.core.capture_dir import index_path, writer_stats
     from sglang_capture.server.writer_pool import WriterPool
 
     cfg = CaptureConfig(capture_dir=str(tmp_path), writers=3, durability=mode)
@@ -88,7 +88,7 @@ def test_writer_publishes_readable_files_under_each_policy(tmp_path, mode):
         outcome = json.load(open(index_path(str(tmp_path), f"req-{i}")))
         assert outcome["status"] == "ok"
         assert torch.equal(load(outcome["path"])["aux_hidden_states"], torch.full((2, 2), float(i)))
-    stats = json.load(open(tmp_path / ".index" / f"writer-{os.getpid()}.json"))
+    [stats] = writer_stats(str(tmp_path)).values()
     assert stats["durability"] == mode
 
 

@@ -17,7 +17,7 @@ def test_writer_publishes_whole_files_and_records_the_outcome(tmp_path):
     import os
 
     from sglang_capture import load
-    from sglang_capture.core.capture_dir import index_path
+    from sglang_capture.core.capture_dir import index_path, writer_stats
     from sglang_capture.server.writer_pool import WriterPool
 
     cfg = CaptureConfig(capture_dir=str(tmp_path), writers=2)
@@ -31,7 +31,7 @@ def test_writer_publishes_whole_files_and_records_the_outcome(tmp_path):
     data = load(outcome["path"])
     assert torch.equal(data["aux_hidden_states"], rows[:, :2]) and torch.equal(data["last_hidden_states"], rows[:, 2:])
     assert ledger.held_bytes == 0 and os.listdir(tmp_path / ".tmp") == []
-    stats = json.load(open(tmp_path / ".index" / f"writer-{os.getpid()}.json"))
+    [stats] = writer_stats(str(tmp_path)).values()
     assert stats["written"] == 1 and stats["queue"] == 0 and stats["peak_held_bytes"] == rows.numel() * 4
     assert stats["inline_bytes"] == rows.numel() * 4  # not in a host pool: the rows went down the pipe
     assert stats["cap_bytes"] == ledger.cap_bytes

@@ -5,24 +5,36 @@ the offline tools all read or write.
 - ``.tmp/``: files being written, under temp names that say their host and process, each locked
   by its writer (core/durable.py) until it has its final name.
 - ``.index/<rid-name>.json``: each request's outcome (ok or error, bytes, checksum), which the
-  HTTP process waits on before it answers; ``.unrecorded`` beside it when even that failed.
-- ``.index/writer-<pid>.json``: the stats of each scheduler process that writes, for monitoring.
+  HTTP process waits on before it answers; ``.unrecorded`` beside it when even that failed. Kept
+  for ``--capture-index-retention`` seconds, then swept by a writer process (``sweep_records``).
+- ``.index/writer-<host>.<pid>.<nonce>.json``: the stats of each scheduler process that writes,
+  for monitoring, beside a ``.lock`` its process holds while it lives. At start-up the stats of
+  processes that are gone are added into ``.index/stats-history.json`` and removed.
 """
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
+import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
-from sglang_capture.core.durable import CREATE_FLAGS, TEMP_SUFFIX, host_tag, remove_unowned, replace_atomic
+from sglang_capture.core.durable import CREATE_FLAGS, TEMP_SUFFIX, create_owned, host_tag, remove_unowned, replace_atomic
 from sglang_capture.core.names import name_for_rid
 
 TMP_DIR = ".tmp"
 INDEX_DIR = ".index"
 UNRECORDED_SUFFIX = ".unrecorded"  # empty marker next to an outcome record that could not be written
 STATS_PREFIX = "writer-"
+STATS_HISTORY = "stats-history.json"  # the summed counters of stats files whose process is gone
+_LOCK = ".lock"
+# counters of a stats file that add up over processes, and those that are peaks
+_SUMMED = ("written", "failed", "bytes", "raw_bytes", "inline_bytes", "restarts", "stalled", "back_pressure_waits",
+           "records_swept", "queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s")
+_PEAKS = ("max_queue", "peak_held_bytes")
 
 
 def index_path(capture_dir: str, rid: str) -> str:
@@ -109,9 +121,129 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {reason}"
 
 
-def write_stats(dirs: DirFds, doc: Dict[str, Any]) -> None:
-    """Replace this process's ``.index/writer-<pid>.json`` (monitoring; not flushed)."""
-    replace_atomic(f"{STATS_PREFIX}{os.getpid()}.json", _write_json(doc), dir_fd=dirs.index, sync=False)
+class StatsFile:
+    """This process's stats file, and the lock that shows it is alive (held until ``close``)."""
+
+    def __init__(self, dirs: DirFds) -> None:
+        self.dirs = dirs
+        self.name = f"{STATS_PREFIX}{host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        self._fd: Optional[int] = create_owned(self.name + _LOCK, dirs.index, 0o600)
+
+    def write(self, doc: Dict[str, Any]) -> None:
+        """Replace the stats (monitoring; not flushed)."""
+        replace_atomic(self.name + ".json", _write_json(doc), dir_fd=self.dirs.index, sync=False)
+
+    def close(self) -> None:
+        """Drop the lock: the next start-up adds these stats into the history."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def retire_stale_stats(dirs: DirFds) -> int:
+    """Add the counters of stats files whose process is gone (its lock can be taken, or it never
+    had one) into ``stats-history.json`` and remove them; returns how many. Start-ups of several
+    ranks on one dir take turns (a lock on the history), so nothing is counted twice."""
+    retired = 0
+    guard = os.open(STATS_HISTORY + _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirs.index)
+    try:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        history = _read_json(STATS_HISTORY, dirs.index) or {"processes": 0, "totals": {}, "peaks": {}}
+        entries = sorted(os.listdir(dirs.index))
+        for entry in entries:  # a lock whose process died before writing any stats
+            if entry.startswith(STATS_PREFIX) and entry.endswith(_LOCK) and entry[:-len(_LOCK)] + ".json" not in entries:
+                remove_unowned(entry, dirs.index, ORPHAN_MIN_AGE_S)
+        for entry in entries:
+            if not (entry.startswith(STATS_PREFIX) and entry.endswith(".json")):
+                continue
+            stem = entry[:-len(".json")]
+            parts = stem[len(STATS_PREFIX):].split(".")
+            if len(parts) == 3 and parts[0] != host_tag():  # another host's: its own start-ups judge it
+                continue
+            lock = _take_lock(stem + _LOCK, dirs.index)
+            if lock is False:  # its process lives
+                continue
+            try:
+                doc = _read_json(entry, dirs.index)
+                if doc is not None:
+                    _add_to_history(history, doc)
+                    retired += 1
+                for name in (entry, stem + _LOCK):
+                    try:
+                        os.unlink(name, dir_fd=dirs.index)
+                    except FileNotFoundError:
+                        pass
+            finally:
+                if lock is not None:
+                    os.close(lock)
+        if retired:
+            replace_atomic(STATS_HISTORY, _write_json(history), dir_fd=dirs.index, sync=False)
+    finally:
+        os.close(guard)
+    return retired
+
+
+def _take_lock(name: str, dir_fd: int) -> Any:
+    """The descriptor of ``name`` locked by this process; None if there is no such file; False if
+    another process holds it."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    return fd
+
+
+def _read_json(name: str, dir_fd: int) -> Optional[Dict[str, Any]]:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd) as f:
+        try:
+            doc = json.load(f)
+        except ValueError:  # a torn file of an older version: nothing to add
+            return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _add_to_history(history: Dict[str, Any], doc: Dict[str, Any]) -> None:
+    history["processes"] += 1
+    for k in _SUMMED:
+        if isinstance(doc.get(k), (int, float)):
+            history["totals"][k] = history["totals"].get(k, 0) + doc[k]
+    for k in _PEAKS:
+        if isinstance(doc.get(k), (int, float)):
+            history["peaks"][k] = max(history["peaks"].get(k, 0), doc[k])
+    if isinstance(doc.get("time"), (int, float)):
+        history["first_time"] = min(history.get("first_time", doc["time"]), doc["time"])
+        history["last_time"] = max(history.get("last_time", doc["time"]), doc["time"])
+
+
+def is_record(name: str) -> bool:
+    """Whether ``name`` in ``.index/`` is an outcome record or its ``.unrecorded`` marker."""
+    if name.endswith(UNRECORDED_SUFFIX):
+        return True
+    return name.endswith(".json") and not name.startswith(STATS_PREFIX) and name != STATS_HISTORY
+
+
+def sweep_records(dirs: DirFds, max_age_s: float) -> int:
+    """Remove outcome records (and markers) older than ``max_age_s``; returns how many. Run by a
+    writer process, so the directory walk costs the scheduler's interpreter nothing."""
+    removed, cutoff = 0, time.time() - max_age_s
+    with os.scandir(dirs.index) as entries:
+        for entry in entries:
+            try:
+                if is_record(entry.name) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.name, dir_fd=dirs.index)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def writer_stats(capture_dir: str) -> Dict[str, Dict[str, Any]]:

@@ -128,6 +128,9 @@ class CaptureConfig:
                                  "beyond its share.", type=int, default=8192)
     wait_timeout_s: float = option("--capture-wait-timeout", "Seconds a response waits for its file.", type=float,
                                    default=600.0)
+    index_retention_s: float = option("--capture-index-retention", "Seconds each request's outcome record is "
+                                      "kept in CAPTURE_DIR/.index/ (longer than --capture-wait-timeout: a response "
+                                      "waits on it), then swept.", type=float, default=3600.0)
     writer_stall_s: float = option("--capture-writer-stall-timeout", "Seconds a writer process may make no progress "
                                    "(a hung disk or network mount) before its file fails with status error and "
                                    "the process is killed and replaced.", type=float, default=120.0)
@@ -161,6 +164,9 @@ class CaptureConfig:
             raise ConfigError(f"--capture-max-pending-mb must be at least 1, got {self.max_pending_mb}")
         if self.wait_timeout_s < 0:
             raise ConfigError("--capture-wait-timeout must be zero or positive")
+        if not self.index_retention_s > self.wait_timeout_s:
+            raise ConfigError(f"--capture-index-retention ({self.index_retention_s:g} s) must be longer than "
+                              f"--capture-wait-timeout ({self.wait_timeout_s:g} s): a response waits on its record")
         if not self.writer_stall_s > 0:
             raise ConfigError(f"--capture-writer-stall-timeout must be a positive number of seconds, got {self.writer_stall_s}")
         if self.layers_from_draft is not None:

@@ -9,7 +9,8 @@ Protocol, per writer process: ``hello`` (configuration, pool descriptor), then p
 ``write`` → ``copied`` (the rows are read out of the pool: the scheduler side may free it) →
 ``done`` (the outcome), with ``progress`` messages between them while a long file is still being
 written (at most one a second): the scheduler side gives up on a writer that sends nothing for
-``--capture-writer-stall-timeout``. EOF on either side ends it.
+``--capture-writer-stall-timeout``. Between jobs, ``sweep`` → ``swept`` removes old outcome
+records. EOF on either side ends it.
 """
 from __future__ import annotations
 

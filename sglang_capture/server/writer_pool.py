@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
-from sglang_capture.core.capture_dir import DirFds, error_text, record_outcome, remove_orphans, write_stats
+from sglang_capture.core.capture_dir import DirFds, StatsFile, error_text, record_outcome, remove_orphans, retire_stale_stats
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.handoff import Stalled, describe_chunks, ids_bytes, recv_reply, send
 from sglang_capture.core.names import FILE_SUFFIX
@@ -56,6 +56,19 @@ class OutcomeOnly:
 
     rid: str
     outcome: Dict[str, Any]
+
+
+@dataclass
+class SweepJob:
+    """Remove outcome records older than ``--capture-index-retention``: done by a writer process,
+    handed to it by whichever hand-off thread takes this from the queue."""
+
+    removed: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+# The first sweep waits a minute after start-up; then one every quarter of the retention.
+FIRST_SWEEP_S = 60.0
 
 
 class WriterProcessDied(RuntimeError):
@@ -167,7 +180,7 @@ class WriterPool:
         self.pool: Optional[HostPool] = None  # rows in it travel by offset (given to ``start``)
         self.processes = config.writer_processes()
         ledger.draining = lambda: self.pending() > 0
-        self._queue: queue.Queue[Union[CaptureJob, OutcomeOnly, None]] = queue.Queue()
+        self._queue: queue.Queue[Union[CaptureJob, OutcomeOnly, SweepJob, None]] = queue.Queue()
         self._threads: List[threading.Thread] = []
         self._children: Dict[int, _Child] = {}
         self._lock = threading.Lock()
@@ -175,10 +188,13 @@ class WriterPool:
         self._dirs: Optional[DirFds] = None
         self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
         self._last_stats = 0.0
+        self._stats_file: Optional[StatsFile] = None
+        self._next_sweep = time.monotonic() + FIRST_SWEEP_S  # of old outcome records
         self._extra_stats: Callable[[], Dict[str, Any]] = dict
         self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
                                       "queue_wait_s": 0.0, "assemble_s": 0.0, "encode_write_s": 0.0,
-                                      "fsync_publish_s": 0.0, "inline_bytes": 0, "restarts": 0, "stalled": 0}
+                                      "fsync_publish_s": 0.0, "inline_bytes": 0, "restarts": 0, "stalled": 0,
+                                      "records_swept": 0}
 
     def dirs(self) -> DirFds:
         """The capture dir's descriptors, opened on first use (raises OSError if unusable)."""
@@ -203,6 +219,10 @@ class WriterPool:
                 removed = remove_orphans(dirs)
                 if removed:
                     logger.info("sglang_capture: removed %d temp files left by a stopped server", removed)
+                retired = retire_stale_stats(dirs)
+                if retired:
+                    logger.info("sglang_capture: added the stats of %d stopped servers to .index/stats-history.json", retired)
+                self._stats_file = StatsFile(dirs)
             except OSError as e:  # each job will then fail with this reason; the server keeps serving
                 logger.error("sglang_capture: capture dir %s is unusable: %s", self.config.capture_dir, e)
             if self.config.switch_interval_ms > 0:
@@ -213,6 +233,7 @@ class WriterPool:
                 t = threading.Thread(target=self._run, args=(i,), name=f"sglang-capture-handoff-{i}", daemon=True)
                 t.start()
                 self._threads.append(t)
+        self._dump_stats(min_interval_s=0.0)  # monitoring sees the server from its start
 
     def pending(self) -> int:
         """Jobs queued or being written: memory that waiting will free."""
@@ -243,6 +264,8 @@ class WriterPool:
         deadline = time.monotonic() + timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if self._stats_file is not None:
+            self._stats_file.close()
 
     def writer_pids(self) -> List[int]:
         """Process ids of the running writer processes (monitoring, tests)."""
@@ -255,6 +278,7 @@ class WriterPool:
             child = self._children.get(slot)
             if child is not None and not child.alive():  # a dead writer is replaced within a second, even idle
                 self._replace_quietly(slot)
+            self._sweep_when_due()
             try:
                 job = self._queue.get(timeout=1.0)
             except queue.Empty:
@@ -265,6 +289,9 @@ class WriterPool:
                 if child is not None:
                     child.stop(30.0)
                 return
+            if isinstance(job, SweepJob):
+                self._sweep(slot, job)
+                continue
             if isinstance(job, OutcomeOnly):
                 self.record_outcome(job.rid, job.outcome)
                 continue
@@ -354,11 +381,45 @@ class WriterPool:
             outcome["write_s"] = round(time.monotonic() - job.enqueued, 6)
         return outcome
 
+    def sweep(self) -> SweepJob:
+        """Queue a sweep of old outcome records now (they are also swept every quarter of
+        ``--capture-index-retention``); wait on the returned job's ``done``."""
+        job = SweepJob()
+        self._queue.put(job)
+        return job
+
+    def _sweep_when_due(self) -> None:
+        with self._lock:
+            if time.monotonic() < self._next_sweep:
+                return
+            self._next_sweep = time.monotonic() + max(1.0, self.config.index_retention_s / 4)
+        self._queue.put(SweepJob())
+
+    def _sweep(self, slot: int, job: SweepJob) -> None:
+        """Have the slot's writer process remove the old records; a process that fails at it is
+        replaced (a late reply must not be read as the next job's)."""
+        try:
+            child = self._children.get(slot)
+            if child is None or not child.alive():
+                child = self._replace(slot)
+            child.send({"op": "sweep", "max_age_s": self.config.index_retention_s})
+            reply = child.recv()
+            if reply.get("error"):
+                logger.warning("sglang_capture: sweeping old outcome records failed: %s", reply["error"])
+            job.removed = int(reply.get("removed", 0))
+            with self._lock:
+                self.stats["records_swept"] += job.removed
+        except WriterProcessDied as e:
+            logger.warning("sglang_capture: sweeping old outcome records failed: %s", e)
+            self._replace_quietly(slot, stop_timeout=0.0)
+        finally:
+            job.done.set()
+
     def _path(self, job: CaptureJob) -> str:
         return os.path.join(self.config.capture_dir, job.capture.name + FILE_SUFFIX)
 
     def _dump_stats(self, min_interval_s: float = 1.0) -> None:
-        """Write ``.index/writer-<pid>.json`` (counters, queue depth, held and peak host memory)
+        """Write this process's ``.index/writer-*.json`` (counters, queue depth, held and peak host memory)
         at most once a second, and whenever the queue drains, for monitoring and benchmarks."""
         now = time.monotonic()
         with self._lock:
@@ -374,8 +435,10 @@ class WriterPool:
                    "pinned": _cuda_stats("host_memory_stats", _PINNED_KEYS),
                    "device_allocator": _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS),
                    "time": time.time()}
+        if self._stats_file is None:  # the capture dir was unusable at start
+            return
         try:
-            write_stats(self.dirs(), doc)
+            self._stats_file.write(doc)
         except OSError as e:
             logger.warning("sglang_capture: cannot write writer stats: %s", e)
 

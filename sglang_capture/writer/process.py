@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
-from sglang_capture.core.capture_dir import DirFds, error_text
+from sglang_capture.core.capture_dir import DirFds, error_text, sweep_records
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.handoff import Heartbeat, chunk_arrays, ids_array, recv, send
 from sglang_capture.core.loss_mask import mask_from_spans
@@ -46,6 +46,13 @@ class WriterProcess:
             self.dirs = DirFds.open(config.capture_dir)
         except OSError as e:  # every job then fails with this reason; the server keeps serving
             self.dirs_error = e
+
+    def sweep(self, max_age_s: float) -> Dict[str, Any]:
+        """Remove outcome records older than ``max_age_s`` (core/capture_dir.sweep_records)."""
+        try:
+            return {"op": "swept", "removed": sweep_records(self.dirs, max_age_s) if self.dirs else 0}
+        except OSError as e:
+            return {"op": "swept", "removed": 0, "error": error_text(e)}
 
     def write(self, msg: Dict[str, Any], out_fd: int) -> Dict[str, Any]:
         """Publish one job; sends ``copied`` as soon as its rows are out of the pool, then
@@ -100,10 +107,14 @@ def main() -> int:
     writer = WriterProcess(config, hello["pool_fd"], hello["pool_size"])
     while True:
         msg = recv(in_fd)
-        if msg is None or msg.get("op") != "write":
-            return 0
+        op = None if msg is None else msg.get("op")
         try:
-            send(out_fd, writer.write(msg, out_fd))
+            if op == "write":
+                send(out_fd, writer.write(msg, out_fd))
+            elif op == "sweep":
+                send(out_fd, writer.sweep(msg["max_age_s"]))
+            else:
+                return 0
         except BrokenPipeError:
             return 0
 
