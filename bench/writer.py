@@ -4,7 +4,7 @@ turn into published files, with no server and no GPU in the way.
     python bench/writer.py OUT.json [--tokens 2048] [--hidden 7168] [--files 24]
                            [--threads 4,8,12,16] [--codecs zstd+shuffle,zstd,none]
                            [--compress-threads 0] [--gil-hog 0,1] [--switch-interval-ms 1]
-                           [--durability file,none] [--dtypes model,fp8]
+                           [--durability file,none] [--dtypes model,fp8] [--checksums xxh3_128,sha256]
                            [--dir /tmp/writer-bench]
 
 Every configuration drives the package's real ``WriterPool`` (hand-off, assembly in a writer
@@ -13,7 +13,7 @@ process, encoding, hashing, temp file, flush (``--durability``), link, outcome r
 columns), each first copied into the package's host pool (pinned when a GPU is present), as the
 server's result copy does. ``--gil-hog 1`` adds a thread that runs pure Python without pause, the
 way SGLang's scheduler thread does under load, to show what sharing the interpreter with it
-costs. Single-thread rates of each stage (shuffle, zstd, sha256, write+fsync)
+costs. Single-thread rates of each stage (shuffle, zstd, each checksum, write+fsync)
 are measured first, so a configuration's rate can be read as a fraction of them. ``--dtypes fp8``
 hands the writers rows packed as the server packs them for ``--capture-dtype fp8`` (core/fp8.py;
 packed here on the host, on the GPU in the server). Each run reports bytes per token on disk and
@@ -22,7 +22,6 @@ the writer processes' CPU per GB/s of raw bf16 capture (host cores per GB/s).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
@@ -36,6 +35,7 @@ from typing import Dict, List
 
 import torch
 
+from sglang_capture.core import checksum
 from sglang_capture.core import format as capture_format
 from sglang_capture.core.capture_dir import prepare_capture_dir
 from sglang_capture.core.config import CaptureConfig
@@ -89,7 +89,7 @@ def stage_rates(sample: torch.Tensor, tmpdir: str) -> Dict[str, float]:
         "zstd_preset_shuffled": rate(lambda: compressor_for(Codec()).compress(shuffled)),
         "zstd1_shuffled": rate(lambda: compressor_for(Codec(level=1)).compress(shuffled)),
         "zstd1_unshuffled": rate(lambda: compressor_for(Codec(level=1)).compress(byte_planes(rows, 0))),
-        "sha256_of_compressed": rate(lambda: hashlib.sha256(comp).digest()) * len(comp) / n,
+        **{f"{c}_of_compressed": rate(lambda c=c: checksum.of_bytes(comp, c)) * len(comp) / n for c in checksum.CHECKSUMS},
         "write_fsync_compressed": rate(write_fsync) * len(comp) / n,
     }
     os.unlink(path)
@@ -118,12 +118,12 @@ def _writers_cpu_s(writer: WriterPool) -> float:
 
 def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int, threads: int, codec: str,
                compress_threads: int, hog: bool, switch_ms: float, durability: str, base_dir: str,
-               dtype: str = "model") -> Dict:
+               dtype: str = "model", checksum_algorithm: str = checksum.DEFAULT_CHECKSUM) -> Dict:
     name, shuffle, level = CODEC_PRESETS[codec]
     d = tempfile.mkdtemp(dir=base_dir)
     cfg = CaptureConfig(capture_dir=d, codec=name, shuffle=shuffle, level=level, writers=threads,
                         compress_threads=compress_threads, max_pending_mb=1 << 20,
-                        switch_interval_ms=switch_ms, durability=durability)
+                        switch_interval_ms=switch_ms, durability=durability, checksum=checksum_algorithm)
     default_interval = sys.getswitchinterval()
     prepare_capture_dir(d)
     ledger = HostMemoryLedger(cfg.max_pending_bytes)
@@ -166,7 +166,8 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
     os.sync()  # no dirty pages from this configuration left to slow the next one down
     raw = files * tokens * 4 * hidden * 2
     n = max(stats["written"], 1)
-    return {"threads": threads, "codec": codec, "dtype": dtype, "compress_threads": compress_threads, "gil_hog": hog,
+    return {"threads": threads, "codec": codec, "dtype": dtype, "checksum": checksum_algorithm,
+            "compress_threads": compress_threads, "gil_hog": hog,
             "disk_bytes_per_token": round(stats["bytes"] / (files * tokens)),
             "writer_cores_per_gb_s": round(writer_cpu_s / (raw / 1e9), 2),
             "durability": durability, "flushes": 2 * files if durability == "file" else 0,
@@ -190,6 +191,7 @@ def main(argv: List[str]) -> int:
     p.add_argument("--switch-interval-ms", default="1", help="0 = Python's default (5 ms)")
     p.add_argument("--durability", default="file", help="comma-separated: file, none")
     p.add_argument("--dtypes", default="model", help="comma-separated: model (bf16), fp8")
+    p.add_argument("--checksums", default=checksum.DEFAULT_CHECKSUM, help="comma-separated: " + ", ".join(checksum.CHECKSUMS))
     p.add_argument("--dir", default=None, help="where files are written (default: a temp dir)")
     a = p.parse_args(argv)
     base = a.dir or tempfile.mkdtemp(prefix="writer-bench-")
@@ -202,9 +204,9 @@ def main(argv: List[str]) -> int:
     grid = itertools.product([bool(int(h)) for h in a.gil_hog.split(",")], a.codecs.split(","),
                              [int(c) for c in a.compress_threads.split(",")],
                              [float(x) for x in a.switch_interval_ms.split(",")], a.durability.split(","),
-                             [int(t) for t in a.threads.split(",")], a.dtypes.split(","))
-    for hog, codec, ct, sw, dur, threads, dtype in grid:
-        r = run_config(sources, a.files, a.tokens, a.hidden, threads, codec, ct, hog, sw, dur, base, dtype)
+                             [int(t) for t in a.threads.split(",")], a.dtypes.split(","), a.checksums.split(","))
+    for hog, codec, ct, sw, dur, threads, dtype, cs in grid:
+        r = run_config(sources, a.files, a.tokens, a.hidden, threads, codec, ct, hog, sw, dur, base, dtype, cs)
         r["frame_mb"] = capture_format.FRAME_BYTES >> 20
         res["runs"].append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
@@ -215,13 +217,14 @@ def main(argv: List[str]) -> int:
 
 
 def report(res: Dict) -> str:
-    rows = ["| dtype | codec | frame MB | durability | flushes | writers | zstd threads | GIL hog | switch ms | tok/s "
+    rows = ["| dtype | codec | checksum | frame MB | durability | flushes | writers | zstd threads | GIL hog | switch ms | tok/s "
             "| raw GB/s | bytes/token on disk | ratio | writer cores per GB/s | ms/file: assemble / encode+write / flush+publish "
             "| minor faults/file |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         ms = r["ms_per_file"]
-        rows.append(f"| {r['dtype']} | {r['codec']} | {r['frame_mb']} | {r['durability']} | {r['flushes']} | {r['threads']} | "
+        rows.append(f"| {r['dtype']} | {r['codec']} | {r.get('checksum', 'sha256')} | {r['frame_mb']} | {r['durability']} | "
+                    f"{r['flushes']} | {r['threads']} | "
                     f"{r['compress_threads']} | {'yes' if r['gil_hog'] else 'no'} | {r['switch_interval_ms']:g} | "
                     f"{r['tok_per_s']:,} | {r['raw_gb_per_s']:.2f} | {r['disk_bytes_per_token']:,} | {r['ratio']:.2f} | "
                     f"{r['writer_cores_per_gb_s']:.2f} | "

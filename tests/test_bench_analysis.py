@@ -178,21 +178,26 @@ def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_tar
     assert verdict.endswith("PASS") or "  bottleneck: " in proc.stdout
 
 
-def test_the_writer_benchmark_compares_fp8_and_model_dtype_files_on_the_cpu(tmp_path):
-    """bench/writer.py's dtype axis: the same rows through the real writer pool as bf16 and as the
-    server's packed FP8 rows; every file written, FP8 smaller on disk, writer CPU accounted."""
+def test_the_writer_benchmark_compares_dtypes_and_checksums_on_the_cpu(tmp_path):
+    """bench/writer.py's dtype and checksum axes: the same rows through the real writer pool as
+    bf16 and as the server's packed FP8 rows, hashed with each checksum; every file written, FP8
+    smaller on disk, writer CPU accounted."""
     import json
     import subprocess
 
     out = tmp_path / "writer.json"
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "writer.py"), str(out), "--tokens", "128", "--hidden", "128",
                            "--files", "4", "--threads", "1", "--codecs", "zstd+shuffle", "--gil-hog", "0",
-                           "--dtypes", "model,fp8", "--dir", str(tmp_path / "w")], capture_output=True, text=True, timeout=300)
+                           "--dtypes", "model,fp8", "--checksums", "xxh3_128,sha256", "--dir", str(tmp_path / "w")],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    runs = {r["dtype"]: r for r in json.load(open(out))["runs"]}
-    assert runs["model"]["failed"] == runs["fp8"]["failed"] == 0
-    assert runs["fp8"]["disk_bytes_per_token"] < runs["model"]["disk_bytes_per_token"]
-    assert runs["fp8"]["writer_cores_per_gb_s"] >= 0 and "| fp8 | zstd+shuffle |" in proc.stdout
+    res = json.load(open(out))
+    runs = {(r["dtype"], r["checksum"]): r for r in res["runs"]}
+    assert set(runs) == {(d, c) for d in ("model", "fp8") for c in ("xxh3_128", "sha256")}
+    assert all(r["failed"] == 0 for r in runs.values())
+    assert runs["fp8", "sha256"]["disk_bytes_per_token"] < runs["model", "sha256"]["disk_bytes_per_token"]
+    assert runs["fp8", "xxh3_128"]["writer_cores_per_gb_s"] >= 0 and "| fp8 | zstd+shuffle | sha256 |" in proc.stdout
+    assert {"xxh3_128_of_compressed", "sha256_of_compressed"} <= set(res["stage_rates_gb_per_s"])
 
 
 def test_the_fp8_benchmark_compares_each_request_captured_in_bf16_and_fp8_row_for_row(tiny_models, tmp_path):

@@ -48,11 +48,36 @@ def test_any_msgpack_reader_parses_the_streamed_file():
     assert doc["schema"] == fmt.SCHEMA and set(doc["tensors"]) == set(_tensors())
 
 
-def test_checksum_is_sha256_of_the_file_bytes():
+def test_checksum_names_its_algorithm_and_is_that_hash_of_the_file_bytes():
     import hashlib
 
+    import xxhash
+
     buf, checksum = _encode(fmt.Codec())
-    assert checksum == "sha256:" + hashlib.sha256(buf).hexdigest()
+    assert checksum == "xxh3_128:" + xxhash.xxh3_128(buf).hexdigest()  # the default
+    out = io.BytesIO()
+    _, sha = fmt.write_capture(out, META, _tensors(), fmt.Codec(), checksum="sha256")
+    assert out.getvalue() == buf and sha == "sha256:" + hashlib.sha256(buf).hexdigest()
+
+
+def test_files_are_verified_with_the_algorithm_their_checksum_names(tmp_path):
+    """A manifest written before xxh3_128 became the default (sha256) still verifies; a changed
+    byte fails under either; an unknown algorithm is one line, not a crash."""
+    from sglang_capture.core.checksum import of_bytes
+    from sglang_capture.tools.verify import check_file
+
+    buf, _ = _encode(fmt.Codec())
+    path = tmp_path / "s.capture.msgpack"
+    path.write_bytes(buf)
+    about_checksum = lambda checksum: [p for p in check_file(str(path), checksum) if "manifest" in p]
+    for algorithm in ("sha256", "xxh3_128"):
+        assert about_checksum(of_bytes(buf, algorithm)) == []
+        assert about_checksum(of_bytes(buf[:-1] + bytes([buf[-1] ^ 1]), algorithm)) == [
+            "s.capture.msgpack: checksum differs from the manifest (the file changed after it was written)"]
+    assert about_checksum("md5:0123") == [
+        "s.capture.msgpack: the manifest's checksum 'md5:0123' names no known algorithm (xxh3_128, sha256)"]
+    # a decodable msgpack file that is no capture is one line too (it raised KeyError before)
+    assert check_file(str(path)) == ["s.capture.msgpack: no output_ids: not a capture file of this package"]
 
 
 def test_shuffle_compresses_bf16_activations_better():

@@ -16,6 +16,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from sglang_capture.core.checksum import CHECKSUMS, DEFAULT_CHECKSUM
 from sglang_capture.core.format import CODECS, Codec
 from sglang_capture.core.fp8 import CAPTURE_DTYPES
 
@@ -121,6 +122,9 @@ class CaptureConfig:
     durability: str = option("--capture-durability", "How files reach the disk before a response says ok: file "
                              "(fsync each file and its name), none (no flush: a power loss can lose the last files).",
                              choices=DURABILITY_MODES, default="file")
+    checksum: str = option("--capture-checksum", "Checksum of each file, in its reference and outcome: xxh3_128 "
+                           "(fast, against accidental damage) or sha256 (cryptographic, about a third of the "
+                           "writers' CPU at Kimi width).", choices=CHECKSUMS, default=DEFAULT_CHECKSUM)
     keep_page_cache: bool = option("--capture-keep-page-cache/--capture-drop-page-cache", "Leave written files in "
                                    "the page cache (by default their pages are dropped once flushed).", default=False)
     max_pending_mb: int = option("--capture-max-pending-mb", "Host memory per node for pending writes, split among "
@@ -146,6 +150,8 @@ class CaptureConfig:
             self.codec_spec()
         except ValueError as e:
             raise ConfigError(f"--capture-level: {e}") from None
+        if self.checksum not in CHECKSUMS:
+            raise ConfigError(f"--capture-checksum must be one of {', '.join(CHECKSUMS)}, got {self.checksum!r}")
         if self.durability not in DURABILITY_MODES:
             raise ConfigError(f"--capture-durability must be one of {', '.join(DURABILITY_MODES)}, got {self.durability!r}")
         if self.writers < 0:

@@ -10,7 +10,7 @@ partial file:
   samples, outcome records, stats), with ``os.replace`` and, unless told not to, a flush of the
   file and of its directory.
 
-Also here: the ``sha256:<hex>`` tag every checksum in this package uses, and temp files whose
+Also here: the ``sha256:<hex>`` tag of the seam table's fingerprints, and temp files whose
 ownership can be proven. Each temp file is locked (``flock``) by the process writing it from the
 moment it exists until its final name does, and the kernel drops the lock when that process dies,
 however it dies: a temp file whose lock can be taken is an orphan. Process ids cannot prove that:
@@ -34,7 +34,8 @@ TEMP_SUFFIX = ".part"
 
 
 def checksum_tag(digest: hashlib._Hash) -> str:
-    """``sha256:<hex>``: how capture references, manifests and the seam table write a digest."""
+    """``<name>:<hex>`` of a hashlib digest: how the seam table writes a fingerprint (file checksums:
+    core/checksum.py)."""
     return f"{digest.name}:{digest.hexdigest()}"
 
 

@@ -19,7 +19,6 @@ buffer; any msgpack reader can still parse the whole file. See docs/format.md.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import struct
@@ -32,7 +31,7 @@ import msgpack
 import numpy
 import zstandard
 
-from sglang_capture.core.durable import checksum_tag
+from sglang_capture.core.checksum import DEFAULT_CHECKSUM, new_hasher, tag
 
 if TYPE_CHECKING:
     import torch
@@ -224,22 +223,24 @@ def _bin_header(n: int) -> bytes:
 class _HashingWriter:
     """File wrapper that counts and hashes every byte written, so the checksum costs no re-read."""
 
-    def __init__(self, f: IO[bytes]) -> None:
+    def __init__(self, f: IO[bytes], algorithm: str) -> None:
         self._f = f
-        self.sha256 = hashlib.sha256()
+        self.algorithm = algorithm
+        self.hasher = new_hasher(algorithm)
         self.nbytes = 0
 
     def write(self, data: Any) -> None:
         self._f.write(data)
-        self.sha256.update(data)
+        self.hasher.update(data)
         self.nbytes += memoryview(data).nbytes
 
 
 def write_capture(
-    f: IO[bytes], meta: Mapping[str, Any], tensors: Mapping[str, Union[torch.Tensor, HostTensor]], codec: Codec
+    f: IO[bytes], meta: Mapping[str, Any], tensors: Mapping[str, Union[torch.Tensor, HostTensor]], codec: Codec,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> Tuple[int, str]:
-    """Stream one schema-v1 file into ``f``; returns (bytes written, "sha256:<hex>")."""
-    out = _HashingWriter(f)
+    """Stream one file into ``f``; returns (bytes written, its ``checksum`` as ``<algorithm>:<hex>``)."""
+    out = _HashingWriter(f, checksum)
     packer = msgpack.Packer(use_bin_type=True)
     out.write(packer.pack_map_header(3))
     schema = SCHEMA_FP8 if any(host_tensor(t).dtype in _BYTE_DTYPES for t in tensors.values()) else SCHEMA
@@ -255,7 +256,7 @@ def write_capture(
         for payload in frames:
             out.write(_bin_header(payload.nbytes))
             out.write(payload)
-    return out.nbytes, checksum_tag(out.sha256)
+    return out.nbytes, tag(out.algorithm, out.hasher)
 
 
 def _fail(path: str, why: str) -> CaptureFileError:

@@ -1,21 +1,21 @@
 """The manifest of a sample directory: one JSON line per finished sample.
 
 ``manifest.jsonl`` lines are ``{"id", "file", "tokens", "bytes", "checksum", "line"}``
-(``file`` relative to the directory, ``checksum`` = ``sha256:<hex>`` of the file's bytes,
+(``file`` relative to the directory, ``checksum`` = ``<algorithm>:<hex>`` of the file's bytes, core/checksum.py,
 ``line`` = the sample's line in the input). A line is appended, flushed and fsynced only after
 its file is published, so a line always names a complete file; a line torn by a crash is
 dropped on the next run.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
 from dataclasses import asdict, dataclass
 from typing import List, Tuple
 
-from sglang_capture.core.durable import checksum_tag, replace_atomic
+from sglang_capture.core import checksum
+from sglang_capture.core.durable import replace_atomic
 from sglang_capture.core.names import FILE_SUFFIX
 
 MANIFEST = "manifest.jsonl"
@@ -77,18 +77,9 @@ class ManifestWriter:
         self._f.close()
 
 
-def bytes_checksum(buf: bytes) -> str:
-    """``file_checksum`` of a file's bytes already in memory."""
-    return checksum_tag(hashlib.sha256(buf))
-
-
 def file_checksum(path: str) -> str:
-    """``sha256:<hex>`` of a file's bytes, the form capture references and the manifest use."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return checksum_tag(h)
+    """The checksum (default algorithm) of a file's bytes, as capture references write it."""
+    return checksum.of_file(path)
 
 
 def sample_files(directory: str) -> List[str]:

@@ -15,10 +15,11 @@ from typing import Dict, List, Optional
 
 import torch
 
+from sglang_capture.core.checksum import UnknownChecksum, matches
 from sglang_capture.core.format import CaptureFileError, row_count
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.core.reader import loads
-from sglang_capture.tools.manifest import MANIFEST, bytes_checksum, read_manifest
+from sglang_capture.tools.manifest import MANIFEST, read_manifest
 
 
 @dataclass
@@ -36,6 +37,9 @@ class VerifyReport:
 def check_tensors(d: Dict) -> List[str]:
     """Shape/dtype/value problems of one loaded capture, judged against its own metadata."""
     problems = []
+    missing = [k for k in ("input_ids", "output_ids", "hidden_size", "layers") if d.get(k) is None]
+    if missing:  # a decodable file that is not a capture
+        return [f"no {', '.join(missing)}: not a capture file of this package"]
     P, G = d["input_ids"].numel(), d["output_ids"].numel()
     N, H, L = row_count(P, G), d["hidden_size"], len(d["layers"])
     expect = {"aux_hidden_states": (N, L * H), "last_hidden_states": (N, H)}
@@ -67,8 +71,12 @@ def check_file(path: str, checksum: Optional[str] = None) -> List[str]:
     except OSError as e:
         return [f"{name}: cannot read ({e.strerror})"]
     problems = []
-    if checksum is not None and bytes_checksum(buf) != checksum:
-        problems.append(f"{name}: checksum differs from the manifest (the file changed after it was written)")
+    if checksum is not None:
+        try:
+            if not matches(buf, checksum):
+                problems.append(f"{name}: checksum differs from the manifest (the file changed after it was written)")
+        except UnknownChecksum as e:
+            problems.append(f"{name}: the manifest's {e}")
     try:
         d = loads(buf, path)
     except CaptureFileError as e:

@@ -11,6 +11,7 @@ import time
 from typing import IO, Any, Callable, Dict, Mapping, Tuple
 
 from sglang_capture.core.capture_dir import DirFds
+from sglang_capture.core.checksum import DEFAULT_CHECKSUM
 from sglang_capture.core.durable import publish_new
 from sglang_capture.core.format import Codec, HostTensor, write_capture
 from sglang_capture.core.names import FILE_SUFFIX
@@ -30,7 +31,8 @@ class _Progressing:
 
 def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors: Mapping[str, HostTensor],
                        codec: Codec, durability: Durability, keep_page_cache: bool = False,
-                       progress: Callable[[], None] = lambda: None) -> Tuple[int, str, Dict[str, float]]:
+                       progress: Callable[[], None] = lambda: None,
+                       checksum: str = DEFAULT_CHECKSUM) -> Tuple[int, str, Dict[str, float]]:
     """Encode ``tensors`` into ``<name>.capture.msgpack`` and publish it; returns its size,
     checksum and stage timings. Raises on failure (FileExistsError when the name is taken),
     leaving no file behind.
@@ -44,7 +46,7 @@ def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors
     encoded_at = [t0]
 
     def encode(f) -> Tuple[int, str]:
-        out = write_capture(_Progressing(f, progress), meta, tensors, codec)
+        out = write_capture(_Progressing(f, progress), meta, tensors, codec, checksum)
         encoded_at[0] = time.monotonic()
         return out
 

@@ -78,7 +78,8 @@ class WriterProcess:
                 raise self.dirs_error or OSError("the capture dir is unusable")
             beat.restart()  # "copied" went just now
             nbytes, checksum, stage = write_capture_file(self.dirs, msg["name"], msg["meta"], tensors, self.codec,
-                                                         self.durability, self.config.keep_page_cache, beat)
+                                                         self.durability, self.config.keep_page_cache, beat,
+                                                         self.config.checksum)
             timings.update(stage)
             result = {"status": "ok", "bytes": nbytes, "checksum": checksum,
                       "raw_bytes": sum(int(t.nbytes) for t in tensors.values())}
