@@ -100,8 +100,55 @@ def test_hidden_states_go_through_the_host_pool_and_stay_exact(llama, tiny_model
 @pytest.fixture(scope="module")
 def llama_fp8(tiny_models, make_server, tmp_path_factory):
     capture_dir = str(tmp_path_factory.mktemp("capture-fp8"))
-    cmd = capture_cmd(tiny_models["tiny-llama"], capture_dir, "--capture-dtype", "fp8", "--capture-layers", "1,2,3")
+    cmd = capture_cmd(tiny_models["tiny-llama"], capture_dir, "--capture-dtype", "fp8", "--capture-layers", "1,2,3",
+                      "--capture-max-pending-mb", str(SMALL_CAP_MB))
     return make_server(cmd, capture_dir)
+
+
+SMALL_CAP_MB = 4  # the fp8 server's host memory for pending writes: what a decode-heavy load must stay under
+
+
+def test_a_long_generation_beside_a_stream_of_short_ones_stays_under_the_host_memory_cap(llama_fp8):
+    """One capture decoding 600 tokens while eight clients keep sending short captures: every
+    decode step's batch shares one host block, which would stay alive (views of it) until the
+    long request is written: about 600 x 9 rows of 2 KB, three times the cap. Decode rows move
+    to runs of their own request, so the server's held memory never passes the cap (over its
+    whole life) and the pool never has to fall back to SGLang's own pinned copies."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    long_done = threading.Event()
+    written_before = read_stats(llama_fp8.capture_dir).get("written", 0)
+
+    def short_stream(i: int) -> int:
+        n = 0
+        while not long_done.is_set():
+            body = _body(f"{PROMPTS[i % 2]} short {i} {n}")
+            body["sampling_params"].update(max_new_tokens=30)
+            body["sampling_params"]["custom_params"] = {"capture": True, "capture_dtype": "model"}
+            assert llama_fp8.generate(body).json()["meta_info"]["capture"]["status"] == "ok"
+            n += 1
+        return n
+
+    with ThreadPoolExecutor(8) as pool:
+        shorts = [pool.submit(short_stream, i) for i in range(8)]
+        try:
+            body = _body(PROMPTS[1])
+            body["sampling_params"].update(max_new_tokens=600)
+            body["sampling_params"]["custom_params"] = {"capture": True, "capture_dtype": "model", "capture_name": "long"}
+            ref = llama_fp8.generate(body, timeout=900).json()["meta_info"]["capture"]
+        finally:
+            long_done.set()
+        served = sum(f.result() for f in shorts)
+    assert ref["status"] == "ok" and ref["rows"] == ref["shapes"]["last_hidden_states"][0] >= 600
+    assert served >= 8 * 2  # the short ones really ran beside it
+    deadline = time.monotonic() + 30
+    while (stats := read_stats(llama_fp8.capture_dir)).get("written", 0) < written_before + served + 1:
+        assert time.monotonic() < deadline, f"the writer stats did not catch up: {stats}"
+        time.sleep(0.1)
+    assert stats["cap_bytes"] == SMALL_CAP_MB << 20
+    assert stats["peak_held_bytes"] <= stats["cap_bytes"], stats
+    assert stats["host_pool"]["fallbacks"] == 0, stats["host_pool"]
 
 
 def _capture(server, text, name, **params):

@@ -100,7 +100,33 @@ class HostPool:
         ``_async_d2h`` does (the caller waits on its copy-done event before reading), and the
         source is kept alive for that stream.
         """
-        nbytes = src.numel() * src.element_size()
+        found = self._block(tuple(src.shape), src.dtype)
+        if found is None:
+            return None
+        out, view, start, size = found
+        event = None
+        if src.is_cuda:
+            out.copy_(src, non_blocking=True)
+            read_on_current_stream(src)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            out.copy_(src)
+        weakref.finalize(view, self._returned.append, (start, size, event)).atexit = False
+        return out
+
+    def alloc(self, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """An uninitialized host tensor in a block of the pool, or None when no block fits (the
+        block returns, as ``take``'s do, once nothing references the tensor)."""
+        found = self._block(shape, dtype)
+        if found is None:
+            return None
+        out, view, start, size = found
+        weakref.finalize(view, self._returned.append, (start, size, None)).atexit = False
+        return out
+
+    def _block(self, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, Any, int, int]]:
+        nbytes = int(numpy.prod(shape)) * dtype.itemsize
         if nbytes == 0:
             return None
         size = _round_up(nbytes)
@@ -114,17 +140,7 @@ class HostPool:
             self.used_bytes += size
             self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         view = self._array[start:start + nbytes]
-        out = torch.from_numpy(view).view(src.dtype).view(src.shape)
-        event = None
-        if src.is_cuda:
-            out.copy_(src, non_blocking=True)
-            read_on_current_stream(src)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            out.copy_(src)
-        weakref.finalize(view, self._returned.append, (start, size, event)).atexit = False
-        return out
+        return torch.from_numpy(view).view(dtype).view(shape), view, start, size
 
     def offset_of(self, t: torch.Tensor) -> Optional[int]:
         """Where a contiguous host tensor lies in the region, or None when it is not in it."""
@@ -155,9 +171,9 @@ class HostPool:
     def _alloc_locked(self, size: int) -> Optional[int]:
         """First fit from the bottom for large blocks (prefill), from the top for small ones.
 
-        A decode step's block stays until every request with a row in it is written, which for
-        long generations is much longer than a prefill block lives; placed among prefill blocks,
-        such blocks would cut the freed space into holes too small for the next large batch.
+        Small blocks (a decode step's rows, a request's run of decode rows) come and go at a
+        different pace than prefill blocks; placed among them, they would cut the freed space
+        into holes too small for the next large batch.
         """
         small = size <= self.small_block
         for seg in reversed(self._free) if small else self._free:

@@ -1,9 +1,10 @@
 """Accounting of host memory held for pending writes, and the back-pressure that bounds it.
 
-Captured rows are views into their batch's host buffer (a block of ``host_pool``, or SGLang's
-own pinned buffer when the pool was full), so holding one request's rows keeps the whole buffer
-alive. The ledger therefore counts each underlying storage once, by its full size, for as long
-as any held view uses it.
+Captured prompt rows are views into their batch's host buffer (a block of ``host_pool``, or
+SGLang's own pinned buffer when the pool was full), so holding one request's rows keeps the whole
+buffer alive; decode rows are copied into runs of their own request (request_capture.py), so a
+long generation does not keep its neighbours' steps alive. The ledger counts each underlying
+storage once, by its full size, for as long as any held view uses it.
 """
 from __future__ import annotations
 

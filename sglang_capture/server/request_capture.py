@@ -5,6 +5,13 @@ overlap resolution and the completeness check happen later in a writer process
 (``writer/assemble.py``). Rows arrive out of the plain prompt-then-decode order on several SGLang
 paths: chunked prefill (one pair per chunk), mixed batches, and retraction (a retracted request
 is prefilled again, so positions repeat: the later rows win).
+
+Decode rows are copied out of their step's host block into a run of the request's own
+(``add_decode``): a step's block holds one row of every capture request in the batch, so keeping
+views of it would keep each neighbour's rows alive until the longest of them is written, and a
+long generation beside a stream of short ones would hold the batch's rows of every step it
+lived through, far beyond ``--capture-max-pending-mb``. A run is a pool block of
+``DECODE_RUN_ROWS`` rows; copying a row costs one row's bytes of memcpy on the scheduler thread.
 """
 from __future__ import annotations
 
@@ -31,6 +38,23 @@ class RowChunk:
     start: int
     rows: torch.Tensor
     ready: Optional[Any] = None  # a torch.cuda.Event for a device-to-host copy not yet waited on
+
+
+DECODE_RUN_ROWS = 32  # rows per run: a run's unused tail is at most this many rows per request
+
+
+@dataclass
+class _DecodeRun:
+    """A pool block filling with one request's consecutive decode rows."""
+
+    buffer: torch.Tensor  # [capacity, width]
+    chunk: RowChunk  # its chunk in the request: rows = buffer[:used]
+    used: int = 0
+
+    def takes(self, position: int, rows: torch.Tensor) -> bool:
+        b = self.buffer
+        return (self.chunk.start + self.used == position and self.used + rows.shape[0] <= b.shape[0]
+                and rows.dtype == b.dtype and tuple(rows.shape[1:]) == tuple(b.shape[1:]))
 
 
 def _to_host(rows: torch.Tensor, pool: Optional[HostPool]) -> Tuple[torch.Tensor, Any]:
@@ -63,6 +87,7 @@ class RequestCapture:
     pool: Optional[HostPool] = None  # for rows that arrive still on the device
     failure: Optional[str] = None  # why rows could not be taken; the request then gets status error
     fp8_block: Optional[int] = None  # --capture-dtype fp8: rows not yet packed are packed here (core/fp8.py)
+    _run: Optional[_DecodeRun] = None  # the decode run being filled
 
     def fail(self, why: str) -> None:
         """Rows of this request could not be placed: no file will be written (the first reason is kept)."""
@@ -84,6 +109,29 @@ class RequestCapture:
         self.ledger.hold(rows)
         self.chunks.append(RowChunk(start, rows, ready))
 
+    def add_decode(self, position: int, rows: torch.Tensor) -> None:
+        """Hot path for decode steps: copy host rows into this request's own run, so that the
+        step's shared block is freed as soon as the step's results are processed."""
+        if rows.device.type != "cpu" or self.pool is None:  # device rows get a block of their own in add
+            self.add(position, rows)
+            return
+        if self.fp8_block is not None and rows.element_size() != 1:
+            rows = pack(rows, self.fp8_block)
+        run = self._run
+        if run is None or not run.takes(position, rows):
+            buffer = self.pool.alloc((max(DECODE_RUN_ROWS, rows.shape[0]), *rows.shape[1:]), rows.dtype)
+            if buffer is None:  # the pool is full (counted there): keep the view of the step's block
+                self._run = None
+                self.add(position, rows)
+                return
+            self.ledger.hold(buffer)
+            run = self._run = _DecodeRun(buffer, RowChunk(position, buffer[:0]))
+            self.chunks.append(run.chunk)
+        n = rows.shape[0]
+        run.buffer[run.used:run.used + n].copy_(rows)
+        run.used += n
+        run.chunk.rows = run.buffer[:run.used]
+
     def seal(self) -> None:
         """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""
         if self.finalizer is not None:
@@ -93,5 +141,6 @@ class RequestCapture:
     def release(self) -> None:
         """Give the rows' host memory back (after writing, or when the request is dropped)."""
         chunks, self.chunks = self.chunks, []
+        self._run = None
         for chunk in chunks:
             self.ledger.release(chunk.rows)

@@ -112,5 +112,5 @@ def take_decode_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args:
         hidden = kwargs["hidden_states"]
         found = _rows_of(state, req, capture, hidden, start, accept)
         if found is not None:
-            capture.add(position, hidden[found[0]:found[0] + accept])
+            capture.add_decode(position, hidden[found[0]:found[0] + accept])
     return None
