@@ -190,6 +190,7 @@ def test_fp8_captures_beside_sglang_json_requests_in_one_batch_stay_exact_for_bo
     capture requests' rows are then packed after the copy instead of before it."""
     from concurrent.futures import ThreadPoolExecutor
 
+    before = read_stats(llama_fp8.capture_dir)["result_copy"]
     texts = [f"{PROMPTS[i % 2]} {i}" for i in range(6)]
     with ThreadPoolExecutor(12) as pool:
         caps = [pool.submit(_capture, llama_fp8, t, f"beside-json-{i}") for i, t in enumerate(texts)]
@@ -205,6 +206,14 @@ def test_fp8_captures_beside_sglang_json_requests_in_one_batch_stay_exact_for_bo
         # so compare the prompt's last row and the decode rows
         assert min_row_cosine(torch.tensor(h_ours[0][-1:]), torch.tensor(h_theirs[0][-1:])) >= 0.999
         assert min_row_cosine(torch.tensor(h_ours[1:]), torch.tensor(h_theirs[1:])) >= 0.999
+    # every FP8 row was packed once per batch before the copy (on a GPU: on the device), none
+    # per request in the row seams (on the host: the scheduler thread)
+    deadline = time.monotonic() + 10  # the stats file follows the last outcome by a moment
+    while (after := read_stats(llama_fp8.capture_dir)["result_copy"])["fp8_packed_before_copy_rows"] \
+            <= before["fp8_packed_before_copy_rows"]:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+    assert after["fp8_packed_per_request_rows"] == before["fp8_packed_per_request_rows"] == 0
 
 
 def test_the_storage_dtype_can_be_chosen_per_request_and_a_bad_one_is_refused(llama, llama_fp8):

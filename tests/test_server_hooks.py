@@ -128,34 +128,39 @@ def test_a_decode_batch_copies_no_hidden_states_when_its_only_capture_requests_e
     assert state.clock.stats()["run_batch/decode/capture"]["calls"] == 2
 
 
-def test_a_batch_is_packed_to_fp8_before_the_copy_only_when_every_reader_is_an_fp8_capture():
+def test_fp8_rows_are_packed_before_the_copy_whole_when_every_reader_is_an_fp8_capture_else_beside_it():
     """An SGLang JSON request or a capture in the model's dtype needs the rows as the model made
-    them: then the capture rows are packed after the copy, by ``RequestCapture.add``, instead."""
+    them: then the copy hook packs a second copy for the FP8 captures (never the row seams on the
+    host); rows that still arrive unpacked (the pool was full) are packed by the request, and counted."""
     from sglang_capture.core.fp8 import pack
-    from sglang_capture.server.hooks.transfer import _all_fp8
+    from sglang_capture.server.hooks.transfer import _fp8_readers
     from sglang_capture.server.ledger import HostMemoryLedger
     from sglang_capture.server.request_capture import RequestCapture
     from sglang_capture.server.scheduler_capture import CAPTURE_ATTR
 
     ledger = HostMemoryLedger(1 << 20)
+    counts = {"fp8_packed_per_request_rows": 0}
 
     def req(reads: bool, fp8=None):
         r = types.SimpleNamespace(return_hidden_states=reads)
         if fp8 is not None:
-            setattr(r, CAPTURE_ATTR, RequestCapture(rid="r", name="r", ledger=ledger, fp8_block=4 if fp8 else None))
+            setattr(r, CAPTURE_ATTR, RequestCapture(rid="r", name="r", ledger=ledger, fp8_block=4 if fp8 else None,
+                                                    counts=counts))
         return r
 
     def batch(*reqs):
         return types.SimpleNamespace(reqs=list(reqs))
 
-    assert _all_fp8(batch(req(True, fp8=True), req(False)))  # plain requests read nothing
-    assert not _all_fp8(batch(req(True, fp8=True), req(True)))  # an SGLang JSON request
-    assert not _all_fp8(batch(req(True, fp8=True), req(True, fp8=False)))  # a capture in the model's dtype
-    assert not _all_fp8(batch(req(False))) and not _all_fp8(None)
+    assert _fp8_readers(batch(req(True, fp8=True), req(False))) == (True, True)  # plain requests read nothing
+    assert _fp8_readers(batch(req(True, fp8=True), req(True))) == (True, False)  # an SGLang JSON request
+    assert _fp8_readers(batch(req(True, fp8=True), req(True, fp8=False))) == (True, False)  # model-dtype capture
+    assert _fp8_readers(batch(req(True, fp8=False))) == (False, False)
+    assert _fp8_readers(batch(req(False))) == (False, False) and _fp8_readers(None) == (False, False)
     capture = getattr(req(True, fp8=True), CAPTURE_ATTR)
     rows = torch.randn(3, 8).to(torch.bfloat16)
-    capture.add(5, rows)  # arrived unpacked (a batch with a JSON request): packed here
+    capture.add(5, rows)  # arrived unpacked: packed here, and counted
     capture.add(8, pack(rows, 4))  # arrived packed: kept as it is
     assert [c.rows.dtype for c in capture.chunks] == [torch.uint8, torch.uint8]
     assert torch.equal(capture.chunks[0].rows, capture.chunks[1].rows) and capture.chunks[0].start == 5
+    assert counts["fp8_packed_per_request_rows"] == 3
     capture.release()

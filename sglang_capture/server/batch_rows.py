@@ -37,6 +37,9 @@ class BatchRows:
         self.kept_rows: Optional[int] = None
         self.batch_rows: Optional[int] = None
         self.gathered_in_forward = False
+        # FP8 captures in a batch that also needs the rows in the model's dtype: the same rows,
+        # packed on the device before the copy, on the host (same row order as the hidden states)
+        self.packed: Optional[Any] = None
 
     def selection(self, n_rows: int) -> Optional[Selection]:
         """The capture rows to keep out of ``n_rows`` (computed once; the forward and the copy ask)."""
@@ -79,6 +82,12 @@ class ResultRows:
         if self._index is None:
             self._index = {id(r): i for i, r in enumerate(self.batch.reqs)}
         return self.batch.prefix_lens[self._index[id(req)]]
+
+    def source(self, hidden: Any, capture: Any) -> Any:
+        """The host rows ``capture`` takes: the packed copy for an FP8 capture where there is one."""
+        if capture.fp8_block is not None and self.rows is not None and self.rows.packed is not None:
+            return self.rows.packed
+        return hidden
 
     def row(self, hidden: Any, offset: int, n: int) -> int:
         """Where the ``n`` rows at batch offset ``offset`` lie in ``hidden``; checks that they are there."""

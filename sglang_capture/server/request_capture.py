@@ -16,7 +16,7 @@ lived through, far beyond ``--capture-max-pending-mb``. A run is a pool block of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from sglang_capture.core.fp8 import pack
 from sglang_capture.server.host_pool import read_on_current_stream
@@ -88,6 +88,7 @@ class RequestCapture:
     failure: Optional[str] = None  # why rows could not be taken; the request then gets status error
     fp8_block: Optional[int] = None  # --capture-dtype fp8: rows not yet packed are packed here (core/fp8.py)
     _run: Optional[_DecodeRun] = None  # the decode run being filled
+    counts: Optional[Dict[str, int]] = None  # the scheduler's copy counters (FP8 rows packed here)
 
     def fail(self, why: str) -> None:
         """Rows of this request could not be placed: no file will be written (the first reason is kept)."""
@@ -100,10 +101,7 @@ class RequestCapture:
         device (or needing FP8 packing) are packed and copied into the pool first."""
         ready = None
         read_on_current_stream(rows)  # device rows of another stream are read below (pack, copy)
-        if self.fp8_block is not None and rows.element_size() != 1:
-            # Packed on the device when the copy hook could (no SGLang JSON request in the batch);
-            # otherwise here, on the device or, for rows already on the host, on the host.
-            rows = pack(rows, self.fp8_block)
+        rows = self._packed(rows)
         if rows.device.type == "cuda":
             rows, ready = _to_host(rows, self.pool)
         self.ledger.hold(rows)
@@ -115,8 +113,7 @@ class RequestCapture:
         if rows.device.type != "cpu" or self.pool is None:  # device rows get a block of their own in add
             self.add(position, rows)
             return
-        if self.fp8_block is not None and rows.element_size() != 1:
-            rows = pack(rows, self.fp8_block)
+        rows = self._packed(rows)
         run = self._run
         if run is None or not run.takes(position, rows):
             buffer = self.pool.alloc((max(DECODE_RUN_ROWS, rows.shape[0]), *rows.shape[1:]), rows.dtype)
@@ -131,6 +128,15 @@ class RequestCapture:
         run.buffer[run.used:run.used + n].copy_(rows)
         run.used += n
         run.chunk.rows = run.buffer[:run.used]
+
+    def _packed(self, rows: torch.Tensor) -> torch.Tensor:
+        """FP8 rows the copy hook did not pack on the device (its pool was full, or they came
+        another way) are packed here, and counted: on the host this costs the scheduler thread."""
+        if self.fp8_block is None or rows.element_size() == 1:
+            return rows
+        if self.counts is not None:
+            self.counts["fp8_packed_per_request_rows"] += rows.shape[0]
+        return pack(rows, self.fp8_block)
 
     def seal(self) -> None:
         """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""

@@ -70,7 +70,8 @@ class SchedulerCapture:
         self.pool: Optional[HostPool] = None  # set up with the model, on the writer rank
         # result copies of capture batches: rows of the batch, rows copied (capture requests' only),
         # batches whose rows were gathered inside the forward (hooks/transfer.py)
-        self.copies = {"batches": 0, "batch_rows": 0, "copied_rows": 0, "gathered_in_forward": 0}
+        self.copies = {"batches": 0, "batch_rows": 0, "copied_rows": 0, "gathered_in_forward": 0,
+                       "fp8_packed_before_copy_rows": 0, "fp8_packed_per_request_rows": 0}
         self.clock = SeamClock()
         self.model: Optional[ModelInfo] = None
         self.aux: Optional[AuxCapture] = None  # set up with the model
@@ -186,7 +187,7 @@ class SchedulerCapture:
         req.return_hidden_states = True
         req.return_hidden_states_mode = CaptureHiddenMode.FULL
         capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans, pool=self.pool,
-                                 fp8_block=self.model.hidden_size if dtype == "fp8" else None)
+                                 fp8_block=self.model.hidden_size if dtype == "fp8" else None, counts=self.copies)
         setattr(req, CAPTURE_ATTR, capture)
         capture.finalizer = weakref.finalize(req, capture.release)  # dropped unfinished: free the rows
         why = decode_rows_error(req) if self.pd_prefill else None

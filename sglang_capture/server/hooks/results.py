@@ -74,7 +74,7 @@ def _store_chunk(state: SchedulerCapture, req: Any, capture: Any, hidden: Any, o
     found = _rows_of(state, req, capture, hidden, offset, n)
     if found is not None:
         row, processing = found
-        capture.add(processing.chunk_start(req), hidden[row:row + n])
+        capture.add(processing.chunk_start(req), processing.source(hidden, capture)[row:row + n])
 
 
 def take_pd_prefill_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -112,5 +112,6 @@ def take_decode_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args:
         hidden = kwargs["hidden_states"]
         found = _rows_of(state, req, capture, hidden, start, accept)
         if found is not None:
-            capture.add_decode(position, hidden[found[0]:found[0] + accept])
+            row, processing = found
+            capture.add_decode(position, processing.source(hidden, capture)[row:row + accept])
     return None

@@ -10,7 +10,10 @@ the same stream; SGLang then copies the rest of the result (token ids, logprobs)
 batch's ``BatchRows`` records the map from each request's row offset in the batch to its offset
 among the kept rows, which the row seams (results.py) read. When no compaction is safe (another
 request wants SGLang's own hidden states) the whole batch is copied; when the pool is full, or
-in a process without one, SGLang's copy runs (of the kept rows).
+in a process without one, SGLang's copy runs (of the kept rows). FP8 captures are packed here,
+on the device, before the copy: the whole copy when every reader is one, else a packed copy of
+the same rows beside the model-dtype one (``BatchRows.packed``), so that no FP8 row is packed on
+the host, on the scheduler thread (``result_copy`` counts both ways).
 
 In an eager forward the rows are gathered earlier, where the final hidden state joins the aux
 layers (``gather_in_forward``, called by hooks/model.py): then only the captured rows are ever
@@ -19,7 +22,7 @@ concatenated, instead of a [batch tokens, (layers + 1) x hidden] tensor (940 MB 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -55,13 +58,15 @@ def gather_in_forward(state: SchedulerCapture, stored: torch.Tensor, final: torc
     return out
 
 
-def _all_fp8(batch: Any) -> bool:
-    """Whether every request of ``batch`` that reads its hidden states is an FP8 capture (then the
-    whole copy may be packed; an SGLang JSON request or a capture in the model's dtype needs it as is)."""
+def _fp8_readers(batch: Any) -> Tuple[bool, bool]:
+    """(any FP8 capture reads this batch's hidden states, every reader is one). When all are, the
+    whole copy is packed; when some are, a packed copy goes beside the model-dtype one (an SGLang
+    JSON request or a capture in the model's dtype needs the rows as they are)."""
     if batch is None:
-        return False
+        return False, False
     readers = [getattr(req, CAPTURE_ATTR, None) if req.return_hidden_states else False for req in batch.reqs]
-    return any(readers) and all(c is False or (c is not None and c.fp8_block is not None) for c in readers)
+    fp8 = [c is not None and c is not False and c.fp8_block is not None for c in readers]
+    return any(fp8), any(fp8) and all(f or c is False for f, c in zip(fp8, readers, strict=True))
 
 
 def _bind(return_logprob: bool, return_hidden_states: bool = True) -> tuple:
@@ -96,12 +101,18 @@ def _copy_hidden(state: SchedulerCapture, wrapped: Any, out: Any, rows: BatchRow
             parts = [hidden[a:b] for a, b in runs]
             out.hidden_states = hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
             rows.keep(selected, batch_rows, in_forward=False)
-    if state.model is not None and _all_fp8(rows.batch):
+    any_fp8, all_fp8 = _fp8_readers(rows.batch) if state.model is not None else (False, False)
+    if all_fp8:
         # Quantized before the copy: half the device-to-host bytes (core/fp8.py says how rows are packed).
         out.hidden_states = hidden = pack(hidden, state.model.hidden_size)
+    elif any_fp8 and pool is not None:
+        # Packed on the device too, never on the scheduler thread; copied beside the rows as they are.
+        rows.packed = pool.take(pack(hidden, state.model.hidden_size))
     host = pool.take(hidden) if pool is not None else None
     if host is None:  # no pool, or the pool is full: SGLang's own copy, of the kept rows
         return wrapped(*args, **kwargs)
     state.count_copy(rows.batch_rows or hidden.shape[0], hidden.shape[0], in_forward=rows.gathered_in_forward)
+    if all_fp8 or rows.packed is not None:
+        state.copies["fp8_packed_before_copy_rows"] += hidden.shape[0]
     out.hidden_states = host
     return wrapped(return_logprob, return_hidden_states=False)
