@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from sglang_capture.core.durable import CREATE_FLAGS, TEMP_SUFFIX, create_owned, host_tag, remove_unowned, replace_atomic
+from sglang_capture.core.durable import CREATE_FLAGS, TEMP_SUFFIX, create_owned, host_tag, remove_unowned, replace_atomic, take_lock
 from sglang_capture.core.names import name_for_rid
 
 TMP_DIR = ".tmp"
@@ -160,7 +160,7 @@ def retire_stale_stats(dirs: DirFds) -> int:
             parts = stem[len(STATS_PREFIX):].split(".")
             if len(parts) == 3 and parts[0] != host_tag():  # another host's: its own start-ups judge it
                 continue
-            lock = _take_lock(stem + _LOCK, dirs.index)
+            lock = take_lock(stem + _LOCK, dirs.index)
             if lock is False:  # its process lives
                 continue
             try:
@@ -181,21 +181,6 @@ def retire_stale_stats(dirs: DirFds) -> int:
     finally:
         os.close(guard)
     return retired
-
-
-def _take_lock(name: str, dir_fd: int) -> Any:
-    """The descriptor of ``name`` locked by this process; None if there is no such file; False if
-    another process holds it."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return False
-    return fd
 
 
 def _read_json(name: str, dir_fd: int) -> Optional[Dict[str, Any]]:

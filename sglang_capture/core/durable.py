@@ -26,7 +26,7 @@ import os
 import socket
 import time
 import uuid
-from typing import IO, Callable, Optional, TypeVar
+from typing import IO, Callable, Optional, TypeVar, Union
 
 T = TypeVar("T")
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -57,18 +57,28 @@ def create_owned(name: str, dir_fd: Optional[int] = None, mode: int = 0o640) -> 
     return fd
 
 
+def take_lock(name: str, dir_fd: Optional[int] = None) -> Union[int, None, bool]:
+    """A descriptor of ``name`` with its lock taken by this process; None when there is no such
+    file (or it cannot be opened: not ours to judge); False when a live process holds the lock."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    return fd
+
+
 def remove_unowned(name: str, dir_fd: Optional[int] = None, min_age_s: float = 0.0) -> bool:
     """Remove ``name`` if no process holds its lock and it is at least ``min_age_s`` old (a file
     is unlocked for the moment between its creation and its lock); returns whether it was removed."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:  # gone meanwhile, or not a file this process may open: not ours to judge
+    fd = take_lock(name, dir_fd)
+    if fd is None or fd is False:  # gone, or its writer runs
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # its writer runs
-            return False
         if time.time() - os.fstat(fd).st_mtime < min_age_s:
             return False
         os.unlink(name, dir_fd=dir_fd)  # temp names are unique: this name is still the file locked

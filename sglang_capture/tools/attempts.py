@@ -17,6 +17,7 @@ import os
 import uuid
 from typing import Dict, Iterable, Optional
 
+from sglang_capture.core.durable import take_lock
 from sglang_capture.core.names import FILE_SUFFIX
 
 ATTEMPT_TAG = ".try-"
@@ -36,20 +37,15 @@ def attempt_run(name: str) -> Optional[str]:
 def _run_alive(directory: str, run: str) -> bool:
     """Whether ``run`` still holds its lock in ``directory``; a dead run's lock file is removed."""
     path = os.path.join(directory, RUNS_DIR, run + ".lock")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    fd = take_lock(path)
+    if fd is False:
         return True
-    try:
-        os.unlink(path)  # while locked: its owner re-checks the path after locking (RunLocks.acquire)
-    except FileNotFoundError:
-        pass
-    os.close(fd)
+    if fd is not None:
+        try:
+            os.unlink(path)  # while locked: its owner re-checks the path after locking (RunLocks.acquire)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
     return False
 
 
