@@ -1,20 +1,29 @@
-"""Maintainer tool: write the installed SGLang's fingerprints into a seam table.
+"""Maintainer tool: a release's seam table, and which hooks need a look before it is supported.
 
-    python -m sglang_capture.patches.refresh patches/sglang_0_5_17.json
+    python -m sglang_capture.patches.refresh --from-wheel 0.5.20 [--out patches/sglang_0_5_20.json]
+    python -m sglang_capture.patches.refresh patches/sglang_0_5_17.json      (from the installed SGLang)
 
-Run it only after reading each seam's new source and checking the hook still fits it: the
-fingerprints are what stops an unreviewed SGLang release from being patched.
+``--from-wheel`` reads the release's patched functions from its wheel (patches/wheel_source.py,
+downloaded from PyPI without dependencies), starting from the newest supported table, and says
+per seam whether its function is the same as in a supported release or changed. A changed one
+needs its hook read against the new source (and the table's record adjusted) before the table
+goes into ``patches/``: a table there is what makes the launcher accept a release. Then run the
+whole suite on that release's venv (``make test SGLANG_VERSION=X``).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from dataclasses import asdict
+from typing import Dict, List, Tuple
 
-from sglang_capture.patches import Seam
-from sglang_capture.server.instrumentor import _resolve, fingerprint
+from sglang_capture.patches import Seam, load_table, supported_versions
 
 
-def refresh(path: str) -> None:
+def _from_installed(path: str) -> None:
+    from sglang_capture.server.instrumentor import _resolve, fingerprint
+
     with open(path) as f:
         doc = json.load(f)
     for entry in doc["seams"]:
@@ -25,5 +34,53 @@ def refresh(path: str) -> None:
         f.write("\n")
 
 
+def compare_release(version: str, cache: str = "") -> Tuple[Dict, List[str]]:
+    """The table ``version`` would have (seams of the newest supported table, fingerprints read
+    from its wheel) and one line per seam saying whether it needs a look."""
+    from sglang_capture.patches.wheel_source import WheelSource, fetch_wheel
+
+    known = {v: {s.seam: s.fingerprint for s in load_table(v)} for v in supported_versions()}
+    base = supported_versions()[-1]
+    source = WheelSource(fetch_wheel(version, cache or None))
+    seams, lines = [], []
+    for seam in load_table(base):
+        try:
+            fp = source.fingerprint(seam.module, seam.target)
+        except LookupError as e:
+            lines.append(f"{seam.seam}: MISSING ({e}); hook {seam.hook} needs a new target")
+            continue
+        same = [v for v, table in known.items() if table.get(seam.seam) == fp]
+        lines.append(f"{seam.seam}: same as {', '.join(same)}" if same else
+                     f"{seam.seam}: CHANGED in {seam.module}.{seam.target}; read hook {seam.hook} against it")
+        seams.append({**asdict(seam), "fingerprint": fp})
+    return {"sglang": version, "seams": seams}, lines
+
+
+def main(argv: List[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("table", nargs="?", help="refresh this table from the installed SGLang")
+    ap.add_argument("--from-wheel", metavar="VERSION", help="compare SGLang VERSION's wheel with the supported tables")
+    ap.add_argument("--out", help="with --from-wheel: write the release's table here")
+    a = ap.parse_args(argv)
+    if a.from_wheel:
+        from sglang_capture.patches.wheel_source import WheelUnavailable
+
+        try:
+            table, lines = compare_release(a.from_wheel)
+        except WheelUnavailable as e:
+            print(f"refresh: {e}", file=sys.stderr)
+            return 1
+        print("\n".join(lines))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(table, f, indent=2)
+                f.write("\n")
+        return 0 if all(": same as" in line for line in lines) else 3
+    if not a.table:
+        ap.error("give a table to refresh from the installed SGLang, or --from-wheel VERSION")
+    _from_installed(a.table)
+    return 0
+
+
 if __name__ == "__main__":
-    refresh(sys.argv[1])
+    sys.exit(main(sys.argv[1:]))
