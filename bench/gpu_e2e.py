@@ -223,7 +223,7 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16", chu
         # with --tp N only the writer rank may copy and write: one writer stats file, one file per request
         idx = os.path.join(capture_dir, ".index")
         writers = list(writer_stats(capture_dir))
-        outcomes = [json.load(open(os.path.join(idx, f))) for f in os.listdir(idx) if is_record(f)]
+        outcomes = [json.load(open(os.path.join(idx, f))) for f in os.listdir(idx) if is_record(f) and f.endswith(".json")]
         results["checks"]["one_file_per_request_one_writer"] = {
             "pass": len(writers) == 1 and len(files) == len(outcomes) == sum(o["status"] == "ok" for o in outcomes),
             "writer_processes": len(writers), "outcome_records": len(outcomes), "files": len(files)}

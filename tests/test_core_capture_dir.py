@@ -219,9 +219,10 @@ def test_stats_files_of_servers_that_are_gone_are_added_to_the_history_once(tmp_
     finally:
         if killed.poll() is None:
             killed.kill()
-    (tmp_path / ".index" / "writer-4242.json").write_text(json.dumps({"written": 2, "bytes": 20, "max_queue": 9,
-                                                                      "time": 2000.0}))  # an older version's
-    other_host = tmp_path / ".index" / "writer-h0badc0de.7.abcdef12.json"
+    from sglang_capture.core.capture_dir import record_outcome
+
+    record_outcome(dirs, "writer-4242", {"status": "ok", "bytes": 20})  # a request may be called that: a record
+    other_host = tmp_path / ".index" / "_writer-h0badc0de.7.abcdef12.json"
     other_host.write_text(json.dumps({"written": 100}))
     live = StatsFile(dirs)  # a server running beside
     live.write({"written": 7})
@@ -230,13 +231,13 @@ def test_stats_files_of_servers_that_are_gone_are_added_to_the_history_once(tmp_
             pool = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), HostMemoryLedger(1 << 20))
             pool.start()
             pool.close()
-        history = json.load(open(tmp_path / ".index" / "stats-history.json"))
-        assert history["processes"] == 2 + 1  # the killed one, the old one, the first start-up's pool
-        assert history["totals"]["written"] == 5 + 2 and history["totals"]["bytes"] == 520
-        assert history["totals"]["failed"] == 1 and history["peaks"]["max_queue"] == 9
+        history = json.load(open(tmp_path / ".index" / "_stats-history.json"))
+        assert history["processes"] == 1 + 1  # the killed one, the first start-up's pool
+        assert history["totals"]["written"] == 5 and history["totals"]["bytes"] == 500
+        assert history["totals"]["failed"] == 1 and history["peaks"]["max_queue"] == 3
         assert history["first_time"] == 1000.0
         names = sorted(os.listdir(tmp_path / ".index"))
-        assert other_host.name in names and live.name + ".json" in names and "writer-4242.json" not in names
+        assert other_host.name in names and live.name + ".json" in names and "writer-4242.json" in names
         # the live one, the other host's, and the second start-up's (added by the next start-up)
         assert len(writer_stats(str(tmp_path))) == 3
     finally:

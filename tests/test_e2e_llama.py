@@ -187,7 +187,7 @@ def test_fp8_capture_halves_the_bytes_and_keeps_every_row_within_cos_0_999_of_th
 
 def test_fp8_captures_beside_sglang_json_requests_in_one_batch_stay_exact_for_both(llama, llama_fp8):
     """A batch with an SGLang JSON request keeps its hidden states in bf16 for that request; the
-    capture requests' rows are then packed after the copy instead of before it."""
+    FP8 captures' rows are packed into a second copy before the copy (never per request after it)."""
     from concurrent.futures import ThreadPoolExecutor
 
     before = read_stats(llama_fp8.capture_dir)["result_copy"]

@@ -7,9 +7,10 @@ the offline tools all read or write.
 - ``.index/<rid-name>.json``: each request's outcome (ok or error, bytes, checksum), which the
   HTTP process waits on before it answers; ``.unrecorded`` beside it when even that failed. Kept
   for ``--capture-index-retention`` seconds, then swept by a writer process (``sweep_records``).
-- ``.index/writer-<host>.<pid>.<nonce>.json``: the stats of each scheduler process that writes,
+- ``.index/_writer-<host>.<pid>.<nonce>.json``: the stats of each scheduler process that writes,
   for monitoring, beside a ``.lock`` its process holds while it lives. At start-up the stats of
-  processes that are gone are added into ``.index/stats-history.json`` and removed.
+  processes that are gone are added into ``.index/_stats-history.json`` and removed. No request's
+  record can take these names: a safe request id never starts with ``_`` (core/names.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from sglang_capture.core.durable import CREATE_FLAGS, TEMP_SUFFIX, create_owned, host_tag, remove_unowned, replace_atomic, take_lock
 from sglang_capture.core.names import name_for_rid
@@ -28,8 +29,8 @@ from sglang_capture.core.names import name_for_rid
 TMP_DIR = ".tmp"
 INDEX_DIR = ".index"
 UNRECORDED_SUFFIX = ".unrecorded"  # empty marker next to an outcome record that could not be written
-STATS_PREFIX = "writer-"
-STATS_HISTORY = "stats-history.json"  # the summed counters of stats files whose process is gone
+STATS_PREFIX = "_writer-"
+STATS_HISTORY = "_stats-history.json"  # the summed counters of stats files whose process is gone
 _LOCK = ".lock"
 # counters of a stats file that add up over processes, and those that are peaks
 _SUMMED = ("written", "failed", "bytes", "raw_bytes", "inline_bytes", "restarts", "stalled", "back_pressure_waits",
@@ -142,13 +143,19 @@ class StatsFile:
 
 def retire_stale_stats(dirs: DirFds) -> int:
     """Add the counters of stats files whose process is gone (its lock can be taken, or it never
-    had one) into ``stats-history.json`` and remove them; returns how many. Start-ups of several
+    had one) into ``_stats-history.json`` and remove them; returns how many. Start-ups of several
     ranks on one dir take turns (a lock on the history), so nothing is counted twice."""
     retired = 0
     guard = os.open(STATS_HISTORY + _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirs.index)
     try:
         fcntl.flock(guard, fcntl.LOCK_EX)
-        history = _read_json(STATS_HISTORY, dirs.index) or {"processes": 0, "totals": {}, "peaks": {}}
+        history = _read_json(STATS_HISTORY, dirs.index)
+        if history is None:
+            try:  # a torn history is kept aside, not overwritten
+                os.replace(STATS_HISTORY, STATS_HISTORY + ".unreadable", src_dir_fd=dirs.index, dst_dir_fd=dirs.index)
+            except FileNotFoundError:
+                pass
+            history = {"processes": 0, "totals": {}, "peaks": {}}
         entries = sorted(os.listdir(dirs.index))
         for entry in entries:  # a lock whose process died before writing any stats
             if entry.startswith(STATS_PREFIX) and entry.endswith(_LOCK) and entry[:-len(_LOCK)] + ".json" not in entries:
@@ -157,8 +164,7 @@ def retire_stale_stats(dirs: DirFds) -> int:
             if not (entry.startswith(STATS_PREFIX) and entry.endswith(".json")):
                 continue
             stem = entry[:-len(".json")]
-            parts = stem[len(STATS_PREFIX):].split(".")
-            if len(parts) == 3 and parts[0] != host_tag():  # another host's: its own start-ups judge it
+            if stem[len(STATS_PREFIX):].split(".")[0] != host_tag():  # another host's: its own start-ups judge it
                 continue
             lock = take_lock(stem + _LOCK, dirs.index)
             if lock is False:  # its process lives
@@ -177,7 +183,7 @@ def retire_stale_stats(dirs: DirFds) -> int:
                 if lock is not None:
                     os.close(lock)
         if retired:
-            replace_atomic(STATS_HISTORY, _write_json(history), dir_fd=dirs.index, sync=False)
+            replace_atomic(STATS_HISTORY, _write_json(history), dir_fd=dirs.index)  # rare: flushed
     finally:
         os.close(guard)
     return retired
@@ -213,15 +219,17 @@ def is_record(name: str) -> bool:
     """Whether ``name`` in ``.index/`` is an outcome record or its ``.unrecorded`` marker."""
     if name.endswith(UNRECORDED_SUFFIX):
         return True
-    return name.endswith(".json") and not name.startswith(STATS_PREFIX) and name != STATS_HISTORY
+    return name.endswith(".json") and not name.startswith("_")
 
 
-def sweep_records(dirs: DirFds, max_age_s: float) -> int:
+def sweep_records(dirs: DirFds, max_age_s: float, progress: Callable[[], None] = lambda: None) -> int:
     """Remove outcome records (and markers) older than ``max_age_s``; returns how many. Run by a
-    writer process, so the directory walk costs the scheduler's interpreter nothing."""
+    writer process, so the directory walk costs the scheduler's interpreter nothing; it calls
+    ``progress`` as it goes (a large directory on a network mount takes a while)."""
     removed, cutoff = 0, time.time() - max_age_s
     with os.scandir(dirs.index) as entries:
         for entry in entries:
+            progress()
             try:
                 if is_record(entry.name) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
                     os.unlink(entry.name, dir_fd=dirs.index)

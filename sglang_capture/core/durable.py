@@ -20,6 +20,7 @@ other on a network filesystem mounted without them), and, for people, the writin
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -50,6 +51,12 @@ def create_owned(name: str, dir_fd: Optional[int] = None, mode: int = 0o640) -> 
     fd = os.open(name, CREATE_FLAGS, mode, dir_fd=dir_fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP):  # a mount without locks: the file is still written
+            return fd
+        os.close(fd)
+        unlink_quietly(name, dir_fd)
+        raise
     except BaseException:
         os.close(fd)
         unlink_quietly(name, dir_fd)
@@ -59,14 +66,18 @@ def create_owned(name: str, dir_fd: Optional[int] = None, mode: int = 0o640) -> 
 
 def take_lock(name: str, dir_fd: Optional[int] = None) -> Union[int, None, bool]:
     """A descriptor of ``name`` with its lock taken by this process; None when there is no such
-    file (or it cannot be opened: not ours to judge); False when a live process holds the lock."""
+    file; False when a live process holds the lock, or it cannot be judged (no permission, a
+    filesystem without locks): such a file is kept. Opened for writing: NFS emulates ``flock``
+    with byte-range locks, which need it."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
         return None
+    except OSError:
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError:  # BlockingIOError: its owner lives
         os.close(fd)
         return False
     return fd

@@ -136,7 +136,7 @@ class SchedulerCapture:
                     "pinned" if self.pool.pinned else "not pinned", self.pool.setup_s)
 
     def stats(self) -> Dict[str, Any]:
-        """This process's counters for the writer's stats file (core/capture_dir.py: write_stats)."""
+        """This process's counters for the writer's stats file (core/capture_dir.py: StatsFile)."""
         return {"host_pool": self.pool.stats() if self.pool else None, "result_copy": dict(self.copies),
                 "aux_capture": self.aux.stats() if self.aux else None, "scheduler_thread": self.clock.stats()}
 

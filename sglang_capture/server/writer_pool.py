@@ -189,7 +189,8 @@ class WriterPool:
         self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
         self._last_stats = 0.0
         self._stats_file: Optional[StatsFile] = None
-        self._next_sweep = time.monotonic() + FIRST_SWEEP_S  # of old outcome records
+        self._next_sweep = time.monotonic() + FIRST_SWEEP_S  # of old outcome records (from start)
+        self._sweeping = False  # a sweep is queued or running: the next waits for it
         self._extra_stats: Callable[[], Dict[str, Any]] = dict
         self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
                                       "queue_wait_s": 0.0, "assemble_s": 0.0, "encode_write_s": 0.0,
@@ -214,17 +215,8 @@ class WriterPool:
             self.pool = pool
             self.processes = processes or self.processes
             self._extra_stats = extra_stats or dict
-            try:
-                dirs = self.dirs()  # opened once here, before several threads could race to open them
-                removed = remove_orphans(dirs)
-                if removed:
-                    logger.info("sglang_capture: removed %d temp files left by a stopped server", removed)
-                retired = retire_stale_stats(dirs)
-                if retired:
-                    logger.info("sglang_capture: added the stats of %d stopped servers to .index/stats-history.json", retired)
-                self._stats_file = StatsFile(dirs)
-            except OSError as e:  # each job will then fail with this reason; the server keeps serving
-                logger.error("sglang_capture: capture dir %s is unusable: %s", self.config.capture_dir, e)
+            self._next_sweep = time.monotonic() + FIRST_SWEEP_S
+            self._open_capture_dir()
             if self.config.switch_interval_ms > 0:
                 # Hand-off threads wake on pipe replies; behind SGLang's busy scheduler thread each
                 # wake-up waits up to a whole switch interval (5 ms by default) for the GIL.
@@ -234,6 +226,31 @@ class WriterPool:
                 t.start()
                 self._threads.append(t)
         self._dump_stats(min_interval_s=0.0)  # monitoring sees the server from its start
+
+    def _open_capture_dir(self) -> None:
+        """Open the capture dir's descriptors, clean up after stopped servers, start the stats
+        file; each step's failure is logged for what it is, and only an unusable dir fails jobs."""
+        try:
+            dirs = self.dirs()  # opened once here, before several threads could race to open them
+        except OSError as e:  # each job will then fail with this reason; the server keeps serving
+            logger.error("sglang_capture: capture dir %s is unusable: %s", self.config.capture_dir, e)
+            return
+        steps = (("removed %s temp files left by stopped servers", "cleaning up stopped servers' temp files",
+                  lambda: remove_orphans(dirs)),
+                 ("added the stats of %s stopped servers to .index/_stats-history.json",
+                  "adding stopped servers' stats to the history", lambda: retire_stale_stats(dirs)))
+        for done, doing, step in steps:
+            try:
+                n = step()
+            except OSError as e:
+                logger.warning("sglang_capture: %s failed: %s", doing, e)
+            else:
+                if n:
+                    logger.info("sglang_capture: " + done, n)
+        try:
+            self._stats_file = StatsFile(dirs)
+        except OSError as e:
+            logger.warning("sglang_capture: no stats file for this server: %s", e)
 
     def pending(self) -> int:
         """Jobs queued or being written: memory that waiting will free."""
@@ -266,6 +283,7 @@ class WriterPool:
             t.join(max(0.0, deadline - time.monotonic()))
         if self._stats_file is not None:
             self._stats_file.close()
+            self._stats_file = None
 
     def writer_pids(self) -> List[int]:
         """Process ids of the running writer processes (monitoring, tests)."""
@@ -390,8 +408,9 @@ class WriterPool:
 
     def _sweep_when_due(self) -> None:
         with self._lock:
-            if time.monotonic() < self._next_sweep:
+            if self._sweeping or time.monotonic() < self._next_sweep:
                 return
+            self._sweeping = True
             self._next_sweep = time.monotonic() + max(1.0, self.config.index_retention_s / 4)
         self._queue.put(SweepJob())
 
@@ -409,10 +428,17 @@ class WriterPool:
             job.removed = int(reply.get("removed", 0))
             with self._lock:
                 self.stats["records_swept"] += job.removed
-        except WriterProcessDied as e:
+        except WriterStalled as e:
+            with self._lock:
+                self.stats["stalled"] += 1
+            logger.warning("sglang_capture: sweeping old outcome records failed: %s", e)
+            self._replace_quietly(slot, stop_timeout=0.0)
+        except Exception as e:  # noqa: BLE001 - a failed sweep must not end this hand-off thread
             logger.warning("sglang_capture: sweeping old outcome records failed: %s", e)
             self._replace_quietly(slot, stop_timeout=0.0)
         finally:
+            with self._lock:
+                self._sweeping = False
             job.done.set()
 
     def _path(self, job: CaptureJob) -> str:

@@ -99,6 +99,13 @@ class RunLocks:
             except OSError:
                 continue
             alive: Dict[str, bool] = {}
+            try:  # lock files of runs that died with no attempt left behind
+                locks = [n[:-len(".lock")] for n in os.listdir(os.path.join(d, RUNS_DIR)) if n.endswith(".lock")]
+            except OSError:
+                locks = []
+            for run in locks:
+                if run != self.run:
+                    alive[run] = _run_alive(d, run)
             for name in names:
                 run = attempt_run(name)
                 if run is None:

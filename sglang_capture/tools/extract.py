@@ -208,13 +208,13 @@ class Extractor:
             raise ExtractError(f"the tokenizer at {source!r} has no chat template, needed for conversations; "
                                "pass --tokenizer with one, or give samples as {\"text\": ...}")
         capture_dirs = [s.capture_dir for s in servers]
-        for d in capture_dirs:
-            try:
-                self._runs.acquire([d])
-            except OSError as e:
-                raise ExtractError(f"cannot mark this run in {d} ({e.strerror}); extract needs write access to "
-                                   "the servers' capture dirs") from None
         try:
+            for d in capture_dirs:
+                try:
+                    self._runs.acquire([d])
+                except OSError as e:
+                    raise ExtractError(f"cannot mark this run in {d} ({e.strerror}); extract needs write access to "
+                                       "the servers' capture dirs") from None
             self._runs.remove_leftovers([self.out, *capture_dirs])
             todo = self._resume(samples, encoder)
             manifest = ManifestWriter(self.out)

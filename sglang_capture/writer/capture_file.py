@@ -61,8 +61,8 @@ def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors
         progress()
 
     try:
-        nbytes, checksum = publish_new(name + FILE_SUFFIX, encode, dir_fd=dirs.capture, tmp_dir_fd=dirs.tmp,
+        nbytes, digest = publish_new(name + FILE_SUFFIX, encode, dir_fd=dirs.capture, tmp_dir_fd=dirs.tmp,
                                        sync_data=sync_data, sync_names=sync_names)
     except FileExistsError:
         raise FileExistsError(f"a capture file named {name!r} already exists") from None
-    return nbytes, checksum, {"encode_write_s": encoded_at[0] - t0, "fsync_publish_s": time.monotonic() - encoded_at[0]}
+    return nbytes, digest, {"encode_write_s": encoded_at[0] - t0, "fsync_publish_s": time.monotonic() - encoded_at[0]}

@@ -47,10 +47,12 @@ class WriterProcess:
         except OSError as e:  # every job then fails with this reason; the server keeps serving
             self.dirs_error = e
 
-    def sweep(self, max_age_s: float) -> Dict[str, Any]:
-        """Remove outcome records older than ``max_age_s`` (core/capture_dir.sweep_records)."""
+    def sweep(self, max_age_s: float, out_fd: int) -> Dict[str, Any]:
+        """Remove outcome records older than ``max_age_s`` (core/capture_dir.sweep_records),
+        with ``progress`` messages meanwhile."""
+        beat = Heartbeat(out_fd, min(1.0, self.config.writer_stall_s / 4))
         try:
-            return {"op": "swept", "removed": sweep_records(self.dirs, max_age_s) if self.dirs else 0}
+            return {"op": "swept", "removed": sweep_records(self.dirs, max_age_s, beat) if self.dirs else 0}
         except OSError as e:
             return {"op": "swept", "removed": 0, "error": error_text(e)}
 
@@ -113,7 +115,7 @@ def main() -> int:
             if op == "write":
                 send(out_fd, writer.write(msg, out_fd))
             elif op == "sweep":
-                send(out_fd, writer.sweep(msg["max_age_s"]))
+                send(out_fd, writer.sweep(msg["max_age_s"], out_fd))
             else:
                 return 0
         except BrokenPipeError:
