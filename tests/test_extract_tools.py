@@ -407,7 +407,7 @@ def test_extract_runs_sharing_a_capture_dir_remove_only_the_attempts_of_runs_tha
     cap = tmp_path / "capture-dir"
     cap.mkdir()
     code = ("import sys, time\nfrom sglang_capture.tools.attempts import RunLocks\nr = RunLocks()\n"
-            "r.acquire([sys.argv[1]])\nopen(sys.argv[1] + '/' + r.attempt_name('s1') + sys.argv[2], 'w').close()\n"
+            "r.acquire(sys.argv[1])\nopen(sys.argv[1] + '/' + r.attempt_name('s1') + sys.argv[2], 'w').close()\n"
             "print(r.run, flush=True)\ntime.sleep(600)\n")
     runs = [subprocess.Popen([sys.executable, "-c", code, str(cap), FILE_SUFFIX], stdout=subprocess.PIPE, text=True)
             for _ in range(2)]
@@ -419,7 +419,7 @@ def test_extract_runs_sharing_a_capture_dir_remove_only_the_attempts_of_runs_tha
         (cap / f"s2.try-0123abcd{FILE_SUFFIX}").write_bytes(b"")  # an untagged attempt of an older version
         (cap / f"s3{FILE_SUFFIX}").write_bytes(b"")  # a plain capture file: never an attempt
         me = RunLocks()
-        me.acquire([str(cap)])
+        me.acquire(str(cap))
         (cap / (me.attempt_name("s4") + FILE_SUFFIX)).write_bytes(b"")
         assert me.remove_leftovers([str(cap)]) == 2
         left = sorted(os.listdir(cap))

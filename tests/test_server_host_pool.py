@@ -86,29 +86,29 @@ def test_pool_blocks_freed_on_other_threads_while_the_scheduler_takes_more():
     assert pool.free_segments() == [(0, 64 << 10)]
 
 
-def test_decode_rows_move_to_runs_of_their_own_request_so_the_steps_shared_block_is_freed_at_once():
+def test_short_host_rows_move_to_runs_of_their_own_request_so_the_steps_shared_block_is_freed_at_once():
     from sglang_capture.server.host_pool import HostPool
     from sglang_capture.server.ledger import HostMemoryLedger
-    from sglang_capture.server.request_capture import DECODE_RUN_ROWS, RequestCapture
+    from sglang_capture.server.request_capture import RUN_ROWS, RequestCapture
 
     pool = HostPool(4 << 20, pin=False)
     ledger = HostMemoryLedger(4 << 20)
     caps = [RequestCapture(rid=f"r{i}", name=f"r{i}", ledger=ledger, pool=pool) for i in range(3)]
     want = {i: [] for i in range(3)}
-    for step in range(DECODE_RUN_ROWS + 5):
+    for step in range(RUN_ROWS + 5):
         block = pool.take(torch.randn(3, 16).to(torch.bfloat16))  # one decode step: a row per request
         for i, cap in enumerate(caps):
-            cap.add_decode(100 + step, block[i:i + 1])
+            cap.add(100 + step, block[i:i + 1])
             want[i].append(block[i].clone())
         del block
-    assert pool.stats()["blocks"] == (DECODE_RUN_ROWS + 5) + 3 * 2  # the steps' blocks, two runs per request
+    assert pool.stats()["blocks"] == (RUN_ROWS + 5) + 3 * 2  # the steps' blocks, two runs per request
     runs_bytes = 3 * 2 * 4096  # each run (32 rows x 32 bytes) rounds up to one page
     pool.free_segments()  # folds in the returned blocks: every step's block is back
-    assert pool.stats()["used_bytes"] == runs_bytes and ledger.held_bytes == 3 * 2 * DECODE_RUN_ROWS * 32
+    assert pool.stats()["used_bytes"] == runs_bytes and ledger.held_bytes == 3 * 2 * RUN_ROWS * 32
     for i, cap in enumerate(caps):
-        assert [c.start for c in cap.chunks] == [100, 100 + DECODE_RUN_ROWS]
+        assert [c.start for c in cap.chunks] == [100, 100 + RUN_ROWS]
         assert torch.equal(torch.cat([c.rows for c in cap.chunks]), torch.stack(want[i]))
-    caps[0].add_decode(500, torch.ones(1, 16, dtype=torch.bfloat16))  # not the next position (a retraction): a new run
+    caps[0].add(500, torch.ones(1, 16, dtype=torch.bfloat16))  # not the next position (a retraction): a new run
     assert [c.start for c in caps[0].chunks][-1] == 500 and caps[0].chunks[-1].rows.shape[0] == 1
     for cap in caps:
         cap.release()
@@ -117,5 +117,5 @@ def test_decode_rows_move_to_runs_of_their_own_request_so_the_steps_shared_block
     full = HostPool(4096, pin=False)
     step = full.take(torch.zeros(4, 16, dtype=torch.bfloat16))  # the step's block takes the whole pool
     lone = RequestCapture(rid="x", name="x", ledger=ledger, pool=full)
-    lone.add_decode(7, step[0:1])  # no room for a run: the view of the step's block is kept, counted
+    lone.add(7, step[0:1])  # no room for a run: the view of the step's block is kept, counted
     assert lone.chunks[0].rows.data_ptr() == step.data_ptr() and full.stats()["fallbacks"] == 1

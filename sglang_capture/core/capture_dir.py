@@ -23,7 +23,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
-from sglang_capture.core.durable import CREATE_FLAGS, TEMP_SUFFIX, create_owned, host_tag, remove_unowned, replace_atomic, take_lock
+from sglang_capture.core.durable import (
+    CREATE_FLAGS,
+    TEMP_SUFFIX,
+    create_owned,
+    host_tag,
+    remove_unowned,
+    replace_atomic,
+    take_lock,
+    unlink_quietly,
+)
 from sglang_capture.core.names import name_for_rid
 
 TMP_DIR = ".tmp"
@@ -175,10 +184,7 @@ def retire_stale_stats(dirs: DirFds) -> int:
                     _add_to_history(history, doc)
                     retired += 1
                 for name in (entry, stem + _LOCK):
-                    try:
-                        os.unlink(name, dir_fd=dirs.index)
-                    except FileNotFoundError:
-                        pass
+                    unlink_quietly(name, dirs.index)
             finally:
                 if lock is not None:
                     os.close(lock)

@@ -51,13 +51,9 @@ def create_owned(name: str, dir_fd: Optional[int] = None, mode: int = 0o640) -> 
     fd = os.open(name, CREATE_FLAGS, mode, dir_fd=dir_fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError as e:
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP):  # a mount without locks: the file is still written
-            return fd
-        os.close(fd)
-        unlink_quietly(name, dir_fd)
-        raise
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, OSError) and e.errno in (errno.ENOLCK, errno.EOPNOTSUPP):
+            return fd  # a mount without locks: the file is still written
         os.close(fd)
         unlink_quietly(name, dir_fd)
         raise

@@ -6,12 +6,12 @@ overlap resolution and the completeness check happen later in a writer process
 paths: chunked prefill (one pair per chunk), mixed batches, and retraction (a retracted request
 is prefilled again, so positions repeat: the later rows win).
 
-Decode rows are copied out of their step's host block into a run of the request's own
-(``add_decode``): a step's block holds one row of every capture request in the batch, so keeping
-views of it would keep each neighbour's rows alive until the longest of them is written, and a
-long generation beside a stream of short ones would hold the batch's rows of every step it
-lived through, far beyond ``--capture-max-pending-mb``. A run is a pool block of
-``DECODE_RUN_ROWS`` rows; copying a row costs one row's bytes of memcpy on the scheduler thread.
+Short host rows (a decode step's, a short chunk's) are copied out of their batch's block into a
+run of the request's own: a decode step's block holds one row of every capture request in the
+batch, so keeping views of it would keep each neighbour's rows alive until the longest of them
+is written, and a long generation beside a stream of short ones would hold the batch's rows of
+every step it lived through, far beyond ``--capture-max-pending-mb``. A run is a pool block of
+``RUN_ROWS`` rows; copying a row costs one row's bytes of memcpy on the scheduler thread.
 """
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ class RowChunk:
     ready: Optional[Any] = None  # a torch.cuda.Event for a device-to-host copy not yet waited on
 
 
-DECODE_RUN_ROWS = 32  # rows per run: a run's unused tail is at most this many rows per request
+RUN_ROWS = 32  # rows per run, and the most rows copied into one: a run's unused tail is below this
 
 
 @dataclass
-class _DecodeRun:
-    """A pool block filling with one request's consecutive decode rows."""
+class _Run:
+    """A pool block filling with one request's consecutive short rows."""
 
     buffer: torch.Tensor  # [capacity, width]
     chunk: RowChunk  # its chunk in the request: rows = buffer[:used]
@@ -87,7 +87,7 @@ class RequestCapture:
     pool: Optional[HostPool] = None  # for rows that arrive still on the device
     failure: Optional[str] = None  # why rows could not be taken; the request then gets status error
     fp8_block: Optional[int] = None  # --capture-dtype fp8: rows not yet packed are packed here (core/fp8.py)
-    _run: Optional[_DecodeRun] = None  # the decode run being filled
+    _run: Optional[_Run] = field(default=None, init=False, repr=False)  # the run being filled
     counts: Optional[Dict[str, int]] = None  # the scheduler's copy counters (FP8 rows packed here)
 
     def fail(self, why: str) -> None:
@@ -96,38 +96,37 @@ class RequestCapture:
             self.failure = why
 
     def add(self, start: int, rows: torch.Tensor) -> None:
-        """Hot path: keep a reference to the rows and account for the host memory it keeps. Rows
-        already on the host are a view of the batch's pool block (no copy); rows still on the
-        device (or needing FP8 packing) are packed and copied into the pool first."""
-        ready = None
+        """Hot path: keep the rows and account for the host memory they keep. Up to ``RUN_ROWS``
+        host rows are copied into this request's run (they are a slice of a block the whole batch
+        shares); longer host rows stay a view of their pool block (no copy); rows still on the
+        device are packed (FP8) and copied into the pool first."""
         read_on_current_stream(rows)  # device rows of another stream are read below (pack, copy)
         rows = self._packed(rows)
+        if rows.device.type == "cpu" and rows.shape[0] <= RUN_ROWS and self._append_to_run(start, rows):
+            return
+        ready = None
         if rows.device.type == "cuda":
             rows, ready = _to_host(rows, self.pool)
         self.ledger.hold(rows)
         self.chunks.append(RowChunk(start, rows, ready))
 
-    def add_decode(self, position: int, rows: torch.Tensor) -> None:
-        """Hot path for decode steps: copy host rows into this request's own run, so that the
-        step's shared block is freed as soon as the step's results are processed."""
-        if rows.device.type != "cpu" or self.pool is None:  # device rows get a block of their own in add
-            self.add(position, rows)
-            return
-        rows = self._packed(rows)
+    def _append_to_run(self, start: int, rows: torch.Tensor) -> bool:
+        """Copy host rows into the run (a new one when they do not continue it); False when the
+        pool has no room for a run (counted there): the caller then keeps the view."""
         run = self._run
-        if run is None or not run.takes(position, rows):
-            buffer = self.pool.alloc((max(DECODE_RUN_ROWS, rows.shape[0]), *rows.shape[1:]), rows.dtype)
-            if buffer is None:  # the pool is full (counted there): keep the view of the step's block
+        if run is None or not run.takes(start, rows):
+            buffer = self.pool.alloc((RUN_ROWS, *rows.shape[1:]), rows.dtype) if self.pool is not None else None
+            if buffer is None:
                 self._run = None
-                self.add(position, rows)
-                return
+                return False
             self.ledger.hold(buffer)
-            run = self._run = _DecodeRun(buffer, RowChunk(position, buffer[:0]))
+            run = self._run = _Run(buffer, RowChunk(start, buffer[:0]))
             self.chunks.append(run.chunk)
         n = rows.shape[0]
         run.buffer[run.used:run.used + n].copy_(rows)
         run.used += n
         run.chunk.rows = run.buffer[:run.used]
+        return True
 
     def _packed(self, rows: torch.Tensor) -> torch.Tensor:
         """FP8 rows the copy hook did not pack on the device (its pool was full, or they came

@@ -147,6 +147,15 @@ class _Child:
             self.proc.stdout.close()
 
 
+def _logged_step(doing: str, step: Callable[[], Any]) -> Any:
+    """``step()``, or None when it fails with an OSError, logged as what was being done."""
+    try:
+        return step()
+    except OSError as e:
+        logger.warning("sglang_capture: %s failed: %s", doing, e)
+        return None
+
+
 def _cuda_stats(read: str, keys: Tuple[str, ...]) -> Optional[Dict[str, Any]]:
     """``keys`` of ``torch.cuda.<read>()`` for this process, once torch has initialised CUDA."""
     try:
@@ -189,7 +198,7 @@ class WriterPool:
         self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
         self._last_stats = 0.0
         self._stats_file: Optional[StatsFile] = None
-        self._next_sweep = time.monotonic() + FIRST_SWEEP_S  # of old outcome records (from start)
+        self._next_sweep = 0.0  # of old outcome records: set by ``start``
         self._sweeping = False  # a sweep is queued or running: the next waits for it
         self._extra_stats: Callable[[], Dict[str, Any]] = dict
         self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
@@ -235,22 +244,13 @@ class WriterPool:
         except OSError as e:  # each job will then fail with this reason; the server keeps serving
             logger.error("sglang_capture: capture dir %s is unusable: %s", self.config.capture_dir, e)
             return
-        steps = (("removed %s temp files left by stopped servers", "cleaning up stopped servers' temp files",
-                  lambda: remove_orphans(dirs)),
-                 ("added the stats of %s stopped servers to .index/_stats-history.json",
-                  "adding stopped servers' stats to the history", lambda: retire_stale_stats(dirs)))
-        for done, doing, step in steps:
-            try:
-                n = step()
-            except OSError as e:
-                logger.warning("sglang_capture: %s failed: %s", doing, e)
-            else:
-                if n:
-                    logger.info("sglang_capture: " + done, n)
-        try:
-            self._stats_file = StatsFile(dirs)
-        except OSError as e:
-            logger.warning("sglang_capture: no stats file for this server: %s", e)
+        removed = _logged_step("cleaning up stopped servers' temp files", lambda: remove_orphans(dirs))
+        if removed:
+            logger.info("sglang_capture: removed %d temp files left by stopped servers", removed)
+        retired = _logged_step("adding stopped servers' stats to the history", lambda: retire_stale_stats(dirs))
+        if retired:
+            logger.info("sglang_capture: added the stats of %d stopped servers to .index/_stats-history.json", retired)
+        self._stats_file = _logged_step("starting this server's stats file", lambda: StatsFile(dirs))
 
     def pending(self) -> int:
         """Jobs queued or being written: memory that waiting will free."""
@@ -346,9 +346,7 @@ class WriterPool:
         except NotTaken:
             return self._hand_off(self._replace(slot), job)
         except WriterStalled:
-            with self._lock:
-                self.stats["stalled"] += 1
-            self._replace_quietly(slot, stop_timeout=0.0)
+            self._drop(slot, stalled=True)
             raise
 
     def _replace(self, slot: int, stop_timeout: float = 1.0) -> _Child:
@@ -365,6 +363,14 @@ class WriterPool:
             self._children[slot] = child
             self.stats["restarts"] += int(old is not None)
         return child
+
+    def _drop(self, slot: int, stalled: bool) -> None:
+        """Kill the slot's writer process at once and start another (a late reply of the old one
+        must not be read as the next job's), counting a stall."""
+        if stalled:
+            with self._lock:
+                self.stats["stalled"] += 1
+        self._replace_quietly(slot, stop_timeout=0.0)
 
     def _replace_quietly(self, slot: int, stop_timeout: float = 1.0) -> None:
         try:
@@ -412,7 +418,7 @@ class WriterPool:
                 return
             self._sweeping = True
             self._next_sweep = time.monotonic() + max(1.0, self.config.index_retention_s / 4)
-        self._queue.put(SweepJob())
+        self.sweep()
 
     def _sweep(self, slot: int, job: SweepJob) -> None:
         """Have the slot's writer process remove the old records; a process that fails at it is
@@ -428,14 +434,9 @@ class WriterPool:
             job.removed = int(reply.get("removed", 0))
             with self._lock:
                 self.stats["records_swept"] += job.removed
-        except WriterStalled as e:
-            with self._lock:
-                self.stats["stalled"] += 1
-            logger.warning("sglang_capture: sweeping old outcome records failed: %s", e)
-            self._replace_quietly(slot, stop_timeout=0.0)
         except Exception as e:  # noqa: BLE001 - a failed sweep must not end this hand-off thread
             logger.warning("sglang_capture: sweeping old outcome records failed: %s", e)
-            self._replace_quietly(slot, stop_timeout=0.0)
+            self._drop(slot, stalled=isinstance(e, WriterStalled))
         finally:
             with self._lock:
                 self._sweeping = False
@@ -445,8 +446,11 @@ class WriterPool:
         return os.path.join(self.config.capture_dir, job.capture.name + FILE_SUFFIX)
 
     def _dump_stats(self, min_interval_s: float = 1.0) -> None:
-        """Write this process's ``.index/writer-*.json`` (counters, queue depth, held and peak host memory)
+        """Write this process's ``.index/_writer-*.json`` (counters, queue depth, held and peak host memory)
         at most once a second, and whenever the queue drains, for monitoring and benchmarks."""
+        stats_file = self._stats_file
+        if stats_file is None:  # the capture dir was unusable at start, or the pool is closed
+            return
         now = time.monotonic()
         with self._lock:
             if now - self._last_stats < min_interval_s and self._queued:
@@ -461,10 +465,8 @@ class WriterPool:
                    "pinned": _cuda_stats("host_memory_stats", _PINNED_KEYS),
                    "device_allocator": _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS),
                    "time": time.time()}
-        if self._stats_file is None:  # the capture dir was unusable at start
-            return
         try:
-            self._stats_file.write(doc)
+            stats_file.write(doc)
         except OSError as e:
             logger.warning("sglang_capture: cannot write writer stats: %s", e)
 

@@ -17,7 +17,7 @@ import os
 import uuid
 from typing import Dict, Iterable, Optional
 
-from sglang_capture.core.durable import take_lock
+from sglang_capture.core.durable import take_lock, unlink_quietly
 from sglang_capture.core.names import FILE_SUFFIX
 
 ATTEMPT_TAG = ".try-"
@@ -41,10 +41,7 @@ def _run_alive(directory: str, run: str) -> bool:
     if fd is False:
         return True
     if fd is not None:
-        try:
-            os.unlink(path)  # while locked: its owner re-checks the path after locking (RunLocks.acquire)
-        except FileNotFoundError:
-            pass
+        unlink_quietly(path)  # while locked: its owner re-checks the path after locking (RunLocks.acquire)
         os.close(fd)
     return False
 
@@ -56,32 +53,28 @@ class RunLocks:
         self.run = uuid.uuid4().hex[:12]
         self._fds: Dict[str, int] = {}
 
-    def acquire(self, directories: Iterable[str]) -> None:
-        """Hold this run's lock in each directory (raises OSError if one cannot hold it)."""
-        for d in directories:
-            if d in self._fds:
-                continue
-            runs = os.path.join(d, RUNS_DIR)
-            os.makedirs(runs, mode=0o700, exist_ok=True)
-            path = os.path.join(runs, self.run + ".lock")
-            while True:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                try:  # another run may have judged the fresh file dead and removed it meanwhile
-                    if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                        break
-                except FileNotFoundError:
-                    pass
-                os.close(fd)
-            self._fds[d] = fd
+    def acquire(self, directory: str) -> None:
+        """Hold this run's lock in ``directory`` (raises OSError if it cannot)."""
+        if directory in self._fds:
+            return
+        runs = os.path.join(directory, RUNS_DIR)
+        os.makedirs(runs, mode=0o700, exist_ok=True)
+        path = os.path.join(runs, self.run + ".lock")
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:  # another run may have judged the fresh file dead and removed it meanwhile
+                if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        self._fds[directory] = fd
 
     def release(self) -> None:
         """Remove this run's lock files and drop the locks."""
         for d, fd in self._fds.items():
-            try:
-                os.unlink(os.path.join(d, RUNS_DIR, self.run + ".lock"))
-            except FileNotFoundError:
-                pass
+            unlink_quietly(os.path.join(d, RUNS_DIR, self.run + ".lock"))
             os.close(fd)
         self._fds.clear()
 
@@ -98,26 +91,16 @@ class RunLocks:
                 names = os.listdir(d)
             except OSError:
                 continue
-            alive: Dict[str, bool] = {}
-            try:  # lock files of runs that died with no attempt left behind
+            try:  # every other run's lock, dead ones removed (also those that left no attempt)
                 locks = [n[:-len(".lock")] for n in os.listdir(os.path.join(d, RUNS_DIR)) if n.endswith(".lock")]
             except OSError:
                 locks = []
-            for run in locks:
-                if run != self.run:
-                    alive[run] = _run_alive(d, run)
+            # listed after the attempts: a run with an attempt above had its lock before it
+            alive = {run for run in locks if run != self.run and _run_alive(d, run)}
             for name in names:
                 run = attempt_run(name)
-                if run is None:
+                if run is None or run in alive or (run == self.run and not own):
                     continue
-                if run == self.run:
-                    if not own:
-                        continue
-                elif run:
-                    if run not in alive:
-                        alive[run] = _run_alive(d, run)
-                    if alive[run]:
-                        continue
                 try:
                     os.unlink(os.path.join(d, name))
                     removed += 1

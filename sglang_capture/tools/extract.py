@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
+from sglang_capture.core import checksum
 from sglang_capture.core.durable import fsync_dir, publish_new
 from sglang_capture.core.format import CaptureFileError
 from sglang_capture.core.fp8 import CAPTURE_DTYPES
@@ -28,7 +29,7 @@ from sglang_capture.core.reader import load
 from sglang_capture.tools.attempts import RunLocks
 from sglang_capture.tools.client import ServerError, ServerInfo, capture_prefill, discover
 from sglang_capture.tools.conversations import BadLine, Sample, read_samples
-from sglang_capture.tools.manifest import Entry, ManifestWriter, file_checksum, read_manifest, rewrite_manifest
+from sglang_capture.tools.manifest import Entry, ManifestWriter, read_manifest, rewrite_manifest
 from sglang_capture.tools.templating import ChatEncoder, Encoded, TemplateError, load_tokenizer
 
 LOCK_FILE = ".extract.lock"
@@ -173,7 +174,7 @@ class Extractor:
                 or d["loss_mask"].tolist() != enc.loss_mask:
             return None
         return Entry(sample.id, os.path.basename(path), len(enc.input_ids), os.path.getsize(path),
-                     file_checksum(path), sample.line)
+                     checksum.of_file(path), sample.line)
 
     def run(self) -> ExtractReport:
         t0 = time.monotonic()
@@ -211,7 +212,7 @@ class Extractor:
         try:
             for d in capture_dirs:
                 try:
-                    self._runs.acquire([d])
+                    self._runs.acquire(d)
                 except OSError as e:
                     raise ExtractError(f"cannot mark this run in {d} ({e.strerror}); extract needs write access to "
                                        "the servers' capture dirs") from None

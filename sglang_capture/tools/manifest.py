@@ -14,7 +14,6 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import List, Tuple
 
-from sglang_capture.core import checksum
 from sglang_capture.core.durable import replace_atomic
 from sglang_capture.core.names import FILE_SUFFIX
 
@@ -75,11 +74,6 @@ class ManifestWriter:
 
     def close(self) -> None:
         self._f.close()
-
-
-def file_checksum(path: str) -> str:
-    """The checksum (default algorithm) of a file's bytes, as capture references write it."""
-    return checksum.of_file(path)
 
 
 def sample_files(directory: str) -> List[str]:

@@ -47,10 +47,14 @@ class WriterProcess:
         except OSError as e:  # every job then fails with this reason; the server keeps serving
             self.dirs_error = e
 
+    def _heartbeat(self, out_fd: int) -> Heartbeat:
+        """``progress`` messages often enough that the stall timeout never takes a moving writer."""
+        return Heartbeat(out_fd, min(1.0, self.config.writer_stall_s / 4))
+
     def sweep(self, max_age_s: float, out_fd: int) -> Dict[str, Any]:
         """Remove outcome records older than ``max_age_s`` (core/capture_dir.sweep_records),
         with ``progress`` messages meanwhile."""
-        beat = Heartbeat(out_fd, min(1.0, self.config.writer_stall_s / 4))
+        beat = self._heartbeat(out_fd)
         try:
             return {"op": "swept", "removed": sweep_records(self.dirs, max_age_s, beat) if self.dirs else 0}
         except OSError as e:
@@ -60,7 +64,7 @@ class WriterProcess:
         """Publish one job; sends ``copied`` as soon as its rows are out of the pool, then
         ``progress`` while the file is written (core/handoff.py)."""
         t0 = time.monotonic()
-        beat = Heartbeat(out_fd, min(1.0, self.config.writer_stall_s / 4))
+        beat = self._heartbeat(out_fd)
         copied = False
         timings: Dict[str, float] = {}
         try:

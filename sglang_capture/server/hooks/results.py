@@ -11,7 +11,6 @@ from typing import Any, Optional, Tuple
 
 from sglang_capture.server.aux_capture import batch_captures
 from sglang_capture.server.batch_rows import ResultRows, RowsMismatch
-from sglang_capture.server.request_capture import DECODE_RUN_ROWS
 from sglang_capture.server.scheduler_capture import CAPTURE_ATTR, SchedulerCapture
 
 
@@ -75,11 +74,7 @@ def _store_chunk(state: SchedulerCapture, req: Any, capture: Any, hidden: Any, o
     found = _rows_of(state, req, capture, hidden, offset, n)
     if found is not None:
         row, processing = found
-        rows = processing.source(hidden, capture)[row:row + n]
-        if n <= DECODE_RUN_ROWS:  # a decode step in a mixed batch, or a short chunk: not a view of the batch
-            capture.add_decode(processing.chunk_start(req), rows)
-        else:
-            capture.add(processing.chunk_start(req), rows)
+        capture.add(processing.chunk_start(req), processing.source(hidden, capture)[row:row + n])
 
 
 def take_pd_prefill_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -118,5 +113,5 @@ def take_decode_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args:
         found = _rows_of(state, req, capture, hidden, start, accept)
         if found is not None:
             row, processing = found
-            capture.add_decode(position, processing.source(hidden, capture)[row:row + accept])
+            capture.add(position, processing.source(hidden, capture)[row:row + accept])
     return None
