@@ -5,8 +5,9 @@
                         [--capture-args "..."] [--sglang-args "..."]
 
 Two servers are started on MODEL_DIR (e.g. a Kimi-width tiny DeepSeek-V3: 4 layers, hidden
-7168) and loaded with random-token prompts (never a radix-cache hit), closed loop
-(``--concurrency`` clients sending back to back for ``--seconds``) or open loop (a fixed rate):
+7168) and loaded with random-token prompts (never a radix-cache hit: each window counts the cached
+tokens and the batches that were not whole prompts from the server's log, ``_prefill_batches``),
+closed loop (``--concurrency`` clients sending back to back for ``--seconds``) or open loop (a fixed rate):
 
 - (a) ``plain``: ``python -m sglang.launch_server``, prefill-heavy (max_new_tokens 1)
 - (b) ``launcher-idle``: ``python -m sglang_capture.launch``, no request captures; (a) and (b)
@@ -14,6 +15,9 @@ Two servers are started on MODEL_DIR (e.g. a Kimi-width tiny DeepSeek-V3: 4 laye
 - (d) ``file-capture``: every request captures 3 aux layers + final hidden state (capacity)
 - ``capture_ab``: on the capture server, every request capturing (d_prefill) against the same
   load capturing nothing (b_prefill), in alternating windows: what capture costs that server
+- ``prefix_ab``: on the capture server, prompts that share their first ``--shared-prefix`` tokens
+  (a radix-cache hit for every request but the first) against the usual prompts, nothing capturing
+  and capturing (a capture request never reads the cache): what one cached token costs a batch
 - ``--request-variants``: per-request capture settings (e.g. ``{"capture_dtype": "fp8"}``), one
   more window each in ``capture_ab`` (d_prefill_r0, ...) and in each mixed round (d_mixed_r0, ...)
   on the same capture server: an A/B of a per-request setting without a third server on the GPU
@@ -122,7 +126,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--capture-args", default="--capture-layers 1,2,3")
     p.add_argument("--sglang-args", default=" ".join(BASE_ARGS))
     p.add_argument("--phases", default="ab,capacity,open,mixed,json", help="which measurements to run "
-                   "(also capture_ab: capture-all against nothing capturing on the capture server)")
+                   "(also capture_ab: capture-all against nothing capturing on the capture server; prefix_ab: "
+                   "prompts sharing a prefix against the usual ones)")
+    p.add_argument("--shared-prefix", type=_at_least(1), default=1, help="prefix_ab: how many first tokens its "
+                   "shared-prefix prompts have in common")
     p.add_argument("--idle-mixed", action="store_true", help="also run the mixed load on the capture server with "
                    "nothing capturing (b_mixed), each round after (a)")
     p.add_argument("--profile-steps", type=_at_least(0), default=0, help="after the mixed windows, profile this many forward "
@@ -168,9 +175,9 @@ class Run:
         self.variant_servers: List[Server] = []
 
     def spec(self, kind: str, max_new: int = 1, capture: bool = False, json_hs: bool = False,
-             params: Optional[dict] = None) -> dict:
+             params: Optional[dict] = None, shared_prefix: int = 0) -> dict:
         return {"kind": kind, "tokens": self.a.tokens, "max_new": max_new, "capture": capture, "json": json_hs,
-                "params": params or {}}
+                "params": params or {}, "shared_prefix": shared_prefix}
 
     def capture_cmd(self, cdir: str, extra: str = "") -> List[str]:
         os.makedirs(cdir, exist_ok=True)
@@ -203,10 +210,12 @@ class Run:
         sampler = e2e_probes.RssSampler(server.proc.pid)
         sampler.start()
         client_cpu, vm, gpu = e2e_probes.client_cpu_s(), e2e_probes.vmstat(), e2e_probes.GpuSampler()
+        log_at = e2e_probes.log_offset(server)
         t0 = time.monotonic()
         r = Load(server.url, self.prompts).run(clients, seconds, procs=a.client_procs, **kw)
         client_cores = round((e2e_probes.client_cpu_s() - client_cpu) / (time.monotonic() - t0), 2)  # before nvidia-smi is reaped
         r["_gpu"] = gpu.stop()
+        r["_prefill_batches"] = e2e_probes.prefill_batches(server, log_at, a.tokens)
         sampler.stop_event.set()
         r["_peak_rss_bytes"] = sampler.peak
         if spying is not None:
@@ -214,7 +223,7 @@ class Run:
         r["_cpu"] = {**sampler.cpu(), "client_cores": client_cores, "vm": e2e_probes.vm_window(vm)}
         print(f"{name}: " + ", ".join(f"{k} {v['tok_per_s']:,.0f} tok/s" for k, v in r.items()
                                       if isinstance(v, dict) and "tok_per_s" in v)
-              + f"; cpu {r['_cpu']}; gpu {r['_gpu']}", file=sys.stderr, flush=True)
+              + f"; prefill batches {r['_prefill_batches']}; cpu {r['_cpu']}; gpu {r['_gpu']}", file=sys.stderr, flush=True)
         save(self.res, a.out, {name: r})  # so that a run cut short (device time limit) keeps what it measured
         return r
 
@@ -256,6 +265,23 @@ class Run:
             self.res[key] = merge([w[i] for w in windows])
         self.res["capture_ab_windows"] = [[w[0]["prefill"]["tok_per_s"], *(x["capture"]["tok_per_s"] for x in w[1:])]
                                           for w in windows]
+
+    def phase_prefix_ab(self) -> None:
+        """Prompts sharing their first ``--shared-prefix`` tokens against the usual ones on the capture
+        server, nothing capturing and capturing, in alternating windows: with the radix cache on, every
+        shared-prefix request but the first reads cached tokens, unless it captures (a private
+        namespace, scheduler_capture.py), so the not-capturing shared windows show what a cache hit
+        does to a batch; with ``--disable-radix-cache`` all four should match their pairs."""
+        n, k = self.a.concurrency, self.a.shared_prefix
+        loads = [("b_prefill", self.spec("prefill")), ("b_prefill_shared", self.spec("prefill", shared_prefix=k)),
+                 ("d_prefill", self.spec("capture", capture=True)),
+                 ("d_prefill_shared", self.spec("capture", capture=True, shared_prefix=k))]
+        windows = [[self.measure_capture(self.capture, self.capture_dir, f"prefix_ab {name}", [spec] * n) if spec["capture"]
+                    else self.measure(self.capture, f"prefix_ab {name}", [spec] * n, self.a.seconds) for name, spec in loads]
+                   for _ in range(max(self.a.ab_rounds, 1))]
+        self.res["prefix_ab"] = {name: merge([w[i] for w in windows]) for i, (name, _) in enumerate(loads)}
+        self.res["prefix_ab_windows"] = [[next(v["tok_per_s"] for k_, v in x.items() if not k_.startswith("_"))
+                                          for x in w] for w in windows]
 
     def phase_capacity(self) -> None:
         clients = [self.spec("capture", capture=True)] * self.a.concurrency
@@ -361,6 +387,8 @@ class Run:
                 self.phase_ab()
             if "capture_ab" in self.phases:
                 self.phase_capture_ab()
+            if "prefix_ab" in self.phases:
+                self.phase_prefix_ab()
             if "capacity" in self.phases:
                 self.phase_capacity()
             if "open" in self.phases:

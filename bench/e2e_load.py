@@ -1,61 +1,77 @@
-"""Load generation for bench/e2e.py: random-token prompts that never hit the radix cache,
-closed-loop clients spread over processes, an open-loop stream, and per-kind summaries."""
+"""Load generation for bench/e2e.py: random-token prompts that never hit the radix cache (unless
+asked to share a prefix), closed-loop clients spread over processes, an open-loop stream, and
+per-kind summaries."""
 from __future__ import annotations
 
-import itertools
 import json
 import multiprocessing
-import os
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy
 import requests
 
-_NAMES = itertools.count()  # capture names and seeds, unique over the whole run
+# Prompt and capture numbers, one sequence over the whole run and every forked client process
+# (shared memory, inherited through fork): consecutive prompts differ in their first token.
+_SEQUENCE = multiprocessing.get_context("fork").Value("q", 0)
+
+
+def _next_number() -> int:
+    with _SEQUENCE.get_lock():
+        _SEQUENCE.value += 1
+        return _SEQUENCE.value
 
 
 class Prompts:
     """Request bodies built without per-request Python loops, so that the load generator (64
     threads in one interpreter) does not become the bottleneck at 600 K tok/s.
 
-    Every prompt starts with 4 tokens taken from a global counter, so no two prompts share a
-    first token sequence and the radix cache never matches; the rest is one of 64 random tails.
+    Every prompt starts with 4 tokens numbering it in the run's one sequence, first token
+    fastest: any ``vocab - 3`` consecutive prompts differ in their first token, so the radix cache
+    never matches one (a server caches far fewer prompts than the test bed's 1,021). A prompt
+    matching one cached token would not be a harmless detail: on SGLang's MLA models it moves its
+    whole prefill batch to another attention path (bench/RESULTS.md, "The radix cache and
+    capture"). ``shared_prefix`` puts that many fixed tokens first instead, to measure exactly that.
+    The rest of a prompt is one of 64 random tails.
     """
+
+    SHARED_TOKEN = 3  # the shared prefix's token; a prompt's own head starts after it
 
     def __init__(self, tokens: int, vocab: int, seed: int = 0) -> None:
         rng = numpy.random.default_rng(seed)
         self.base = vocab - 3
-        self.tails = [",".join(map(str, rng.integers(3, vocab, tokens - 4).tolist())) for _ in range(64)]
+        self.tokens = tokens
+        self.tails = [rng.integers(3, vocab, tokens - 4).tolist() for _ in range(64)]
+        self.texts: Dict[int, Tuple[str, List[str]]] = {}  # per shared-prefix length: prefix and tails as JSON text
 
-    def body(self, max_new: int, capture: Optional[str], json_hs: bool, capture_params: Optional[dict] = None) -> bytes:
-        n = next(_NAMES)
-        head = [3 + (n // self.base ** k) % self.base for k in range(4)]
+    def _text(self, shared: int) -> Tuple[str, List[str]]:
+        if shared not in self.texts:
+            if not 0 <= shared <= self.tokens - 5:
+                raise ValueError(f"a shared prefix of {shared} tokens leaves no room for a prompt's own head in {self.tokens}")
+            self.texts[shared] = ("".join(f"{self.SHARED_TOKEN}," for _ in range(shared)),
+                                  [",".join(map(str, t[:len(t) - shared])) for t in self.tails])
+        return self.texts[shared]
+
+    def body(self, max_new: int, capture: bool, json_hs: bool, capture_params: Optional[dict] = None,
+             shared_prefix: int = 0) -> bytes:
+        n = _next_number()
+        head = ",".join(str(3 + (n // self.base ** k) % self.base) for k in range(4))
         params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
         if capture:
-            params["custom_params"] = {"capture": True, "capture_name": capture, **(capture_params or {})}
-        return ('{"input_ids":[%s,%s],"sampling_params":%s%s}' % (
-            ",".join(map(str, head)), self.tails[n % len(self.tails)], json.dumps(params),
+            params["custom_params"] = {"capture": True, "capture_name": f"bench-{n}", **(capture_params or {})}
+        prefix, tails = self._text(shared_prefix)
+        return ('{"input_ids":[%s%s,%s],"sampling_params":%s%s}' % (
+            prefix, head, tails[n % len(tails)], json.dumps(params),
             ',"return_hidden_states":true' if json_hs else "")).encode()
-
-
-def _reserve_names() -> int:
-    """A block of prompt/capture numbers for one client process (its own counter, no overlap)."""
-    global _NAMES
-    base = next(_NAMES)
-    _NAMES = itertools.count(base + 10_000_000)
-    return base
 
 
 PROMPTS: Dict[str, Prompts] = {}  # the run's prompts, inherited by forked client processes
 
 
-def _client_process(url: str, clients: List[dict], stop_at: float, name_base: int) -> List[dict]:
+def _client_process(url: str, clients: List[dict], stop_at: float) -> List[dict]:
     """Closed-loop clients in a process of their own, until ``stop_at`` (CLOCK_MONOTONIC is shared)."""
-    global _NAMES
-    _NAMES = itertools.count(name_base)
     load = Load(url, PROMPTS["run"])
     load.closed_loop(clients, stop_at)
     return load.results
@@ -82,8 +98,8 @@ class Load:
         session = getattr(self.local, "session", None)
         if session is None:
             session = self.local.session = requests.Session()
-        name = f"bench-{os.getpid()}-{next(_NAMES)}" if spec["capture"] else None
-        data = self.prompts.body(spec["max_new"], name, spec["json"], spec.get("params"))
+        data = self.prompts.body(spec["max_new"], spec["capture"], spec["json"], spec.get("params"),
+                                 spec.get("shared_prefix", 0))
         t0 = time.monotonic()
         r = session.post(self.url + "/generate", data=data, headers={"Content-Type": "application/json"}, timeout=900)
         end = time.monotonic()
@@ -120,7 +136,7 @@ class Load:
                 ProcessPoolExecutor(max(procs, 1), mp_context=multiprocessing.get_context("fork")) as children:
             if procs > 1:
                 groups = [clients[i::procs] for i in range(procs)]
-                futures = [children.submit(_client_process, self.url, g, stop_at, _reserve_names()) for g in groups]
+                futures = [children.submit(_client_process, self.url, g, stop_at) for g in groups]
             else:
                 futures = [local.submit(self.closed_loop, clients, stop_at, max_requests)]
             if open_spec is not None and rate > 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -186,3 +187,31 @@ def client_cpu_s() -> float:
     """CPU seconds of this load generator and its finished client processes."""
     return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+_PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+),.*?"
+                      r"input throughput \(token/s\): ([\d.]+)")
+
+
+def log_offset(server: Server) -> int:
+    """Where the server's log ends now: a window's prefill batches are the lines written after it."""
+    return os.path.getsize(server.log_path)
+
+
+def prefill_batches(server: Server, since: int, tokens: int) -> Dict[str, float]:
+    """The prefill batches a window ran, from SGLang's own "Prefill batch" log lines: how many took
+    tokens from the radix cache, and how many were whole prompts only ("clean": every request's
+    full ``tokens`` computed, none cached, none cut by the chunk budget). Only a clean batch runs
+    DeepSeek-V3's MHA prefill; one cached token, or one request's continuation from the last
+    chunk, moves the whole batch to absorbed MLA (sglang/srt/models/deepseek_common/
+    attention_backend_handler.py). The median per-batch input throughput of each kind shows what
+    that costs; the premise of the prefill windows is that every batch is clean."""
+    with open(server.log_path, errors="replace") as f:
+        f.seek(since)
+        rows = [tuple(float(x) for x in m.groups()) for m in map(_PREFILL.search, f) if m]
+    clean = [r for r in rows if r[2] == 0 and r[1] == r[0] * tokens]
+    other = [r for r in rows if not (r[2] == 0 and r[1] == r[0] * tokens)]
+    median = lambda rs: round(statistics.median(r[3] for r in rs)) if rs else None  # noqa: E731
+    return {"batches": len(rows), "clean_batches": len(clean), "batches_with_cached": sum(r[2] > 0 for r in rows),
+            "cached_tokens": int(sum(r[2] for r in rows)), "new_tokens": int(sum(r[1] for r in rows)),
+            "clean_batch_tok_per_s": median(clean), "other_batch_tok_per_s": median(other)}

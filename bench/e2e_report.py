@@ -37,7 +37,8 @@ def _clock_delta(before: Dict, after: Dict) -> Dict:
 def merge(parts: List[Dict]) -> Dict:
     """One result from several windows of the same load: tokens/s over their summed time."""
     out: Dict = {"_peak_rss_bytes": max(p.get("_peak_rss_bytes", 0) for p in parts),
-                 "_cpu": [p.get("_cpu") for p in parts], "_gpu": [p.get("_gpu") for p in parts]}
+                 "_cpu": [p.get("_cpu") for p in parts], "_gpu": [p.get("_gpu") for p in parts],
+                 "_prefill_batches": [p.get("_prefill_batches") for p in parts]}
     if "_writer" in parts[-1]:
         out["_writer"] = parts[-1]["_writer"]  # its counters add up over the server's life
     clocks = [p["_scheduler_thread"] for p in parts if "_scheduler_thread" in p]
@@ -173,6 +174,32 @@ def _mixed_checks(res: Dict, modes: List[str]) -> List[str]:
     return checks
 
 
+PREFILL_WINDOWS = ("a_plain", "b_launcher_idle", "b_prefill", "d_prefill", "d_file_capture")
+
+
+def _cache_checks(res: Dict) -> List[str]:
+    """The prefill windows' premise (no request reads the radix cache: every batch runs the same
+    attention path), and prefix_ab: what one shared, cached prefix does to plain and capture windows."""
+    checks = []
+    modes = [m for m in (*PREFILL_WINDOWS, *(m for m in res if m.startswith("d_prefill_r"))) if m in res]
+    hits = {m: sum((w or {}).get("cached_tokens", 0) for w in res[m].get("_prefill_batches") or []) for m in modes}
+    if any(hits.values()):
+        checks.append("radix-cache hits in prefill windows (their prompts were meant never to match): "
+                      + ", ".join(f"{m} {n} tokens" for m, n in hits.items() if n))
+    pa = res.get("prefix_ab")
+    if pa:
+        tok = {name: next(v["tok_per_s"] for k, v in r.items() if not k.startswith("_")) for name, r in pa.items()}
+        batches = {name: [w for w in r.get("_prefill_batches") or [] if w] for name, r in pa.items()}
+        share = {name: f"{sum(w['clean_batches'] for w in ws)}/{sum(w['batches'] for w in ws)} clean, "
+                       f"{sum(w['cached_tokens'] for w in ws)} cached tokens" for name, ws in batches.items()}
+        checks.append(f"prefix_ab, a shared prefix / the usual prompts: nothing capturing "
+                      f"{tok['b_prefill_shared'] / tok['b_prefill']:.3f}, capturing {tok['d_prefill_shared'] / tok['d_prefill']:.3f}; "
+                      f"capturing / nothing capturing: usual prompts {tok['d_prefill'] / tok['b_prefill']:.3f}, "
+                      f"shared prefix {tok['d_prefill_shared'] / tok['b_prefill_shared']:.3f}")
+        checks.append("prefix_ab batches: " + "; ".join(f"{name} {v}" for name, v in share.items()))
+    return checks
+
+
 def _writer_checks(res: Dict) -> List[str]:
     w = (res.get("d_file_capture") or {}).get("_writer") or {}
     if not w:
@@ -189,7 +216,7 @@ def _writer_checks(res: Dict) -> List[str]:
 def report(res: Dict) -> str:
     """The markdown table of every mode, then the verdicts against the targets, then the attributions."""
     modes = _modes(res)
-    return "\n".join(_table_rows(res, modes) + [""] + _capacity_checks(res) + _mixed_checks(res, modes)
+    return "\n".join(_table_rows(res, modes) + [""] + _capacity_checks(res) + _cache_checks(res) + _mixed_checks(res, modes)
                      + _writer_checks(res) + _clock_rows(res, modes) + _profile_rows(res.get("profile") or {})
                      + pyspy_summary.rows(res.get("pyspy") or {}))
 

@@ -9,7 +9,8 @@
 # same stream not capturing (mixed with --idle-mixed).
 #   make wheel (here); source .devkit/env.sh; bash bench/h200_kimi.sh $OUT   carry: .devkit, dist
 # Knobs: KIMI_LAYERS, KIMI_EXPERTS, KIMI_HIDDEN (a smaller model for a dry run), MEM_FRACTION,
-# PHASES, E2E_SECONDS, AB_ROUNDS, MIXED_ROUNDS, MIXED_RATES, CONCURRENCY, CAPTURE_ARGS,
+# PHASES (prefix_ab adds shared-prefix windows: what a radix-cache hit does), E2E_SECONDS, AB_ROUNDS,
+# MIXED_ROUNDS, MIXED_RATES, CONCURRENCY, CAPTURE_ARGS, SGLANG_EXTRA (e.g. --disable-radix-cache),
 # REQUEST_VARIANTS (issue 18: '{"capture_dtype": "fp8"}' adds FP8 windows on the same server), and
 # PARALLEL for several GPUs (issue 19 on nvidia-h200-x8: PARALLEL="--tp 8" or "--tp 8 --dp 8
 # --enable-dp-attention", KIMI_EXPERTS as many as fit: 64 make about 355 GB of bf16 per server, half of 8 H200).
@@ -27,7 +28,7 @@ timeout ${E2E_TIMEOUT:-560} python "$R/bench/e2e.py" /tmp/kimi $OUT/e2e --phases
   --concurrency ${CONCURRENCY:-16} --seconds ${E2E_SECONDS:-20} --ab-rounds ${AB_ROUNDS:-3} \
   --mixed-rounds ${MIXED_ROUNDS:-2} --idle-mixed --client-procs 2 --capture-rate ${MIXED_RATES:-1} \
   --mixed-rates ${MIXED_RATES:-1} --capture-dir /tmp/caps --capture-args "${CAPTURE_ARGS:-}" \
-  --sglang-args "$SGLANG_GPU_ARGS ${PARALLEL:-} --load-format dummy --chunked-prefill-size 8192 --max-total-tokens ${MAX_TOKENS:-40000} --mem-fraction-static ${MEM_FRACTION:-0.88}" \
+  --sglang-args "$SGLANG_GPU_ARGS ${PARALLEL:-} --load-format dummy --chunked-prefill-size 8192 --max-total-tokens ${MAX_TOKENS:-40000} --mem-fraction-static ${MEM_FRACTION:-0.88} ${SGLANG_EXTRA:-}" \
   --variants="${MIXED_VARIANTS:-}" --request-variants="${REQUEST_VARIANTS:-}" 2> $W/e2e.log | tee "$OUT/e2e-kimi.md"
 rc=${PIPESTATUS[0]}
 tail -12 $W/e2e.log

@@ -142,13 +142,15 @@ def test_the_serialization_benchmark_times_every_path_on_the_cpu(tmp_path):
 
 def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_target(tiny_models, tmp_path):
     """The GPU benchmark's own code path, end to end on two real CPU servers (numbers meaningless here),
-    with a per-request variant (FP8) measured in its own windows on the same capture server."""
+    with a per-request variant (FP8) measured in its own windows on the same capture server, and the
+    radix-cache windows: its usual prompts never read the cache (counted from the server's log), a
+    shared prefix does, except in capture requests (their private namespace)."""
     import json
     import subprocess
 
     out = tmp_path / "e2e"
     cmd = [sys.executable, os.path.join(BENCH, "e2e.py"), tiny_models["tiny-dsv3"], str(out), "--tokens", "64",
-           "--concurrency", "4", "--seconds", "4", "--capture-rate", "2", "--phases", "capture_ab,mixed", "--mixed-rounds", "1",
+           "--concurrency", "4", "--seconds", "4", "--capture-rate", "2", "--phases", "capture_ab,prefix_ab,mixed", "--mixed-rounds", "1",
            "--ab-rounds", "1",
            "--mixed-rates", "2", "--client-procs", "2", "--capture-dir", str(tmp_path / "caps"),
            "--capture-args", "--capture-layers 1,2,3 --capture-writers 2", "--request-variants", '{"capture_dtype": "fp8"}',
@@ -173,6 +175,14 @@ def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_tar
     assert 'every request capturing with {"capture_dtype": "fp8"}: / nothing capturing' in proc.stdout
     assert any(l.startswith('mixed load [{"capture_dtype": "fp8"} per request], capture stream') for l in proc.stdout.splitlines())
     assert "every request capturing / nothing capturing" in proc.stdout
+    batches = {name: r["_prefill_batches"][0] for name, r in res["prefix_ab"].items()}
+    assert all(b["batches"] > 0 for b in batches.values())
+    for name in ("b_prefill", "d_prefill", "d_prefill_shared"):  # the premise: no request reads the cache
+        assert batches[name]["cached_tokens"] == 0 and batches[name]["batches_with_cached"] == 0, name
+    assert batches["b_prefill_shared"]["batches_with_cached"] > 0  # every request after the first reads 1 token
+    assert all(w["cached_tokens"] == 0 for m in ("b_prefill", "d_prefill", "d_prefill_r0") for w in res[m]["_prefill_batches"])
+    assert "radix-cache hits in prefill windows" not in proc.stdout
+    assert any(l.startswith("prefix_ab, a shared prefix / the usual prompts: nothing capturing") for l in proc.stdout.splitlines())
     verdict = next(l for l in proc.stdout.splitlines() if l.startswith("mixed load, capture stream 128 tok/s"))
     assert verdict.endswith(("PASS", "MISS"))
     assert verdict.endswith("PASS") or "  bottleneck: " in proc.stdout
