@@ -5,10 +5,12 @@
 
 ``--from-wheel`` reads the release's patched functions from its wheel (patches/wheel_source.py,
 downloaded from PyPI without dependencies), starting from the newest supported table, and says
-per seam whether its function is the same as in a supported release or changed. A changed one
-needs its hook read against the new source (and the table's record adjusted) before the table
-goes into ``patches/``: a table there is what makes the launcher accept a release. Then run the
-whole suite on that release's venv (``make test SGLANG_VERSION=X``).
+per seam whether its function is the same as in a supported release (``--against`` narrows the
+comparison) or changed. A changed one needs its hook read against the new source, and the
+record's ``differs`` written (what changed, why the hook holds) before the table goes into
+``patches/``: a table there is what makes the launcher accept a release, and CI refuses one with a
+changed seam left unexplained. Then run the whole suite on that release's venv
+(``make test SGLANG_VERSION=X``).
 """
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
-from sglang_capture.patches import Seam, load_table, supported_versions
+from sglang_capture.patches import BASE_RELEASES, Seam, load_table, supported_versions
 
 
 def _from_installed(path: str) -> None:
@@ -34,12 +36,16 @@ def _from_installed(path: str) -> None:
         f.write("\n")
 
 
-def compare_release(version: str, cache: str = "") -> Tuple[Dict, List[str]]:
+def compare_release(version: str, cache: str = "", against: Sequence[str] = ()) -> Tuple[Dict, List[str]]:
     """The table ``version`` would have (seams of the newest supported table, fingerprints read
-    from its wheel) and one line per seam saying whether it needs a look."""
+    from its wheel) and one line per seam saying whether it needs a look. A function equal to one
+    in a table of ``against`` (default: every supported release) takes that record's ``differs``;
+    one unlike both base releases' and every table's is left with an empty ``differs`` for the
+    maintainer to fill in after reading its hook (the static test refuses the table until then)."""
     from sglang_capture.patches.wheel_source import WheelSource, fetch_wheel
 
-    known = {v: {s.seam: s.fingerprint for s in load_table(v)} for v in supported_versions()}
+    against = tuple(against) or supported_versions()
+    known = {v: {s.seam: s for s in load_table(v)} for v in against}
     base = supported_versions()[-1]
     source = WheelSource(fetch_wheel(version, cache or None))
     seams, lines = [], []
@@ -49,10 +55,14 @@ def compare_release(version: str, cache: str = "") -> Tuple[Dict, List[str]]:
         except LookupError as e:
             lines.append(f"{seam.seam}: MISSING ({e}); hook {seam.hook} needs a new target")
             continue
-        same = [v for v, table in known.items() if table.get(seam.seam) == fp]
+        same = [v for v, table in known.items() if seam.seam in table and table[seam.seam].fingerprint == fp]
+        differs = next((known[v][seam.seam].differs for v in same), "")
+        if any(v in BASE_RELEASES for v in same):
+            differs = ""
         lines.append(f"{seam.seam}: same as {', '.join(same)}" if same else
-                     f"{seam.seam}: CHANGED in {seam.module}.{seam.target}; read hook {seam.hook} against it")
-        seams.append({**asdict(seam), "fingerprint": fp})
+                     f"{seam.seam}: CHANGED in {seam.module}.{seam.target}; read hook {seam.hook} against it, "
+                     f"then say in its differs what changed and why the hook holds")
+        seams.append({**asdict(seam), "fingerprint": fp, "differs": differs})
     return {"sglang": version, "seams": seams}, lines
 
 
@@ -61,12 +71,17 @@ def main(argv: List[str]) -> int:
     ap.add_argument("table", nargs="?", help="refresh this table from the installed SGLang")
     ap.add_argument("--from-wheel", metavar="VERSION", help="compare SGLang VERSION's wheel with the supported tables")
     ap.add_argument("--out", help="with --from-wheel: write the release's table here")
+    ap.add_argument("--against", default="", help="with --from-wheel: ','-separated supported releases to compare "
+                    "with (default: all of them)")
     a = ap.parse_args(argv)
     if a.from_wheel:
         from sglang_capture.patches.wheel_source import WheelUnavailable
 
+        unknown = [v for v in a.against.split(",") if v and v not in supported_versions()]
+        if unknown:
+            ap.error(f"--against {','.join(unknown)}: not a supported release ({', '.join(supported_versions())})")
         try:
-            table, lines = compare_release(a.from_wheel)
+            table, lines = compare_release(a.from_wheel, against=[v for v in a.against.split(",") if v])
         except WheelUnavailable as e:
             print(f"refresh: {e}", file=sys.stderr)
             return 1

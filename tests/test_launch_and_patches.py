@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import sglang_capture.server.instrumentor as inst
 from sglang_capture.core.config import CaptureConfig
-from sglang_capture.patches import load_table, supported_versions
+from sglang_capture.patches import load_table, supported_versions, table_path
 from sglang_capture.server.launch import main
 
 
@@ -162,8 +162,10 @@ def test_doctor_reports_version_fingerprints_plugin_and_configuration():
     r = subprocess.run([sys.executable, "-m", "sglang_capture", "doctor"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"installed SGLang: {inst.installed_sglang_version()}" in r.stdout
-    assert "supported SGLang: 0.5.17, 0.5.23" in r.stdout
-    assert r.stdout.count("matches its fingerprint") == len(load_table("0.5.17")) == 12 and "FAIL" not in r.stdout
+    assert "supported SGLang: 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23" in r.stdout
+    version = inst.installed_sglang_version()
+    assert f"seam table: {table_path(version)}" in r.stdout and table_path(version).endswith(f"sglang_{version.replace('.', '_')}.json")
+    assert r.stdout.count("matches its fingerprint") == len(load_table(version)) == 12 and "FAIL" not in r.stdout
     assert "plugin entry point sglang.srt.plugins: sglang_capture" in r.stdout
     assert f"writers = auto ({CaptureConfig(capture_dir='.').writer_processes()} here)" in r.stdout and "max_pending_mb = 8192" in r.stdout
 

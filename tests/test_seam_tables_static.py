@@ -1,14 +1,15 @@
-"""Every supported SGLang release's seam table against that release's own source, read from its
-wheel without installing it (patches/wheel_source.py). Needs PyPI: ``pip download --no-deps
-sglang==X`` (about 27 MB a release, cached under ~/.cache/sglang-capture-tests/sglang-wheels)."""
+"""Every supported SGLang release's seam table (0.5.17 to 0.5.23) against that release's own source,
+read from its wheel without installing it (patches/wheel_source.py), and every changed function's
+record saying what changed. Needs PyPI: ``pip download --no-deps sglang==X`` for each release
+(about 27 MB each, 7 releases, once: cached under ~/.cache/sglang-capture-tests/sglang-wheels);
+with the cache warm these tests take well under a minute."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from sglang_capture.patches import load_table, supported_versions
+from sglang_capture.patches import BASE_RELEASES, Seam, load_table, supported_versions, unexplained
 from sglang_capture.patches.wheel_source import WheelSource, fetch_wheel
 
 
@@ -32,19 +33,47 @@ def test_the_fingerprint_read_from_a_wheel_is_the_one_the_instrumentor_computes_
         source.fingerprint("sglang.srt.managers.scheduler", "Scheduler.no_such_method")
 
 
+def test_every_release_from_0_5_17_to_0_5_23_is_supported():
+    assert supported_versions() == tuple(f"0.5.{n}" for n in range(17, 24))
+
+
+@pytest.mark.parametrize("version", supported_versions())
+def test_every_function_unlike_both_base_releases_says_what_changed_and_why_its_hook_holds(version):
+    seams = load_table(version)
+    assert not unexplained(seams), "\n".join(unexplained(seams))
+    if version in BASE_RELEASES:
+        assert not any(s.differs for s in seams)
+
+
+def test_a_changed_function_without_its_note_is_refused_with_one_line_naming_it():
+    seam = load_table("0.5.20")[3]
+    assert seam.seam == "batch_run" and seam.differs
+    bare = Seam(**{**seam.__dict__, "differs": ""})
+    assert unexplained([bare]) == [
+        "batch_run: sglang.srt.managers.scheduler.Scheduler.run_batch differs from SGLang 0.5.17 and 0.5.23's and its "
+        "record does not say how; read hook sglang_capture.server.hooks.batch:run_batch against it and write its differs"]
+
+
 def test_refresh_writes_a_releases_table_and_names_each_hook_to_read_again(tmp_path, capsys):
-    """0.5.17's own wheel reproduces its table; 0.5.20's changes functions under several hooks,
-    each named, and the tool says the table is not ready (exit 3)."""
+    """0.5.17's wheel reproduces its table and 0.5.21's its own, notes included; 0.5.20 compared
+    with the base releases only names each hook whose function changed, leaves their notes empty
+    (the table is refused until they are written) and exits 3."""
     from sglang_capture.patches.refresh import main
 
     out = tmp_path / "t.json"
-    assert main(["--from-wheel", "0.5.17", "--out", str(out)]) == 0
-    assert {s["seam"]: s["fingerprint"] for s in json.load(open(out))["seams"]} == \
-        {s.seam: s.fingerprint for s in load_table("0.5.17")}
+    for version in ("0.5.17", "0.5.21"):
+        assert main(["--from-wheel", version, "--out", str(out)]) == 0
+        assert [Seam(**s) for s in json.load(open(out))["seams"]] == load_table(version)
     capsys.readouterr()
-    assert main(["--from-wheel", "0.5.20"]) == 3
+    assert main(["--from-wheel", "0.5.20", "--against", "0.5.17,0.5.23", "--out", str(out)]) == 3
     lines = capsys.readouterr().out.splitlines()
     assert "result_copy: same as 0.5.23" in lines and "final_hidden: same as 0.5.17, 0.5.23" in lines
     assert ("batch_run: CHANGED in sglang.srt.managers.scheduler.Scheduler.run_batch; read hook "
-            "sglang_capture.server.hooks.batch:run_batch against it") in lines
-    assert not os.path.exists(os.path.join(os.path.dirname(load_table.__code__.co_filename), "sglang_0_5_20.json"))
+            "sglang_capture.server.hooks.batch:run_batch against it, then say in its differs what changed and why "
+            "the hook holds") in lines
+    written = [Seam(**s) for s in json.load(open(out))["seams"]]
+    assert {s.seam for s in written if not s.differs} == {s.seam for s in written}
+    assert [line.split(":")[0] for line in unexplained(written)] == [line.split(":")[0] for line in lines if "CHANGED" in line]
+    with pytest.raises(SystemExit):
+        main(["--from-wheel", "0.5.20", "--against", "0.5.16"])
+    assert "--against 0.5.16: not a supported release" in capsys.readouterr().err

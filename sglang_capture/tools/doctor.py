@@ -27,6 +27,7 @@ PLUGIN_GROUP = "sglang.srt.plugins"
 def diagnose(seams: Optional[Sequence] = None) -> Tuple[List[str], bool]:
     """Report lines and whether everything needed for capture is in order."""
     from sglang_capture import __version__
+    from sglang_capture.patches import BASE_RELEASES, table_path
     from sglang_capture.patches import supported_versions as supported
 
     lines = [f"sglang_capture {__version__}; supported SGLang: {', '.join(supported())}"]
@@ -37,6 +38,11 @@ def diagnose(seams: Optional[Sequence] = None) -> Tuple[List[str], bool]:
         table = list(seams) if seams is not None else seams_for_installed()
     except UnsupportedSGLang as e:
         return lines + [f"FAIL {e}"], False
+    if seams is None:
+        noted = sum(bool(s.differs) for s in table)
+        lines.append(f"seam table: {table_path(version)}" + (
+            f" ({noted} of its {len(table)} functions differ from SGLang {' and '.join(BASE_RELEASES)}'s, each read against "
+            "its hook: see their differs)" if noted else ""))
     for seam in table:
         with warnings.catch_warnings():  # importing SGLang modules on a CPU warns about kernels
             warnings.simplefilter("ignore")
