@@ -6,12 +6,21 @@ SGLang 0.5.18 to 0.5.22 pin ``cuda-tile==1.6.0rc5``, whose PyPI file is a stub t
 real wheel from pypi.nvidia.com at install time: unreachable here (only PyPI is), so a plain
 ``pip install sglang==0.5.20`` fails. This installs the release's own requirements (from its
 wheel's metadata, extras left out) with each such pin replaced by the nearest release PyPI
-serves, then SGLang itself without dependencies. Any other release installs as pip would.
+serves, then SGLang itself without dependencies, and writes the replacement into the installed
+SGLang's metadata: later pip runs (the package's own editable install) then see a consistent
+environment instead of trying the stub again. Any other release installs as pip would.
+
+Every package comes from the package index, not from a local wheel directory in PIP_FIND_LINKS:
+this machine's holds a ``+cpu`` build of torch 2.13.0 (the pin of 0.5.18-0.5.21) that pip prefers,
+and PyPI's torchvision, built for PyPI's torch, does not load beside it ("operator
+torchvision::nms does not exist" on ``import sglang``).
 """
 from __future__ import annotations
 
 import email.parser
 import glob
+import importlib.metadata
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,7 +31,8 @@ REPLACED = {"cuda-tile==1.6.0rc5": "cuda-tile==1.6.0"}
 
 
 def pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True,
+                   env={**os.environ, "PIP_FIND_LINKS": ""})
 
 
 def requirements(version: str) -> list:
@@ -50,6 +60,14 @@ def main(version: str) -> int:
         kept.append((new or name.strip()) + (sep + marker if sep else ""))
     pip(*kept)
     pip("--no-deps", f"sglang=={version}")
+    importlib.invalidate_caches()
+    meta = os.path.join(str(importlib.metadata.distribution("sglang")._path), "METADATA")
+    with open(meta) as f:
+        text = f.read()
+    for old, new in REPLACED.items():
+        text = text.replace(f"Requires-Dist: {old}\n", f"Requires-Dist: {new}\n")
+    with open(meta, "w") as f:
+        f.write(text)
     return 0
 
 
