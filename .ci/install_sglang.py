@@ -21,13 +21,21 @@ import email.parser
 import glob
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
 
-# pins whose PyPI file cannot install without another index, and the PyPI release used instead
+# pins whose PyPI file cannot install without another index (names normalized), and the PyPI release used instead
 REPLACED = {"cuda-tile==1.6.0rc5": "cuda-tile==1.6.0"}
+
+
+def _normal(requirement: str) -> str:
+    """A requirement without spaces, its name lower-case with - for any run of -_. (PEP 503)."""
+    req = requirement.replace(" ", "")
+    name = re.match(r"[A-Za-z0-9._-]+", req).group(0)
+    return re.sub(r"[-_.]+", "-", name).lower() + req[len(name):]
 
 
 def pip(*args: str) -> None:
@@ -48,13 +56,13 @@ def requirements(version: str) -> list:
 
 def main(version: str) -> int:
     reqs = requirements(version)
-    if not any(r.split(";")[0].strip() in REPLACED for r in reqs):
+    if not any(_normal(r.split(";")[0]) in REPLACED for r in reqs):
         pip(f"sglang=={version}")
         return 0
     kept = []
     for r in reqs:
         name, sep, marker = r.partition(";")
-        new = REPLACED.get(name.strip())
+        new = REPLACED.get(_normal(name))
         if new:
             print(f"install_sglang: {name.strip()} -> {new} (its PyPI file needs pypi.nvidia.com)", file=sys.stderr)
         kept.append((new or name.strip()) + (sep + marker if sep else ""))
@@ -72,4 +80,9 @@ def main(version: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    if len(sys.argv) != 2:
+        sys.exit("usage: python .ci/install_sglang.py SGLANG_VERSION   (with the target venv's python)")
+    try:
+        sys.exit(main(sys.argv[1]))
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"install_sglang: {' '.join(e.cmd[3:])} failed (exit {e.returncode}); pip's output is above")

@@ -144,7 +144,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--request-variants", type=_json_objects, default=[], help="';'-separated JSON objects merged into "
                    "the capture requests' custom_params, e.g. '{\"capture_dtype\": \"fp8\"}': one more window each, "
                    "on the capture server, in capture_ab and in each mixed round")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.shared_prefix > a.tokens - 5:
+        p.error(f"--shared-prefix {a.shared_prefix} leaves no room for a prompt's own 4-token head in --tokens {a.tokens}")
+    return a
 
 
 class Run:

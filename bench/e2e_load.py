@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -16,6 +17,7 @@ import requests
 # Prompt and capture numbers, one sequence over the whole run and every forked client process
 # (shared memory, inherited through fork): consecutive prompts differ in their first token.
 _SEQUENCE = multiprocessing.get_context("fork").Value("q", 0)
+_RUN = os.getpid()  # the load generator's pid, in every capture name: a rerun into the same dir never reuses one
 
 
 def _next_number() -> int:
@@ -29,19 +31,19 @@ class Prompts:
     threads in one interpreter) does not become the bottleneck at 600 K tok/s.
 
     Every prompt starts with 4 tokens numbering it in the run's one sequence, first token
-    fastest: any ``vocab - 3`` consecutive prompts differ in their first token, so the radix cache
-    never matches one (a server caches far fewer prompts than the test bed's 1,021). A prompt
+    fastest: any ``vocab - 4`` consecutive prompts differ in their first token, so the radix cache
+    never matches one (a server caches far fewer prompts than the test bed's 1,020). A prompt
     matching one cached token would not be a harmless detail: on SGLang's MLA models it moves its
     whole prefill batch to another attention path (bench/RESULTS.md, "The radix cache and
     capture"). ``shared_prefix`` puts that many fixed tokens first instead, to measure exactly that.
     The rest of a prompt is one of 64 random tails.
     """
 
-    SHARED_TOKEN = 3  # the shared prefix's token; a prompt's own head starts after it
+    SHARED_TOKEN = 3  # the shared prefix's token, never a prompt's first token otherwise (heads start at 4)
 
     def __init__(self, tokens: int, vocab: int, seed: int = 0) -> None:
         rng = numpy.random.default_rng(seed)
-        self.base = vocab - 3
+        self.base = vocab - 4
         self.tokens = tokens
         self.tails = [rng.integers(3, vocab, tokens - 4).tolist() for _ in range(64)]
         self.texts: Dict[int, Tuple[str, List[str]]] = {}  # per shared-prefix length: prefix and tails as JSON text
@@ -57,10 +59,10 @@ class Prompts:
     def body(self, max_new: int, capture: bool, json_hs: bool, capture_params: Optional[dict] = None,
              shared_prefix: int = 0) -> bytes:
         n = _next_number()
-        head = ",".join(str(3 + (n // self.base ** k) % self.base) for k in range(4))
+        head = ",".join(str(4 + (n // self.base ** k) % self.base) for k in range(4))
         params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
         if capture:
-            params["custom_params"] = {"capture": True, "capture_name": f"bench-{n}", **(capture_params or {})}
+            params["custom_params"] = {"capture": True, "capture_name": f"bench-{_RUN}-{n}", **(capture_params or {})}
         prefix, tails = self._text(shared_prefix)
         return ('{"input_ids":[%s%s,%s],"sampling_params":%s%s}' % (
             prefix, head, tails[n % len(tails)], json.dumps(params),

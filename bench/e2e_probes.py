@@ -199,13 +199,17 @@ def log_offset(server: Server) -> int:
 
 
 def prefill_batches(server: Server, since: int, tokens: int) -> Dict[str, float]:
-    """The prefill batches a window ran, from SGLang's own "Prefill batch" log lines: how many took
-    tokens from the radix cache, and how many were whole prompts only ("clean": every request's
-    full ``tokens`` computed, none cached, none cut by the chunk budget). Only a clean batch runs
-    DeepSeek-V3's MHA prefill; one cached token, or one request's continuation from the last
-    chunk, moves the whole batch to absorbed MLA (sglang/srt/models/deepseek_common/
-    attention_backend_handler.py). The median per-batch input throughput of each kind shows what
-    that costs; the premise of the prefill windows is that every batch is clean."""
+    """The prefill batches a window ran, from SGLang's own "Prefill batch" log lines (written when a
+    batch is scheduled; SGLang's --log-level info): how many took tokens from the radix cache, and
+    how many were whole prompts only ("clean": every request's full ``tokens`` computed, none
+    cached, none cut by the chunk budget). A clean batch runs DeepSeek-V3's MHA prefill; a cached
+    token, or a request continuing from its last chunk, moves the whole batch to absorbed MLA
+    (sglang/srt/models/deepseek_common/attention_backend_handler.py); a batch whose only cut
+    request is a first chunk still runs MHA but counts as not clean. The premise of the prefill
+    windows is that every batch is clean (with page size 1: with larger pages SGLang counts whole
+    pages, and prompts not a page multiple never look clean). The median "input throughput" of each
+    kind is SGLang's: a batch's tokens over the time since the previous batch was scheduled, so it
+    measures the batch before, and only means a batch's speed in windows of one kind of batch."""
     with open(server.log_path, errors="replace") as f:
         f.seek(since)
         rows = [tuple(float(x) for x in m.groups()) for m in map(_PREFILL.search, f) if m]

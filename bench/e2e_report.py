@@ -177,21 +177,31 @@ def _mixed_checks(res: Dict, modes: List[str]) -> List[str]:
 PREFILL_WINDOWS = ("a_plain", "b_launcher_idle", "b_prefill", "d_prefill", "d_file_capture")
 
 
+def _batches(mode: Dict) -> List[Dict]:
+    """A mode's per-window prefill-batch counts: a list for merged modes, one dict for a single window."""
+    pb = mode.get("_prefill_batches") or []
+    return [w for w in ([pb] if isinstance(pb, dict) else pb) if w]
+
+
 def _cache_checks(res: Dict) -> List[str]:
     """The prefill windows' premise (no request reads the radix cache: every batch runs the same
     attention path), and prefix_ab: what one shared, cached prefix does to plain and capture windows."""
     checks = []
-    modes = [m for m in (*PREFILL_WINDOWS, *(m for m in res if m.startswith("d_prefill_r"))) if m in res]
-    hits = {m: sum((w or {}).get("cached_tokens", 0) for w in res[m].get("_prefill_batches") or []) for m in modes}
+    pa = res.get("prefix_ab") or {}
+    modes = {m: res[m] for m in (*PREFILL_WINDOWS, *(m for m in res if m.startswith("d_prefill_r"))) if m in res}
+    modes.update({f"prefix_ab {m}": r for m, r in pa.items() if m != "b_prefill_shared"})  # the one window meant to hit
+    hits = {m: sum(w["cached_tokens"] for w in _batches(r)) for m, r in modes.items()}
     if any(hits.values()):
         checks.append("radix-cache hits in prefill windows (their prompts were meant never to match): "
                       + ", ".join(f"{m} {n} tokens" for m, n in hits.items() if n))
-    pa = res.get("prefix_ab")
+    silent = [m for m, r in {**modes, **pa}.items() if not sum(w["batches"] for w in _batches(r))]
+    if silent:
+        checks.append("no 'Prefill batch' lines in the server's log for " + ", ".join(silent)
+                      + ": cache hits were not counted there (SGLang's --log-level must be info)")
     if pa:
         tok = {name: next(v["tok_per_s"] for k, v in r.items() if not k.startswith("_")) for name, r in pa.items()}
-        batches = {name: [w for w in r.get("_prefill_batches") or [] if w] for name, r in pa.items()}
-        share = {name: f"{sum(w['clean_batches'] for w in ws)}/{sum(w['batches'] for w in ws)} clean, "
-                       f"{sum(w['cached_tokens'] for w in ws)} cached tokens" for name, ws in batches.items()}
+        share = {name: f"{sum(w['clean_batches'] for w in _batches(r))}/{sum(w['batches'] for w in _batches(r))} clean, "
+                       f"{sum(w['cached_tokens'] for w in _batches(r))} cached tokens" for name, r in pa.items()}
         checks.append(f"prefix_ab, a shared prefix / the usual prompts: nothing capturing "
                       f"{tok['b_prefill_shared'] / tok['b_prefill']:.3f}, capturing {tok['d_prefill_shared'] / tok['d_prefill']:.3f}; "
                       f"capturing / nothing capturing: usual prompts {tok['d_prefill'] / tok['b_prefill']:.3f}, "

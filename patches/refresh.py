@@ -30,7 +30,10 @@ def _from_installed(path: str) -> None:
         doc = json.load(f)
     for entry in doc["seams"]:
         _, _, original = _resolve(Seam(**entry))
-        entry["fingerprint"] = fingerprint(original)
+        found = fingerprint(original)
+        if found != entry["fingerprint"]:
+            entry["differs"] = ""  # a note about other source: read the hook again
+        entry["fingerprint"] = found
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")

@@ -150,8 +150,8 @@ def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_tar
 
     out = tmp_path / "e2e"
     cmd = [sys.executable, os.path.join(BENCH, "e2e.py"), tiny_models["tiny-dsv3"], str(out), "--tokens", "64",
-           "--concurrency", "4", "--seconds", "4", "--capture-rate", "2", "--phases", "capture_ab,prefix_ab,mixed", "--mixed-rounds", "1",
-           "--ab-rounds", "1",
+           "--concurrency", "4", "--seconds", "4", "--capture-rate", "2", "--phases", "capture_ab,prefix_ab,capacity,mixed",
+           "--mixed-rounds", "1", "--ab-rounds", "1",
            "--mixed-rates", "2", "--client-procs", "2", "--capture-dir", str(tmp_path / "caps"),
            "--capture-args", "--capture-layers 1,2,3 --capture-writers 2", "--request-variants", '{"capture_dtype": "fp8"}',
            "--sglang-args", "--device cpu --attention-backend torch_native --max-total-tokens 4096 --skip-server-warmup "
@@ -181,7 +181,8 @@ def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_tar
         assert batches[name]["cached_tokens"] == 0 and batches[name]["batches_with_cached"] == 0, name
     assert batches["b_prefill_shared"]["batches_with_cached"] > 0  # every request after the first reads 1 token
     assert all(w["cached_tokens"] == 0 for m in ("b_prefill", "d_prefill", "d_prefill_r0") for w in res[m]["_prefill_batches"])
-    assert "radix-cache hits in prefill windows" not in proc.stdout
+    assert "radix-cache hits in prefill windows" not in proc.stdout and "no 'Prefill batch' lines" not in proc.stdout
+    assert res["d_file_capture"]["_prefill_batches"]["cached_tokens"] == 0  # one window, reported unmerged
     assert any(l.startswith("prefix_ab, a shared prefix / the usual prompts: nothing capturing") for l in proc.stdout.splitlines())
     verdict = next(l for l in proc.stdout.splitlines() if l.startswith("mixed load, capture stream 128 tok/s"))
     assert verdict.endswith(("PASS", "MISS"))
