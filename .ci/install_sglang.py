@@ -10,7 +10,8 @@ serves, then SGLang itself without dependencies, and writes the replacement into
 SGLang's metadata: later pip runs (the package's own editable install) then see a consistent
 environment instead of trying the stub again. Any other release installs as pip would.
 
-Every package comes from the package index, not from a local wheel directory in PIP_FIND_LINKS:
+Every package comes from the package index (PyPI), not from a local wheel directory in
+PIP_FIND_LINKS or pip's config files (which are left out here):
 this machine's holds a ``+cpu`` build of torch 2.13.0 (the pin of 0.5.18-0.5.21) that pip prefers,
 and PyPI's torchvision, built for PyPI's torch, does not load beside it ("operator
 torchvision::nms does not exist" on ``import sglang``).
@@ -39,8 +40,9 @@ def _normal(requirement: str) -> str:
 
 
 def pip(*args: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"}  # an empty value would not clear it
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True,
-                   env={**os.environ, "PIP_FIND_LINKS": ""})
+                   env={**env, "PIP_CONFIG_FILE": os.devnull})  # nor the config files' find-links
 
 
 def requirements(version: str) -> list:
