@@ -10,8 +10,8 @@ serves, then SGLang itself without dependencies, and writes the replacement into
 SGLang's metadata: later pip runs (the package's own editable install) then see a consistent
 environment instead of trying the stub again. Any other release installs as pip would.
 
-Every package comes from the package index (PyPI), not from a local wheel directory in
-PIP_FIND_LINKS or pip's config files (which are left out here):
+Those releases' packages come from the package index (PyPI), not from a local wheel directory in
+PIP_FIND_LINKS or pip's config files (left out for them):
 this machine's holds a ``+cpu`` build of torch 2.13.0 (the pin of 0.5.18-0.5.21) that pip prefers,
 and PyPI's torchvision, built for PyPI's torch, does not load beside it ("operator
 torchvision::nms does not exist" on ``import sglang``).
@@ -39,10 +39,12 @@ def _normal(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower() + req[len(name):]
 
 
-def pip(*args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"}  # an empty value would not clear it
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True,
-                   env={**env, "PIP_CONFIG_FILE": os.devnull})  # nor the config files' find-links
+def pip(*args: str, index_only: bool = False) -> None:
+    env = dict(os.environ)
+    if index_only:  # an empty PIP_FIND_LINKS would not clear it, nor the config files' find-links
+        env.pop("PIP_FIND_LINKS", None)
+        env["PIP_CONFIG_FILE"] = os.devnull
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True, env=env)
 
 
 def requirements(version: str) -> list:
@@ -68,8 +70,8 @@ def main(version: str) -> int:
         if new:
             print(f"install_sglang: {name.strip()} -> {new} (its PyPI file needs pypi.nvidia.com)", file=sys.stderr)
         kept.append((new or name.strip()) + (sep + marker if sep else ""))
-    pip(*kept)
-    pip("--no-deps", f"sglang=={version}")
+    pip(*kept, index_only=True)
+    pip("--no-deps", f"sglang=={version}", index_only=True)
     importlib.invalidate_caches()
     meta = os.path.join(str(importlib.metadata.distribution("sglang")._path), "METADATA")
     with open(meta) as f:
