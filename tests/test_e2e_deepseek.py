@@ -157,10 +157,13 @@ def test_a_capture_of_one_new_token_sends_no_decode_batch_through_the_capture_pa
     after = clock()
     assert calls(after, "run_batch/extend/capture") >= calls(before, "run_batch/extend/capture") + 2
     assert calls(after, "run_batch/decode/capture") == calls(before, "run_batch/decode/capture")
-    # 0.5.17's overlap scheduler does launch that decode batch (it took the capture path before this
-    # change); 0.5.23 launches none for a request that ends in its prefill
+    # 0.5.17's and 0.5.20's overlap schedulers do launch that decode batch (it took the capture path
+    # before this change); 0.5.23 launches none for a request that ends in its prefill; the releases
+    # between were not run (README, "Supported SGLang")
     decode_batches = calls(after, "run_batch/decode/plain") - calls(before, "run_batch/decode/plain")
-    assert decode_batches > 0 if installed_sglang_version() == "0.5.17" else decode_batches == 0
+    launches = {"0.5.17": True, "0.5.20": True, "0.5.23": False}.get(installed_sglang_version())
+    if launches is not None:
+        assert (decode_batches > 0) == launches
     data = sglang_capture.load(out["meta_info"]["capture"]["path"])
     assert data["aux_hidden_states"].shape[0] == len(data["input_ids"]) and len(data["output_ids"]) == 1
     check_against_transformers(tiny_models["tiny-dsv3"], data)
