@@ -73,7 +73,8 @@ def main(version: str) -> int:
     pip(*kept, index_only=True)
     pip("--no-deps", f"sglang=={version}", index_only=True)
     importlib.invalidate_caches()
-    meta = os.path.join(str(importlib.metadata.distribution("sglang")._path), "METADATA")
+    dist = importlib.metadata.distribution("sglang")
+    meta = str(dist.locate_file(next(f for f in dist.files if f.name == "METADATA" and f.parent.name.endswith(".dist-info"))))
     with open(meta) as f:
         text = f.read()
     for old, new in REPLACED.items():

@@ -59,7 +59,7 @@ import e2e_probes
 import requests
 import trace_summary
 from e2e_load import Load, Prompts
-from e2e_report import _clock_delta, finish, merge, save
+from e2e_report import _clock_delta, finish, load_tok_per_s, merge, save
 
 from sglang_capture.core.capture_dir import read_stats
 from sglang_capture.testbed.cpu import server_env
@@ -145,7 +145,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    "the capture requests' custom_params, e.g. '{\"capture_dtype\": \"fp8\"}': one more window each, "
                    "on the capture server, in capture_ab and in each mixed round")
     a = p.parse_args(argv)
-    if a.shared_prefix > a.tokens - 5:
+    if a.shared_prefix > Prompts.most_shared(a.tokens):
         p.error(f"--shared-prefix {a.shared_prefix} leaves no room for a prompt's own 4-token head in --tokens {a.tokens}")
     return a
 
@@ -283,8 +283,7 @@ class Run:
                     else self.measure(self.capture, f"prefix_ab {name}", [spec] * n, self.a.seconds) for name, spec in loads]
                    for _ in range(max(self.a.ab_rounds, 1))]
         self.res["prefix_ab"] = {name: merge([w[i] for w in windows]) for i, (name, _) in enumerate(loads)}
-        self.res["prefix_ab_windows"] = [[next(v["tok_per_s"] for k_, v in x.items() if not k_.startswith("_"))
-                                          for x in w] for w in windows]
+        self.res["prefix_ab_windows"] = [[load_tok_per_s(x) for x in w] for w in windows]
 
     def phase_capacity(self) -> None:
         clients = [self.spec("capture", capture=True)] * self.a.concurrency

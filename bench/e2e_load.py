@@ -48,9 +48,14 @@ class Prompts:
         self.tails = [rng.integers(3, vocab, tokens - 4).tolist() for _ in range(64)]
         self.texts: Dict[int, Tuple[str, List[str]]] = {}  # per shared-prefix length: prefix and tails as JSON text
 
+    @staticmethod
+    def most_shared(tokens: int) -> int:
+        """The longest shared prefix a prompt of ``tokens`` can have: its own 4-token head must fit after it."""
+        return tokens - 5
+
     def _text(self, shared: int) -> Tuple[str, List[str]]:
         if shared not in self.texts:
-            if not 0 <= shared <= self.tokens - 5:
+            if not 0 <= shared <= self.most_shared(self.tokens):
                 raise ValueError(f"a shared prefix of {shared} tokens leaves no room for a prompt's own head in {self.tokens}")
             self.texts[shared] = ("".join(f"{self.SHARED_TOKEN}," for _ in range(shared)),
                                   [",".join(map(str, t[:len(t) - shared])) for t in self.tails])

@@ -213,8 +213,9 @@ def prefill_batches(server: Server, since: int, tokens: int) -> Dict[str, float]
     with open(server.log_path, errors="replace") as f:
         f.seek(since)
         rows = [tuple(float(x) for x in m.groups()) for m in map(_PREFILL.search, f) if m]
-    clean = [r for r in rows if r[2] == 0 and r[1] == r[0] * tokens]
-    other = [r for r in rows if not (r[2] == 0 and r[1] == r[0] * tokens)]
+    whole = [r[2] == 0 and r[1] == r[0] * tokens for r in rows]
+    clean = [r for r, w in zip(rows, whole, strict=True) if w]
+    other = [r for r, w in zip(rows, whole, strict=True) if not w]
     median = lambda rs: round(statistics.median(r[3] for r in rs)) if rs else None  # noqa: E731
     return {"batches": len(rows), "clean_batches": len(clean), "batches_with_cached": sum(r[2] > 0 for r in rows),
             "cached_tokens": int(sum(r[2] for r in rows)), "new_tokens": int(sum(r[1] for r in rows)),

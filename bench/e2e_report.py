@@ -174,6 +174,11 @@ def _mixed_checks(res: Dict, modes: List[str]) -> List[str]:
     return checks
 
 
+def load_tok_per_s(mode: Dict) -> float:
+    """tok/s of a window or mode that ran one kind of load (its only key not starting with "_")."""
+    return next(v["tok_per_s"] for k, v in mode.items() if not k.startswith("_"))
+
+
 PREFILL_WINDOWS = ("a_plain", "b_launcher_idle", "b_prefill", "d_prefill", "d_file_capture")
 
 
@@ -199,7 +204,7 @@ def _cache_checks(res: Dict) -> List[str]:
         checks.append("no 'Prefill batch' lines in the server's log for " + ", ".join(silent)
                       + ": cache hits were not counted there (SGLang's --log-level must be info)")
     if pa:
-        tok = {name: next(v["tok_per_s"] for k, v in r.items() if not k.startswith("_")) for name, r in pa.items()}
+        tok = {name: load_tok_per_s(r) for name, r in pa.items()}
         share = {name: f"{sum(w['clean_batches'] for w in _batches(r))}/{sum(w['batches'] for w in _batches(r))} clean, "
                        f"{sum(w['cached_tokens'] for w in _batches(r))} cached tokens" for name, r in pa.items()}
         checks.append(f"prefix_ab, a shared prefix / the usual prompts: nothing capturing "

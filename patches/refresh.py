@@ -80,11 +80,12 @@ def main(argv: List[str]) -> int:
     if a.from_wheel:
         from sglang_capture.patches.wheel_source import WheelUnavailable
 
-        unknown = [v for v in a.against.split(",") if v and v not in supported_versions()]
+        against = [v for v in a.against.split(",") if v]
+        unknown = [v for v in against if v not in supported_versions()]
         if unknown:
             ap.error(f"--against {','.join(unknown)}: not a supported release ({', '.join(supported_versions())})")
         try:
-            table, lines = compare_release(a.from_wheel, against=[v for v in a.against.split(",") if v])
+            table, lines = compare_release(a.from_wheel, against=against)
         except WheelUnavailable as e:
             print(f"refresh: {e}", file=sys.stderr)
             return 1
