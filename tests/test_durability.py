@@ -138,3 +138,46 @@ def test_flushed_files_leave_the_page_cache_unless_asked_to_stay(tmp_path, keep)
         assert resident > 200  # the written pages are still cached, as without the package
     else:
         assert resident == 0
+
+
+def test_no_lock_in_the_package_waits_without_a_bound():
+    """Every ``flock`` in the package asks not to block (LOCK_NB): waits go through
+    ``durable.lock_within``, which has a bound and says what it waits for (issue 34 item 1)."""
+    import re
+
+    import sglang_capture
+
+    root = os.path.dirname(sglang_capture.__file__)
+    calls = []
+    for d, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                text = open(os.path.join(d, name)).read()
+                calls += [(name, m.group(0)) for m in re.finditer(r"\bflock\([^)]*\)", text)]
+    assert calls and [c for c in calls if "LOCK_NB" not in c[1]] == []
+
+
+def test_a_lock_wait_says_what_it_waits_for_and_ends_at_its_bound(tmp_path, caplog):
+    import fcntl
+    import time
+
+    from sglang_capture.core.durable import LockTimeout, lock_within
+
+    path = tmp_path / "held.lock"
+    holder = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout, match=r"waited 1\.5 s for the lock on the test's file, which another process holds"):
+            lock_within(fd, "the test's file", timeout_s=1.5)
+        assert 1.5 <= time.monotonic() - t0 < 5
+        assert [r.getMessage() for r in caplog.records] == [
+            "sglang_capture: waiting for the lock on the test's file (held by another process; at most 1.5 s)"]
+        os.close(holder)
+        holder = -1
+        lock_within(fd, "the test's file", timeout_s=1.5)  # free: taken at once
+    finally:
+        os.close(fd)
+        if holder >= 0:
+            os.close(holder)

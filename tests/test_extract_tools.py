@@ -436,3 +436,54 @@ def test_extract_runs_sharing_a_capture_dir_remove_only_the_attempts_of_runs_tha
             if p.poll() is None:
                 p.kill()
                 p.wait(30)
+
+
+def test_a_run_lock_taken_twice_under_two_names_of_one_dir_returns_at_once(tmp_path):
+    """``/x/cap``, ``/x/cap/`` and a symlink to it are one directory: the second acquire must not open
+    the lock file again and wait on its own lock (issue 34 item 1: it hung forever)."""
+    import threading
+
+    from sglang_capture.tools.attempts import RUNS_DIR, RunLocks
+
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    (tmp_path / "link").symlink_to(cap)
+    runs = RunLocks(lock_timeout_s=60)
+    done = threading.Event()
+
+    def acquire_all():
+        for name in (str(cap), str(cap) + "/", str(tmp_path / "link")):
+            runs.acquire(name)
+        done.set()
+
+    threading.Thread(target=acquire_all, daemon=True).start()
+    assert done.wait(10), "acquire under a second name of one directory blocked"
+    assert os.listdir(cap / RUNS_DIR) == [f"{runs.run}.lock"]
+    runs.release()
+    assert os.listdir(cap / RUNS_DIR) == []
+
+
+def test_a_run_lock_held_elsewhere_fails_within_its_bound_naming_the_lock(tmp_path):
+    """No lock waits without a bound: one held by another open file description (another run
+    judging this one, stuck) ends in a one-line error naming the lock file, and extract says it."""
+    import fcntl
+
+    from sglang_capture.core.durable import LockTimeout
+    from sglang_capture.tools.attempts import RUNS_DIR, RunLocks
+
+    cap = tmp_path / "cap"
+    (cap / RUNS_DIR).mkdir(parents=True)
+    runs = RunLocks(lock_timeout_s=0.5)
+    holder = os.open(cap / RUNS_DIR / f"{runs.run}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout) as e:
+            runs.acquire(str(cap))
+        assert 0.5 <= time.monotonic() - t0 < 5
+        assert e.value.strerror == (f"waited 0.5 s for the lock on {cap / RUNS_DIR / runs.run}.lock, "
+                                    "which another process holds")
+    finally:
+        os.close(holder)
+    runs.acquire(str(cap))  # free now: taken
+    runs.release()

@@ -1,6 +1,7 @@
 """The writer pool: hand-off threads and writer processes (server/writer_pool.py)."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -213,20 +214,50 @@ def test_a_gone_quiet_side_is_stalled_while_one_sending_progress_is_waited_for()
         os.close(w)
 
 
-def test_a_writer_shows_progress_after_every_write_and_flush_of_a_file(tmp_path, monkeypatch):
+def test_a_writer_shows_progress_after_every_frame_payload_and_every_step_of_its_flush(tmp_path, monkeypatch):
+    """Progress follows each frame's payload as it is written and each step of the file as it
+    reaches the disk, also after the last write (issue 34 items 2 and 8: one fsync at the end,
+    which reported nothing, used to carry the whole file)."""
     from sglang_capture.core import format as fmt
-    from sglang_capture.core.capture_dir import DirFds
-    from sglang_capture.core.format import host_tensor
-    from sglang_capture.writer.capture_file import write_capture_file
-    from sglang_capture.writer.durability import durability_for
+    from sglang_capture.core.format import host_tensor, write_capture
+    from sglang_capture.writer import durability
+    from sglang_capture.writer.durability import WriteBehind
 
-    monkeypatch.setattr(fmt, "FRAME_BYTES", 4096)  # 16 frames of 4 KiB rows
-    calls = []
-    rows = host_tensor(torch.randn(16, 1024))
-    write_capture_file(DirFds.open(str(tmp_path)), "moving", {"rid": "moving"}, {"rows": rows},
-                       CaptureConfig(capture_dir=str(tmp_path)).codec_spec(), durability_for("file"),
-                       progress=lambda: calls.append(1))
-    assert len(calls) >= 16 + 2  # each frame's write, then the file's and the name's flush
+    monkeypatch.setattr(fmt, "FRAME_BYTES", 4096)  # 16 frames of 4 KiB of rows
+    events = []
+    real = durability.sync_file_range
+    monkeypatch.setattr(durability, "sync_file_range",
+                        lambda fd, off, n, wait: (events.append(("wait" if wait else "start", off, n)), real(fd, off, n, wait)))
+
+    class Recorded:  # the temp file, recording what is written to it
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            events.append(("write", memoryview(data).nbytes))
+            self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+        def fileno(self):
+            return self.f.fileno()
+
+    with open(tmp_path / "moving", "wb") as f:
+        behind = WriteBehind(Recorded(f), lambda: events.append(("progress",)), step=16384)
+        nbytes, _ = write_capture(behind, {"rid": "moving"}, {"rows": host_tensor(torch.randn(16, 1024))},
+                                  CaptureConfig(capture_dir=str(tmp_path)).codec_spec())
+        last_write = len(events)
+        behind.finish()
+    payloads = [i for i, e in enumerate(events) if e[0] == "write" and e[1] >= 2048]
+    assert len(payloads) == 16
+    waits = [i for i, e in enumerate(events) if e[0] == "wait"]
+    assert all(events[i + 1] == ("progress",) for i in payloads + waits)
+    assert any(i > last_write for i in waits)  # during the flush that follows the last write
+    steps = [e[1:] for e in events if e[0] == "wait"]  # every byte waited for once, in order, a step at most each
+    assert [off for off, _ in steps] == [0] + [off + n for off, n in steps[:-1]] and sum(n for _, n in steps) == nbytes
+    assert max(n for _, n in steps) <= 16384
+    assert os.path.getsize(tmp_path / "moving") == nbytes
 
 
 def test_a_writer_process_gone_before_it_took_the_job_is_replaced_and_the_job_written(tmp_path, monkeypatch):
@@ -268,3 +299,80 @@ def test_an_abort_outcome_is_recorded_by_a_hand_off_thread_not_the_caller(tmp_pa
     writer.close()
     assert json.load(open(index_path(str(tmp_path), "gone")))["status"] == "aborted"
     assert recorded_on == ["sglang-capture-handoff-0"]
+
+
+# Installed in writer processes through their PYTHONPATH: os.fsync of a directory or a regular file
+# (SLOW_FSYNC_OF) marks SLOW_FSYNC_MARK and then takes a minute, so the test can end the process
+# exactly there.
+_SLOW_FSYNC = '''
+import os, stat, time
+_fsync = os.fsync
+def fsync(fd):
+    if ("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file") == os.environ["SLOW_FSYNC_OF"]:
+        open(os.environ["SLOW_FSYNC_MARK"], "w").close()
+        time.sleep(60)
+    return _fsync(fd)
+os.fsync = fsync
+'''
+
+
+@pytest.mark.parametrize("where,sig,flush_fails", [
+    ("dir", "SIGKILL", False), ("dir", "SIGSTOP", False), ("dir", "SIGKILL", True), ("file", "SIGKILL", False)],
+    ids=["killed-in-dir-flush", "stalled-in-dir-flush", "killed-in-dir-flush-and-flush-fails", "killed-in-file-flush"])
+def test_a_writer_ended_while_flushing_leaves_an_outcome_that_matches_the_file(tmp_path, monkeypatch, where, sig,
+                                                                                flush_fails):
+    """Issue 34 item 4: ended in the directory's flush, after the file got its name, the file is
+    whole and kept, and the outcome says ok with its size and checksum (the name's flush is done
+    by the hand-off thread; if that fails the file is removed and the outcome says error). Ended
+    in the file's own flush, before the name: error, and no file. The temp file goes either way."""
+    import errno
+    import json
+    import signal
+
+    from sglang_capture import load
+    from sglang_capture.core import checksum
+    from sglang_capture.core.capture_dir import index_path
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_FSYNC)
+    mark = tmp_path / "in-fsync"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("SLOW_FSYNC_OF", where)
+    monkeypatch.setenv("SLOW_FSYNC_MARK", str(mark))
+    capture_dir = tmp_path / "captures"
+    capture_dir.mkdir()
+    job, ledger = make_job(capture_dir, [(0, torch.randn(64, 4))], 64, name="flushing")
+    writer, pid = _one_writer(capture_dir, ledger, writer_stall_s=1.0)
+    if flush_fails:
+        real_fsync = os.fsync
+
+        def failing(fd):
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                raise OSError(errno.EIO, "Input/output error")
+            return real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", failing)
+    try:
+        writer.submit(job)
+        deadline = time.monotonic() + 30
+        while not mark.exists():
+            assert time.monotonic() < deadline, "the writer never reached its flush"
+            time.sleep(0.005)
+        os.kill(pid, getattr(signal, sig))
+        assert job.done.wait(30)
+    finally:
+        writer.close()
+    outcome = json.load(open(index_path(str(capture_dir), "flushing")))
+    path = capture_dir / "flushing.capture.msgpack"
+    assert os.listdir(capture_dir / ".tmp") == []
+    if where == "dir" and not flush_fails:
+        assert outcome["status"] == "ok", outcome
+        assert outcome["bytes"] == os.path.getsize(path) and outcome["checksum"] == checksum.of_file(str(path))
+        assert load(str(path))["aux_hidden_states"].shape == (64, 2)
+        assert writer.stats["published_by_handoff"] == 1 and writer.stats["written"] == 1
+    else:
+        assert outcome["status"] == "error" and not path.exists()
+        if flush_fails:
+            assert outcome["error"].endswith("then flushing its name failed (OSError: Input/output error), "
+                                             "so the file was removed")

@@ -14,20 +14,20 @@ the offline tools all read or write.
 """
 from __future__ import annotations
 
-import fcntl
 import glob
 import json
 import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from sglang_capture.core.durable import (
     CREATE_FLAGS,
     TEMP_SUFFIX,
     create_owned,
     host_tag,
+    lock_within,
     remove_unowned,
     replace_atomic,
     take_lock,
@@ -43,7 +43,7 @@ STATS_HISTORY = "_stats-history.json"  # the summed counters of stats files whos
 _LOCK = ".lock"
 # counters of a stats file that add up over processes, and those that are peaks
 _SUMMED = ("written", "failed", "bytes", "raw_bytes", "inline_bytes", "restarts", "stalled", "back_pressure_waits",
-           "records_swept", "queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s")
+           "records_swept", "published_by_handoff", "temp_files_removed", "queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s")
 _PEAKS = ("max_queue", "peak_held_bytes")
 
 
@@ -96,11 +96,30 @@ def remove_orphans(dirs: DirFds, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
     removed, here = 0, host_tag()
     for dir_fd in (dirs.tmp, dirs.index):
         for entry in os.listdir(dir_fd):
-            parts = entry.split(".")
-            if len(parts) < 5 or "." + parts[-1] != TEMP_SUFFIX or parts[-4] != here:
-                continue
-            removed += remove_unowned(entry, dir_fd, min_age_s)
+            owner = _temp_owner(entry)
+            if owner is not None and owner[0] == here:
+                removed += remove_unowned(entry, dir_fd, min_age_s)
     return removed
+
+
+def remove_temp_files_of(dirs: DirFds, pid: int) -> int:
+    """Remove the temp files in ``.tmp/`` of this host's process ``pid``, which has exited (a
+    writer process killed mid-file): multi-GB files go when the process is replaced, not at the
+    next server start. Returns how many; a file whose lock is held is kept (another process took
+    the pid, or the file is not this one's)."""
+    removed, owner = 0, (host_tag(), str(pid))
+    for entry in os.listdir(dirs.tmp):
+        if _temp_owner(entry) == owner:
+            removed += remove_unowned(entry, dirs.tmp)
+    return removed
+
+
+def _temp_owner(entry: str) -> Optional[Tuple[str, str]]:
+    """(host tag, pid) of a temp file's name (core/durable.temp_name), None for other names."""
+    parts = entry.split(".")
+    if len(parts) < 5 or "." + parts[-1] != TEMP_SUFFIX:
+        return None
+    return parts[-4], parts[-3]
 
 
 def _write_json(doc: Dict[str, Any]):
@@ -157,7 +176,7 @@ def retire_stale_stats(dirs: DirFds) -> int:
     retired = 0
     guard = os.open(STATS_HISTORY + _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirs.index)
     try:
-        fcntl.flock(guard, fcntl.LOCK_EX)
+        lock_within(guard, f"{INDEX_DIR}/{STATS_HISTORY}{_LOCK} (another server starting on this capture dir)")
         history = _read_json(STATS_HISTORY, dirs.index)
         if history is None:
             try:  # a torn history is kept aside, not overwritten

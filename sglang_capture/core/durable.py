@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import socket
 import time
@@ -30,6 +31,7 @@ import uuid
 from typing import IO, Callable, Optional, TypeVar, Union
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 TEMP_SUFFIX = ".part"
 
@@ -45,12 +47,46 @@ def host_tag() -> str:
     return "h" + hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
+# How long a lock of this package is waited for before the wait fails with a message (every lock
+# here is held for a short step: a clean-up's check, another start-up's stats retirement).
+LOCK_TIMEOUT_S = 60.0
+
+
+class LockTimeout(TimeoutError):
+    """A lock was not had within its bound; the message says which and what holds it up."""
+
+
+def lock_within(fd: int, what: str, timeout_s: float = LOCK_TIMEOUT_S) -> None:
+    """Take the exclusive ``flock`` of ``fd`` within ``timeout_s``, or raise LockTimeout naming
+    ``what``. Never blocks unbounded: a lock held forever (a second open of a file this process
+    has locked, a hung peer) becomes a one-line error instead of a silent hang. Logs one line
+    when the wait passes a second, so a person watching knows what it waits for."""
+    deadline = time.monotonic() + timeout_s
+    delay, told = 0.005, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LockTimeout(errno.ETIMEDOUT, f"waited {timeout_s:g} s for the lock on {what}, which another "
+                                               "process holds")
+        if not told and timeout_s - left >= 1.0:
+            logger.warning("sglang_capture: waiting for the lock on %s (held by another process; at most %g s)",
+                           what, timeout_s)
+            told = True
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.1)
+
+
 def create_owned(name: str, dir_fd: Optional[int] = None, mode: int = 0o640) -> int:
     """Create ``name`` (it must not exist) for writing, locked by this process until the
     descriptor is closed: proof that its writer is alive (``remove_unowned``)."""
     fd = os.open(name, CREATE_FLAGS, mode, dir_fd=dir_fd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:  # only a clean-up judging the fresh file (``take_lock``) can hold it, for a moment
+        lock_within(fd, f"the new file {name}")
     except BaseException as e:
         if isinstance(e, OSError) and e.errno in (errno.ENOLCK, errno.EOPNOTSUPP):
             return fd  # a mount without locks: the file is still written
@@ -127,13 +163,15 @@ def _sync_dir_of(name: str, dir_fd: Optional[int]) -> None:
 
 def publish_new(name: str, write: Callable[[IO[bytes]], T], *, dir_fd: Optional[int] = None,
                 tmp_dir_fd: Optional[int] = None, sync_data: Optional[Callable[[int], None]] = None,
-                sync_names: Optional[Callable[[int], None]] = None) -> T:
+                sync_names: Optional[Callable[[int], None]] = None,
+                before_link: Optional[Callable[[int, T], None]] = None) -> T:
     """Create ``name`` (in ``dir_fd``, else relative to the cwd) with what ``write`` puts into a
     binary file, never replacing an existing file; returns what ``write`` returned.
 
     The temp file lives in ``tmp_dir_fd`` (default: beside ``name``; it must be on the same
     filesystem). ``sync_data(fd)`` runs once the bytes are written, before the name appears
-    (default: fsync of the file); ``sync_names(dir_fd)`` after (default: fsync of the directory).
+    (default: fsync of the file); ``before_link(fd, result)`` last before the name appears, when
+    the file is whole and flushed; ``sync_names(dir_fd)`` after (default: fsync of the directory).
     Raises FileExistsError when the name is taken; leaves nothing behind on any failure. The temp
     file stays locked (``create_owned``) until it has its name."""
     tmp_dir = tmp_dir_fd if tmp_dir_fd is not None else dir_fd
@@ -143,6 +181,8 @@ def publish_new(name: str, write: Callable[[IO[bytes]], T], *, dir_fd: Optional[
             result = write(f)
             f.flush()
             (sync_data or os.fsync)(f.fileno())
+            if before_link is not None:
+                before_link(f.fileno(), result)
             try:
                 os.link(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd, follow_symlinks=False)
             except FileExistsError:

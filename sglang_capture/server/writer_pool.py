@@ -21,12 +21,21 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
-from sglang_capture.core.capture_dir import DirFds, StatsFile, error_text, record_outcome, remove_orphans, retire_stale_stats
+from sglang_capture.core.capture_dir import (
+    DirFds,
+    StatsFile,
+    error_text,
+    record_outcome,
+    remove_orphans,
+    remove_temp_files_of,
+    retire_stale_stats,
+)
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.handoff import Stalled, describe_chunks, ids_bytes, recv_reply, send
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.request_capture import RequestCapture
+from sglang_capture.writer.durability import durability_for
 
 if TYPE_CHECKING:
     from sglang_capture.server.host_pool import HostPool
@@ -46,6 +55,7 @@ class CaptureJob:
     meta: Dict[str, Any]
     dtypes: Dict[str, str] = field(default_factory=dict)  # stored dtype per tensor, where not the rows' (FP8)
     enqueued: float = field(default_factory=time.monotonic)
+    publishing: Optional[Dict[str, Any]] = None  # the writer's last word before the file's name appears
     outcome: Optional[Dict[str, Any]] = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -128,23 +138,40 @@ class _Child:
             code = None
         return WriterProcessDied(f"writer process {self.pid} exited (code {code}) before finishing the file")
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float, exited: Callable[[int], None] = lambda pid: None) -> None:
         """EOF tells the process to finish and exit; kill it if it does not in time. Closes the
-        pipes either way (a server replacing writers for days must not leak descriptors)."""
+        pipes either way (a server replacing writers for days must not leak descriptors), and
+        calls ``exited(pid)`` once the process is gone (from a reaper thread if it is stuck in the
+        kernel)."""
         try:
             self.proc.stdin.close()
         except OSError:  # a dead reader: the close flushes nothing
             pass
         try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
             try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
                 self.proc.wait(5.0)
-            except subprocess.TimeoutExpired:  # stuck in the kernel (a hung mount): reaped when it returns
-                threading.Thread(target=self.proc.wait, name=f"sglang-capture-reap-{self.pid}", daemon=True).start()
+            exited(self.pid)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (a hung mount): reaped when it returns
+            def reap() -> None:
+                self.proc.wait()
+                exited(self.pid)
+
+            threading.Thread(target=reap, name=f"sglang-capture-reap-{self.pid}", daemon=True).start()
         finally:
             self.proc.stdout.close()
+
+
+def _unlink_if_same(name: str, dir_fd: int, st: os.stat_result) -> None:
+    """Remove ``name`` if it is still the file ``st`` describes."""
+    try:
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
 def _logged_step(doing: str, step: Callable[[], Any]) -> Any:
@@ -204,7 +231,7 @@ class WriterPool:
         self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
                                       "queue_wait_s": 0.0, "assemble_s": 0.0, "encode_write_s": 0.0,
                                       "fsync_publish_s": 0.0, "inline_bytes": 0, "restarts": 0, "stalled": 0,
-                                      "records_swept": 0}
+                                      "records_swept": 0, "published_by_handoff": 0, "temp_files_removed": 0}
 
     def dirs(self) -> DirFds:
         """The capture dir's descriptors, opened on first use (raises OSError if unusable)."""
@@ -305,7 +332,7 @@ class WriterPool:
                 with self._lock:
                     child = self._children.pop(slot, None)
                 if child is not None:
-                    child.stop(30.0)
+                    child.stop(30.0, self._remove_temp_files)
                 return
             if isinstance(job, SweepJob):
                 self._sweep(slot, job)
@@ -320,8 +347,7 @@ class WriterPool:
             try:
                 outcome = self._write(slot, job)
             except Exception as e:  # a dead writer process fails only this job
-                outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job),
-                           "status": "error", "error": error_text(e)}
+                outcome = self._outcome_after_failure(job, e)
             finally:
                 job.capture.release()
                 with self._lock:
@@ -354,7 +380,7 @@ class WriterPool:
         with self._lock:
             old = self._children.pop(slot, None)
         if old is not None:
-            old.stop(stop_timeout)
+            old.stop(stop_timeout, self._remove_temp_files)
         try:
             child = _Child(self.config, self.pool)
         except OSError as e:
@@ -390,6 +416,9 @@ class WriterPool:
         child.recv()  # "copied": the process holds the rows now
         job.capture.release()
         reply = child.recv()
+        if reply.get("op") == "publishing":
+            job.publishing = reply
+            reply = child.recv()
         result, timings = reply["result"], reply["timings"]
         outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job), **result}
         raw = outcome.pop("raw_bytes", 0)
@@ -404,6 +433,49 @@ class WriterPool:
         if outcome["status"] == "ok":
             outcome["write_s"] = round(time.monotonic() - job.enqueued, 6)
         return outcome
+
+    def _outcome_after_failure(self, job: CaptureJob, e: Exception) -> Dict[str, Any]:
+        """The outcome of a job whose writer failed, matching what is under the file's name: a
+        writer process that died or stalled after ``publishing`` (in the directory's flush, say)
+        left its whole, flushed file under the name, so the name's flush is done here and the
+        outcome is ``ok``; if that flush fails the file is removed. Otherwise ``error``, and no file
+        of this job is under the name (a file there that is not the one announced is kept)."""
+        outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job), "status": "error",
+                   "error": error_text(e)}
+        announced = job.publishing
+        if announced is None or not isinstance(e, WriterProcessDied):
+            return outcome
+        name = job.capture.name + FILE_SUFFIX
+        try:
+            dirs = self.dirs()
+            st = os.stat(name, dir_fd=dirs.capture, follow_symlinks=False)
+        except OSError:  # not published (the process died before the link), or the dir is unusable
+            return outcome
+        if (st.st_dev, st.st_ino) != (announced["dev"], announced["ino"]):
+            return outcome
+        try:
+            durability_for(self.config.durability).sync_names(dirs.capture)
+        except OSError as flush_error:
+            _unlink_if_same(name, dirs.capture, st)
+            outcome["error"] = f"{outcome['error']}; then flushing its name failed ({error_text(flush_error)}), so the file was removed"
+            return outcome
+        with self._lock:
+            self.stats["written"] += 1
+            self.stats["bytes"] += announced["bytes"]
+            self.stats["published_by_handoff"] += 1
+        logger.warning("sglang_capture: %s; its file %s was already whole and named, and is kept", outcome["error"], name)
+        return {"rid": outcome["rid"], "name": outcome["name"], "path": outcome["path"], "status": "ok",
+                "bytes": announced["bytes"], "checksum": announced["checksum"],
+                "write_s": round(time.monotonic() - job.enqueued, 6)}
+
+    def _remove_temp_files(self, pid: int) -> None:
+        """Remove an exited writer process's temp files (a file cut short by a kill or a stall)."""
+        removed = _logged_step(f"removing the temp files of writer process {pid}",
+                               lambda: remove_temp_files_of(self.dirs(), pid))
+        if removed:
+            logger.info("sglang_capture: removed %d temp files of writer process %d", removed, pid)
+            with self._lock:
+                self.stats["temp_files_removed"] += removed
 
     def sweep(self) -> SweepJob:
         """Queue a sweep of old outcome records now (they are also swept every quarter of

@@ -8,11 +8,15 @@ process that waited on the lock finds the finished one instead of building it ag
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import tempfile
 from typing import Callable
+
+from sglang_capture.core.durable import lock_within
+
+# A model conversion or wheel download another process is doing: long, but not forever.
+BUILD_TIMEOUT_S = 1800.0
 
 DEFAULT_CACHE = os.path.join("~", ".cache", "sglang-capture-tests")
 
@@ -33,7 +37,8 @@ def build_once(path: str, build: Callable[[str], None], stamp: str = "") -> str:
     os.makedirs(parent, exist_ok=True)
     stamp_file = os.path.join(path, ".built")
     with open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock_within(lock.fileno(), f"{path}.lock (another process is building {os.path.basename(path)})",
+                    timeout_s=BUILD_TIMEOUT_S)
         if read_text(stamp_file) == stamp:
             return path
         tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".", dir=parent)

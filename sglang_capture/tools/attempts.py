@@ -12,12 +12,11 @@ On a network filesystem the locks reach other hosts only where the mount support
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import uuid
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
-from sglang_capture.core.durable import take_lock, unlink_quietly
+from sglang_capture.core.durable import LOCK_TIMEOUT_S, lock_within, take_lock, unlink_quietly
 from sglang_capture.core.names import FILE_SUFFIX
 
 ATTEMPT_TAG = ".try-"
@@ -46,34 +45,63 @@ def _run_alive(directory: str, run: str) -> bool:
     return False
 
 
+def _identity(directory: str) -> Tuple[int, int]:
+    """What makes two names of one directory (``/x/cap``, ``/x/cap/``, a symlink to it) one."""
+    st = os.stat(directory)
+    return st.st_dev, st.st_ino
+
+
+def _unique_dirs(directories: Iterable[str]) -> List[str]:
+    """``directories`` with each directory once, however it is named (unreadable names kept)."""
+    seen, out = set(), []
+    for d in directories:
+        try:
+            key: object = _identity(d)
+        except OSError:
+            key = d
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
 class RunLocks:
     """One extract run's identity and its locks in the capture dirs it uses."""
 
-    def __init__(self) -> None:
+    def __init__(self, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
         self.run = uuid.uuid4().hex[:12]
-        self._fds: Dict[str, int] = {}
+        self.lock_timeout_s = lock_timeout_s
+        self._fds: Dict[Tuple[int, int], Tuple[str, int]] = {}  # directory identity -> (its name, lock fd)
 
     def acquire(self, directory: str) -> None:
-        """Hold this run's lock in ``directory`` (raises OSError if it cannot)."""
-        if directory in self._fds:
+        """Hold this run's lock in ``directory`` (raises OSError if it cannot, LockTimeout when
+        the lock stays held past its bound). A directory already locked under another name is
+        recognised by its device and inode: ``flock`` locks belong to an open file description,
+        so a second open of the same lock file would wait on the first."""
+        key = _identity(directory)
+        if key in self._fds:
             return
         runs = os.path.join(directory, RUNS_DIR)
         os.makedirs(runs, mode=0o700, exist_ok=True)
         path = os.path.join(runs, self.run + ".lock")
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:  # held for a moment by another run judging whether this run lives (_run_alive)
+                lock_within(fd, path, self.lock_timeout_s)
+            except BaseException:
+                os.close(fd)
+                raise
             try:  # another run may have judged the fresh file dead and removed it meanwhile
                 if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
                     break
             except FileNotFoundError:
                 pass
             os.close(fd)
-        self._fds[directory] = fd
+        self._fds[key] = (directory, fd)
 
     def release(self) -> None:
         """Remove this run's lock files and drop the locks."""
-        for d, fd in self._fds.items():
+        for d, fd in self._fds.values():
             unlink_quietly(os.path.join(d, RUNS_DIR, self.run + ".lock"))
             os.close(fd)
         self._fds.clear()
@@ -86,7 +114,7 @@ class RunLocks:
         """Delete attempts that never became samples: those of runs that are gone (and untagged
         ones), and with ``own`` this run's (at its end); returns how many."""
         removed = 0
-        for d in set(directories):
+        for d in _unique_dirs(directories):
             try:
                 names = os.listdir(d)
             except OSError:

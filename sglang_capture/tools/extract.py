@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
 from sglang_capture.core import checksum
-from sglang_capture.core.durable import fsync_dir, publish_new
+from sglang_capture.core.durable import LockTimeout, fsync_dir, publish_new
 from sglang_capture.core.format import CaptureFileError
 from sglang_capture.core.fp8 import CAPTURE_DTYPES
 from sglang_capture.core.loss_mask import spans_from_mask
@@ -213,6 +213,8 @@ class Extractor:
             for d in capture_dirs:
                 try:
                     self._runs.acquire(d)
+                except LockTimeout as e:
+                    raise ExtractError(f"cannot mark this run in {d}: {e.strerror}") from None
                 except OSError as e:
                     raise ExtractError(f"cannot mark this run in {d} ({e.strerror}); extract needs write access to "
                                        "the servers' capture dirs") from None

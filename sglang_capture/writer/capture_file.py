@@ -1,60 +1,61 @@
 """One capture file into the capture dir: encode, make durable, publish under its final name.
 
-The file is encoded (core/format.py) into a private temp file under ``.tmp/``, flushed per the
-durability policy (durability.py) and published under its final name without ever replacing an
-existing file (core/durable.py): a reader sees either no file or a whole one.
+The file is encoded (core/format.py) into a private temp file under ``.tmp/``, written behind to
+the disk as it grows and flushed per the durability policy (durability.py), and published under
+its final name without ever replacing an existing file (core/durable.py): a reader sees either no
+file or a whole one.
 """
 from __future__ import annotations
 
 import os
 import time
-from typing import IO, Any, Callable, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from sglang_capture.core.capture_dir import DirFds
 from sglang_capture.core.checksum import DEFAULT_CHECKSUM
 from sglang_capture.core.durable import publish_new
 from sglang_capture.core.format import Codec, HostTensor, write_capture
 from sglang_capture.core.names import FILE_SUFFIX
-from sglang_capture.writer.durability import Durability
-
-
-class _Progressing:
-    """A file whose every write is followed by ``progress()``."""
-
-    def __init__(self, f: IO[bytes], progress: Callable[[], None]) -> None:
-        self._f, self._progress = f, progress
-
-    def write(self, data: Any) -> None:
-        self._f.write(data)
-        self._progress()
+from sglang_capture.writer.durability import Durability, WriteBehind
 
 
 def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors: Mapping[str, HostTensor],
                        codec: Codec, durability: Durability, keep_page_cache: bool = False,
                        progress: Callable[[], None] = lambda: None,
-                       checksum: str = DEFAULT_CHECKSUM) -> Tuple[int, str, Dict[str, float]]:
+                       checksum: str = DEFAULT_CHECKSUM,
+                       publishing: Optional[Callable[[os.stat_result, int, str], None]] = None,
+                       ) -> Tuple[int, str, Dict[str, float]]:
     """Encode ``tensors`` into ``<name>.capture.msgpack`` and publish it; returns its size,
     checksum and stage timings. Raises on failure (FileExistsError when the name is taken),
     leaving no file behind.
 
-    Unless ``keep_page_cache``, the file's pages leave the page cache once flushed: at 1.4 GB/s
+    Unless ``keep_page_cache``, the file's pages leave the page cache once on the disk: at 1.4 GB/s
     of captures the cache otherwise grows until the kernel must reclaim memory for every other
     allocation on the host, the server's included, and nothing reads these files back soon.
 
-    ``progress`` is called after each write and each flush: how the writer shows it is not hung."""
+    ``progress`` is called after each write and each step of the file that reaches the disk: how
+    the writer shows it is not hung. ``publishing(stat, bytes, checksum)`` is called when the file
+    is whole and flushed, just before its name appears: with it the server side can tell, if this
+    process dies in the directory's flush, that the file under the name is this one and whole."""
     t0 = time.monotonic()
     encoded_at = [t0]
 
     def encode(f) -> Tuple[int, str]:
-        out = write_capture(_Progressing(f, progress), meta, tensors, codec, checksum)
+        behind = WriteBehind(f, progress, keep_page_cache)
+        out = write_capture(behind, meta, tensors, codec, checksum)
+        behind.finish()
         encoded_at[0] = time.monotonic()
         return out
 
     def sync_data(fd: int) -> None:
         durability.sync_data(fd)
         if not keep_page_cache:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # flushed pages go; dirty ones start writeback
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the last pages go too
         progress()
+
+    def before_link(fd: int, result: Tuple[int, str]) -> None:
+        if publishing is not None:
+            publishing(os.fstat(fd), *result)
 
     def sync_names(dir_fd: int) -> None:
         durability.sync_names(dir_fd)
@@ -62,7 +63,7 @@ def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors
 
     try:
         nbytes, digest = publish_new(name + FILE_SUFFIX, encode, dir_fd=dirs.capture, tmp_dir_fd=dirs.tmp,
-                                       sync_data=sync_data, sync_names=sync_names)
+                                       sync_data=sync_data, sync_names=sync_names, before_link=before_link)
     except FileExistsError:
         raise FileExistsError(f"a capture file named {name!r} already exists") from None
     return nbytes, digest, {"encode_write_s": encoded_at[0] - t0, "fsync_publish_s": time.monotonic() - encoded_at[0]}

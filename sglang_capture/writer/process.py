@@ -62,7 +62,8 @@ class WriterProcess:
 
     def write(self, msg: Dict[str, Any], out_fd: int) -> Dict[str, Any]:
         """Publish one job; sends ``copied`` as soon as its rows are out of the pool, then
-        ``progress`` while the file is written (core/handoff.py)."""
+        ``progress`` while the file is written, and ``publishing`` (the whole, flushed file's
+        identity, size and checksum) just before its name appears (core/handoff.py)."""
         t0 = time.monotonic()
         beat = self._heartbeat(out_fd)
         copied = False
@@ -83,9 +84,15 @@ class WriterProcess:
             if self.dirs is None:
                 raise self.dirs_error or OSError("the capture dir is unusable")
             beat.restart()  # "copied" went just now
+
+            def publishing(st: os.stat_result, nbytes: int, checksum: str) -> None:
+                send(out_fd, {"op": "publishing", "dev": st.st_dev, "ino": st.st_ino, "bytes": nbytes,
+                              "checksum": checksum})
+                beat.restart()
+
             nbytes, checksum, stage = write_capture_file(self.dirs, msg["name"], msg["meta"], tensors, self.codec,
                                                          self.durability, self.config.keep_page_cache, beat,
-                                                         self.config.checksum)
+                                                         self.config.checksum, publishing)
             timings.update(stage)
             result = {"status": "ok", "bytes": nbytes, "checksum": checksum,
                       "raw_bytes": sum(int(t.nbytes) for t in tensors.values())}
