@@ -10,7 +10,7 @@ SGLANG_VERSION ?= 0.5.17
 VENV ?= $(HOME)/.cache/sglang-cpu-ci/venv-$(SGLANG_VERSION)
 PIP_QUIET := { grep -v -e 'is ignored: it is neither a file nor a directory' || true; }
 
-.PHONY: install venv demo test test-0.5.23 wheel
+.PHONY: install venv demo test test-0.5.23 test-smoke wheel
 # The venv is created under an exclusive flock: two make runs started together on a fresh
 # machine (demo and test, say) would otherwise both remove and rebuild it, or install into it at once.
 install:
@@ -36,6 +36,17 @@ test: install
 
 test-0.5.23:
 	$(MAKE) test SGLANG_VERSION=0.5.23
+
+# A few minutes on one release (`make test-smoke SGLANG_VERSION=0.5.19`): the hooks on a real server
+# of that release. Llama and DeepSeek-V3 captures checked against transformers, chunked prefill,
+# decode rows, mixed batches, one FP8 capture, and extract end to end.
+SMOKE_TESTS := tests/test_e2e_deepseek.py \
+	tests/test_e2e_llama.py::test_openai_endpoints_capture_by_custom_params \
+	tests/test_e2e_llama.py::test_hidden_states_go_through_the_host_pool_and_stay_exact \
+	tests/test_e2e_llama.py::test_fp8_capture_halves_the_bytes_and_keeps_every_row_within_cos_0_999_of_the_bf16_capture \
+	tests/test_extract_tools.py::test_extract_writes_one_file_per_conversation_with_template_ids_and_assistant_mask
+test-smoke: install
+	$(VENV)/bin/python -m pytest -q --durations=5 $(SMOKE_TESTS)
 
 # The wheel users install, for the GPU scripts (bench/device_setup.sh installs it from dist/ there).
 wheel: install
