@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict
 from typing import Dict, List, Sequence, Tuple
 
-from sglang_capture.patches import BASE_RELEASES, Seam, load_table, supported_versions
+from sglang_capture.patches import BASE_RELEASES, Seam, Watched, key, load_table, load_watched, reader, supported_versions
 
 
 def _from_installed(path: str) -> None:
@@ -28,8 +28,8 @@ def _from_installed(path: str) -> None:
 
     with open(path) as f:
         doc = json.load(f)
-    for entry in doc["seams"]:
-        _, _, original = _resolve(Seam(**entry))
+    for entry in doc["seams"] + doc.get("watched", []):
+        _, _, original = _resolve(Seam(**entry) if "seam" in entry else Watched(**entry))
         found = fingerprint(original)
         if found != entry["fingerprint"]:
             entry["differs"] = ""  # a note about other source: read the hook again
@@ -40,33 +40,40 @@ def _from_installed(path: str) -> None:
 
 
 def compare_release(version: str, cache: str = "", against: Sequence[str] = ()) -> Tuple[Dict, List[str]]:
-    """The table ``version`` would have (seams of the newest supported table, fingerprints read
-    from its wheel) and one line per seam saying whether it needs a look. A function equal to one
-    in a table of ``against`` (default: every supported release) takes that record's ``differs``;
-    one unlike both base releases' and every table's is left with an empty ``differs`` for the
-    maintainer to fill in after reading its hook (the static test refuses the table until then)."""
+    """The table ``version`` would have (seams and watched functions of the newest supported
+    table, fingerprints read from its wheel) and one line per record saying whether it needs a
+    look. A function equal to one in a table of ``against`` (default: every supported release)
+    takes that record's ``differs``; one unlike both base releases' and every table's is left with
+    an empty ``differs`` for the maintainer to fill in after reading the code that relies on it
+    (the static test refuses the table until then)."""
     from sglang_capture.patches.wheel_source import WheelSource, fetch_wheel
 
     against = tuple(against) or supported_versions()
-    known = {v: {s.seam: s for s in load_table(v)} for v in against}
-    base = supported_versions()[-1]
+    known = {v: {(type(r), key(r)): r for r in [*load_table(v), *load_watched(v)]} for v in against}
+    newest = supported_versions()[-1]
     source = WheelSource(fetch_wheel(version, cache or None))
-    seams, lines = [], []
-    for seam in load_table(base):
+    out: Dict[str, List[Dict]] = {"seams": [], "watched": []}
+    lines = []
+    for record in [*load_table(newest), *load_watched(newest)]:
+        name = key(record) if isinstance(record, Seam) else f"watched {key(record)}"
+        what = f"hook {reader(record)}" if isinstance(record, Seam) else reader(record)
         try:
-            fp = source.fingerprint(seam.module, seam.target)
+            fp = source.fingerprint(record.module, record.target)
         except LookupError as e:
-            lines.append(f"{seam.seam}: MISSING ({e}); hook {seam.hook} needs a new target")
+            lines.append(f"{name}: MISSING ({e}); {what} needs a new target")
             continue
-        same = [v for v, table in known.items() if seam.seam in table and table[seam.seam].fingerprint == fp]
-        differs = next((known[v][seam.seam].differs for v in same), "")
+        k = (type(record), key(record))
+        same = [v for v, table in known.items() if k in table and table[k].fingerprint == fp]
+        differs = next((known[v][k].differs for v in same), "")
         if any(v in BASE_RELEASES for v in same):
             differs = ""
-        lines.append(f"{seam.seam}: same as {', '.join(same)}" if same else
-                     f"{seam.seam}: CHANGED in {seam.module}.{seam.target}; read hook {seam.hook} against it, "
-                     f"then say in its differs what changed and why the hook holds")
-        seams.append({**asdict(seam), "fingerprint": fp, "differs": differs})
-    return {"sglang": version, "seams": seams}, lines
+        lines.append(f"{name}: same as {', '.join(same)}" if same else
+                     f"{name}: CHANGED in {record.module}.{record.target}; read {what} against it, "
+                     f"then say in its differs what changed and why "
+                     f"{'the hook holds' if isinstance(record, Seam) else 'its assumption holds'}")
+        out["seams" if isinstance(record, Seam) else "watched"].append({**asdict(record), "fingerprint": fp,
+                                                                         "differs": differs})
+    return {"sglang": version, **out}, lines
 
 
 def main(argv: List[str]) -> int:

@@ -226,19 +226,86 @@ def test_stats_files_of_servers_that_are_gone_are_added_to_the_history_once(tmp_
     other_host.write_text(json.dumps({"written": 100}))
     live = StatsFile(dirs)  # a server running beside
     live.write({"written": 7})
+    index = tmp_path / ".index"
+
+    def age_this_hosts_stats():
+        for name in os.listdir(index):
+            if name.startswith("_writer-h") and name.endswith(".json") and name != other_host.name:
+                _aged(index / name)
+
     try:
+        age_this_hosts_stats()  # the killed server stopped an hour ago (the live one is as old: its lock keeps it)
         for _ in range(2):  # two start-ups: nothing is counted twice
             pool = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), HostMemoryLedger(1 << 20))
             pool.start()
             pool.close()
-        history = json.load(open(tmp_path / ".index" / "_stats-history.json"))
-        assert history["processes"] == 1 + 1  # the killed one, the first start-up's pool
+        history = json.load(open(index / "_stats-history.json"))
+        assert history["processes"] == 1  # the killed one; the first start-up's pool stopped just now
         assert history["totals"]["written"] == 5 and history["totals"]["bytes"] == 500
         assert history["totals"]["failed"] == 1 and history["peaks"]["max_queue"] == 3
         assert history["first_time"] == 1000.0
-        names = sorted(os.listdir(tmp_path / ".index"))
+        age_this_hosts_stats()
+        pool = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), HostMemoryLedger(1 << 20))
+        pool.start()
+        pool.close()
+        history = json.load(open(index / "_stats-history.json"))
+        assert history["processes"] == 3 and history["totals"]["written"] == 5  # + the two stopped pools
+        names = sorted(os.listdir(index))
         assert other_host.name in names and live.name + ".json" in names and "writer-4242.json" in names
-        # the live one, the other host's, and the second start-up's (added by the next start-up)
+        # the live one, the other host's, and the third start-up's (added by a later start-up)
         assert len(writer_stats(str(tmp_path))) == 3
     finally:
         live.close()
+
+
+def test_stats_rewritten_lately_are_kept_even_when_their_lock_can_be_taken(tmp_path, monkeypatch):
+    """On a mount whose locks stay on each machine, a server on another machine of the same host
+    name holds a lock this one can take: its stats file is kept while it is rewritten, and an idle
+    server rewrites its own every STATS_REFRESH_S (issue 34 item 9)."""
+    import json
+    import os
+    import time
+
+    from sglang_capture.core.capture_dir import STATS_STALE_S, DirFds, retire_stale_stats
+    from sglang_capture.core.durable import host_tag
+    from sglang_capture.server import writer_pool as writer_module
+
+    dirs = DirFds.open(str(tmp_path))
+    twin = tmp_path / ".index" / f"_writer-{host_tag()}.77.abcdef12.json"  # its lock is on the other machine
+    twin.write_text(json.dumps({"written": 9}))
+    _aged(twin, STATS_STALE_S - 60)
+    assert retire_stale_stats(dirs) == 0 and twin.exists()
+    _aged(twin, STATS_STALE_S + 60)
+    assert retire_stale_stats(dirs) == 1 and not twin.exists()
+
+    monkeypatch.setattr(writer_module, "STATS_REFRESH_S", 0.5)
+    pool = writer_module.WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), HostMemoryLedger(1 << 20))
+    pool.start()
+    try:
+        path = tmp_path / ".index" / (pool._stats_file.name + ".json")
+        _aged(path)
+        deadline = time.monotonic() + 10
+        while time.time() - os.stat(path).st_mtime > 60:  # idle, and rewritten all the same
+            assert time.monotonic() < deadline, "an idle server never rewrote its stats file"
+            time.sleep(0.1)
+    finally:
+        pool.close()
+
+
+def test_stats_files_named_before_the_prefix_are_retired_as_stats_never_swept_as_records(tmp_path):
+    import json
+    import os
+
+    from sglang_capture.core.capture_dir import DirFds, is_record, retire_stale_stats, sweep_records
+    from sglang_capture.core.durable import host_tag
+
+    dirs = DirFds.open(str(tmp_path))
+    legacy = tmp_path / ".index" / f"writer-{host_tag()}.4242.0123abcd.json"
+    legacy.write_text(json.dumps({"written": 11, "bytes": 1100}))
+    _aged(legacy, 3 * 24 * 3600)
+    assert not is_record(legacy.name) and is_record("writer-4242.json")
+    assert sweep_records(dirs, 3600) == 0 and legacy.exists()
+    assert retire_stale_stats(dirs) == 1 and not legacy.exists()
+    history = json.load(open(tmp_path / ".index" / "_stats-history.json"))
+    assert history["totals"]["written"] == 11 and history["totals"]["bytes"] == 1100
+    assert sorted(os.listdir(tmp_path / ".index")) == ["_stats-history.json", "_stats-history.json.lock"]

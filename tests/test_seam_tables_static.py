@@ -62,6 +62,16 @@ def test_a_changed_function_without_its_note_is_refused_with_one_line_naming_it(
         "record does not say how; read hook sglang_capture.server.hooks.batch:run_batch against it and write its differs"]
 
 
+def test_a_note_that_does_not_name_the_code_it_read_is_refused():
+    """Any text used to pass (issue 34 item 8): a note must say which hook was read against the source."""
+    seam = load_table("0.5.20")[3]
+    assert seam.differs.startswith("read server.hooks.batch:run_batch: ")
+    vague = Seam(**{**seam.__dict__, "differs": "vs 0.5.17: bookkeeping only"})
+    assert unexplained([vague]) == [
+        "batch_run: sglang.srt.managers.scheduler.Scheduler.run_batch differs from SGLang 0.5.17 and 0.5.23's and its "
+        "note does not name the code read against it; start it with 'read server.hooks.batch:run_batch: '"]
+
+
 def test_refresh_writes_a_releases_table_and_names_each_hook_to_read_again(tmp_path, capsys):
     """0.5.17's wheel reproduces its table and 0.5.21's its own, notes included; 0.5.20 compared
     with the base releases only names each hook whose function changed, leaves their notes empty

@@ -48,17 +48,23 @@ def test_ledger_goes_over_the_cap_rather_than_deadlock_when_nothing_is_pending()
     assert ledger.held_bytes == 440 and ledger.waits == 0
 
 
-def test_the_ledger_counts_each_pool_block_once_by_its_size():
+def test_the_ledger_counts_each_pool_block_once_by_what_the_pool_holds_for_it():
+    """Blocks are page-rounded (2,048 bytes of rows hold a 4,096-byte block): the cap bounds what
+    the pool holds, not the rows' own bytes (issue 34 item 9)."""
     from sglang_capture.server.host_pool import HostPool
     from sglang_capture.server.request_capture import RequestCapture
 
-    ledger, pool = HostMemoryLedger(1 << 30), HostPool(1 << 20, pin=False)
+    pool = HostPool(1 << 20, pin=False)
+    ledger = HostMemoryLedger(1 << 30, block_bytes=pool.block_bytes)
     batch = pool.take(torch.zeros(64, 8))
     a, b = (RequestCapture(rid=r, name=r, ledger=ledger) for r in "ab")
     a.add(0, batch[:32])
     b.add(0, batch[32:])
-    assert ledger.held_bytes == 64 * 8 * 4
+    assert ledger.held_bytes == pool.used_bytes == 4096
     a.release()
-    assert ledger.held_bytes == 64 * 8 * 4
+    assert ledger.held_bytes == 4096
     b.release()
     assert ledger.held_bytes == 0
+    outside = torch.zeros(10, 4)  # SGLang's own buffer (the pool was full): its storage's size
+    ledger.hold(outside)
+    assert ledger.held_bytes == 160

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,6 +42,13 @@ UNRECORDED_SUFFIX = ".unrecorded"  # empty marker next to an outcome record that
 STATS_PREFIX = "_writer-"
 STATS_HISTORY = "_stats-history.json"  # the summed counters of stats files whose process is gone
 _LOCK = ".lock"
+# stats files named before the "_" prefix (writer-<host>.<pid>.<nonce>.json): stats, not records
+_LEGACY_STATS = re.compile(r"writer-h[0-9a-f]{8}\.\d+\.[0-9a-f]{8}$")
+# A live server rewrites its stats file at least every STATS_REFRESH_S (writer_pool.py); one not
+# rewritten for STATS_STALE_S is retired even when its lock can be taken, which on a mount whose
+# locks stay on each machine does not prove its server gone (two machines may share a host name).
+STATS_REFRESH_S = 60.0
+STATS_STALE_S = 600.0
 # counters of a stats file that add up over processes, and those that are peaks
 _SUMMED = ("written", "failed", "bytes", "raw_bytes", "inline_bytes", "restarts", "stalled", "back_pressure_waits",
            "records_swept", "published_by_handoff", "temp_files_removed", "queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s")
@@ -169,10 +177,23 @@ class StatsFile:
             self._fd = None
 
 
-def retire_stale_stats(dirs: DirFds) -> int:
+def _stats_stem(entry: str) -> Optional[str]:
+    """The stem of a stats file's name (``.json`` cut off), current or legacy; None for other names."""
+    if not entry.endswith(".json"):
+        return None
+    stem = entry[:-len(".json")]
+    return stem if stem.startswith(STATS_PREFIX) or _LEGACY_STATS.match(stem) else None
+
+
+def _stats_host(stem: str) -> str:
+    return stem.split("-", 1)[1].split(".")[0]
+
+
+def retire_stale_stats(dirs: DirFds, min_age_s: float = STATS_STALE_S) -> int:
     """Add the counters of stats files whose process is gone (its lock can be taken, or it never
-    had one) into ``_stats-history.json`` and remove them; returns how many. Start-ups of several
-    ranks on one dir take turns (a lock on the history), so nothing is counted twice."""
+    had one) and that were not rewritten for ``min_age_s`` into ``_stats-history.json`` and remove
+    them; returns how many. Start-ups of several ranks on one dir take turns (a lock on the
+    history), so nothing is counted twice. Stats files named before the ``_`` prefix count too."""
     retired = 0
     guard = os.open(STATS_HISTORY + _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirs.index)
     try:
@@ -189,15 +210,15 @@ def retire_stale_stats(dirs: DirFds) -> int:
             if entry.startswith(STATS_PREFIX) and entry.endswith(_LOCK) and entry[:-len(_LOCK)] + ".json" not in entries:
                 remove_unowned(entry, dirs.index, ORPHAN_MIN_AGE_S)
         for entry in entries:
-            if not (entry.startswith(STATS_PREFIX) and entry.endswith(".json")):
-                continue
-            stem = entry[:-len(".json")]
-            if stem[len(STATS_PREFIX):].split(".")[0] != host_tag():  # another host's: its own start-ups judge it
+            stem = _stats_stem(entry)
+            if stem is None or _stats_host(stem) != host_tag():  # another host's: its own start-ups judge it
                 continue
             lock = take_lock(stem + _LOCK, dirs.index)
             if lock is False:  # its process lives
                 continue
             try:
+                if not _older_than(entry, dirs.index, min_age_s):
+                    continue  # rewritten lately: perhaps a live server whose lock does not reach here
                 doc = _read_json(entry, dirs.index)
                 if doc is not None:
                     _add_to_history(history, doc)
@@ -212,6 +233,13 @@ def retire_stale_stats(dirs: DirFds) -> int:
     finally:
         os.close(guard)
     return retired
+
+
+def _older_than(name: str, dir_fd: int, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime >= seconds
+    except FileNotFoundError:
+        return False
 
 
 def _read_json(name: str, dir_fd: int) -> Optional[Dict[str, Any]]:
@@ -244,7 +272,7 @@ def is_record(name: str) -> bool:
     """Whether ``name`` in ``.index/`` is an outcome record or its ``.unrecorded`` marker."""
     if name.endswith(UNRECORDED_SUFFIX):
         return True
-    return name.endswith(".json") and not name.startswith("_")
+    return name.endswith(".json") and not name.startswith("_") and _stats_stem(name) is None
 
 
 def sweep_records(dirs: DirFds, max_age_s: float, progress: Callable[[], None] = lambda: None) -> int:

@@ -150,6 +150,15 @@ class HostPool:
             return None
         return off
 
+    def block_bytes(self, t: torch.Tensor) -> int:
+        """Host bytes held for the storage ``t`` views: its pool block's page-rounded size when it
+        lies in the pool (what the pool holds until it is freed), else the storage's own size."""
+        storage = t.untyped_storage()
+        off = storage.data_ptr() - self.base_ptr
+        if t.device.type == "cpu" and 0 <= off < self.size_bytes:
+            return _round_up(storage.nbytes())
+        return storage.nbytes()
+
     def stats(self) -> Dict[str, Any]:
         """Counters for the writer's stats file."""
         return {"size_bytes": self.size_bytes, "pinned": self.pinned, "setup_s": round(self.setup_s, 3),

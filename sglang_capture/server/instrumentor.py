@@ -16,12 +16,12 @@ import importlib
 import inspect
 import logging
 import textwrap
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import wrapt
 
 from sglang_capture.core.durable import checksum_tag
-from sglang_capture.patches import Seam, load_table, supported_versions
+from sglang_capture.patches import Seam, Watched, load_table, supported_versions
 
 if TYPE_CHECKING:
     from sglang_capture.core.config import CaptureConfig
@@ -62,7 +62,7 @@ def fingerprint(func: Callable) -> str:
     return checksum_tag(hashlib.sha256(src.encode()))
 
 
-def _resolve(seam: Seam) -> Tuple[object, str, object]:
+def _resolve(seam: Union[Seam, Watched]) -> Tuple[object, str, object]:
     module = importlib.import_module(seam.module)
     return wrapt.resolve_path(module, seam.target)
 

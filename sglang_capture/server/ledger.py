@@ -9,7 +9,7 @@ storage once, by its full size, for as long as any held view uses it.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Dict, List
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -25,9 +25,13 @@ class HostMemoryLedger:
     goes on over the cap instead of deadlocking; so does a single buffer larger than the cap.
     """
 
-    def __init__(self, cap_bytes: int, draining: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, cap_bytes: int, draining: Callable[[], bool] = lambda: False,
+                 block_bytes: Optional[Callable[[torch.Tensor], int]] = None) -> None:
         self.cap_bytes = cap_bytes
         self.draining = draining  # set by the writer: "are writes pending that will free memory?"
+        # what holding a tensor's storage costs: set to the host pool's ``block_bytes`` once there
+        # is one (its blocks are page-rounded), so the cap bounds what the pool really holds
+        self.block_bytes = block_bytes or (lambda t: t.untyped_storage().nbytes())
         self._cond = threading.Condition()
         self._storages: Dict[int, List[int]] = {}  # data_ptr -> [nbytes, refcount]
         self.held_bytes = 0
@@ -35,8 +39,7 @@ class HostMemoryLedger:
         self.waits = 0
 
     def hold(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
+        key, nbytes = t.untyped_storage().data_ptr(), self.block_bytes(t)
         with self._cond:
             entry = self._storages.get(key)
             if entry is not None:

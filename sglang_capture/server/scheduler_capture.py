@@ -132,6 +132,7 @@ class SchedulerCapture:
                            "buffers. Lower --capture-max-pending-mb to get one", e)
             return
         atexit.register(self.pool.close)
+        self.ledger.block_bytes = self.pool.block_bytes
         logger.info("sglang_capture: %d MiB of host memory for pending rows (%s, %.1f s)", self.pool.size_bytes >> 20,
                     "pinned" if self.pool.pinned else "not pinned", self.pool.setup_s)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from sglang_capture.core.capture_dir import (
+    STATS_REFRESH_S,
     DirFds,
     StatsFile,
     error_text,
@@ -327,6 +328,8 @@ class WriterPool:
             try:
                 job = self._queue.get(timeout=1.0)
             except queue.Empty:
+                if time.monotonic() - self._last_stats >= STATS_REFRESH_S:  # shows an idle server alive
+                    self._dump_stats(min_interval_s=0.0)
                 continue
             if job is None:
                 with self._lock:
