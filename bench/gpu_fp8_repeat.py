@@ -9,8 +9,12 @@ on the forward stream is packed to FP8 (``core/fp8.pack``) on a side stream, its
 dropped, and the forward stream at once writes a new tensor of the same size. Without
 ``read_on_current_stream`` (host_pool.py) the caching allocator may give the new tensor the old
 one's memory before the pack has read it; a sleep queued on the side stream first makes that race
-happen every time, so the detector is shown to fail. Also measures the device memory ``pack``
-takes beyond its output, against the whole-batch formula it replaced.
+happen every time, so the detector is shown to fail. Then the same race through the real copy
+hook (``hooks/transfer.copy_hidden_to_pool``, on the objects SGLang hands it: testbed/copy_hook.py)
+for a batch of FP8 captures, which it packs whole on the side stream: with the hook's own
+``read_on_current_stream`` and, to show the detector, with that one call made a no-op. Also
+measures the device memory ``pack`` takes beyond its output, against the whole-batch formula it
+replaced.
 
 ``repeat``: a launcher on MODEL_DIR (the Kimi-compute shape, ``--load-format dummy``) with
 ``--capture-dtype fp8``; ``--load`` plain clients keep it decoding long generations while one
@@ -85,13 +89,58 @@ def race(a: argparse.Namespace) -> Dict:
             corrupted += int(not torch.equal(got, want))
             del nxt, got, want
         results["corrupted"]["with_record_stream" if record else "without_record_stream"] = corrupted
+    results["hooks"] = _race_through_the_copy_hook(a, forward, side)
     x = torch.randn(a.rows, a.width, device="cuda", dtype=torch.bfloat16)
     results["pack_extra_bytes"] = {"row_chunks": _extra_memory(pack, x, block),
                                    "whole_batch": _extra_memory(whole_batch_pack, x, block),
                                    "input_bytes": x.numel() * x.element_size()}
     results["detector_fails_without_fix"] = results["corrupted"]["without_record_stream"] > 0
-    results["ok"] = results["corrupted"]["with_record_stream"] == 0 and results["detector_fails_without_fix"]
+    results["ok"] = results["corrupted"]["with_record_stream"] == 0 and results["detector_fails_without_fix"] \
+        and results["hooks"]["ok"]
     return results
+
+
+def _race_through_the_copy_hook(a: argparse.Namespace, forward, side) -> Dict:
+    """``race`` with the real hook doing the reading: the forward's rows handed to the copy hook on
+    the side stream (behind a sleep), their last reference dropped, the next forward written at once."""
+    import tempfile
+
+    from sglang_capture.server.hooks import transfer
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.testbed.copy_hook import CopyHookCall
+
+    block = a.width // 4
+    pool = HostPool(2 * a.rows * a.width + (64 << 20), pin=True)
+    out: Dict = {"corrupted": {}, "reused_memory": {}}
+    real = transfer.read_on_current_stream
+    with tempfile.TemporaryDirectory() as capture_dir:
+        for record in (False, True):
+            corrupted = 0
+            for trial in range(a.trials):
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                x = torch.empty(a.rows, a.width, device="cuda", dtype=torch.bfloat16).normal_().mul_(trial + 1)
+                want, x_ptr = pack(x, block).cpu(), x.data_ptr()
+                call = CopyHookCall(capture_dir, x, block, ["fp8", "fp8"], [a.rows // 2, a.rows - a.rows // 2], pool)
+                del x  # the result object holds the forward's rows now, as in SGLang
+                side.wait_stream(forward)
+                transfer.read_on_current_stream = real if record else (lambda t: None)
+                try:
+                    with torch.cuda.stream(side):
+                        torch.cuda._sleep(50_000_000)  # the hook's reads start well after the next "forward"
+                        host = call()  # drops the result's reference: the forward's memory is free
+                finally:
+                    transfer.read_on_current_stream = real
+                nxt = torch.empty(a.rows, a.width, device="cuda", dtype=torch.bfloat16).fill_(1000.0)
+                torch.cuda.synchronize()
+                out["reused_memory"].setdefault(str(record), []).append(nxt.data_ptr() == x_ptr)
+                corrupted += int(not torch.equal(host, want))
+                del nxt, host, want, call
+            out["corrupted"]["with_the_hooks_record" if record else "hooks_record_made_a_no_op"] = corrupted
+    pool.close()
+    out["detector_fails_without_fix"] = out["corrupted"]["hooks_record_made_a_no_op"] > 0
+    out["ok"] = out["corrupted"]["with_the_hooks_record"] == 0 and out["detector_fails_without_fix"]
+    return out
 
 
 def _load(server: Server, stop: threading.Event, vocab: int, seed: int, counts: List[int]) -> None:
