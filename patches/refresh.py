@@ -51,18 +51,24 @@ def compare_release(version: str, cache: str = "", against: Sequence[str] = ()) 
     against = tuple(against) or supported_versions()
     known = {v: {(type(r), key(r)): r for r in [*load_table(v), *load_watched(v)]} for v in against}
     newest = supported_versions()[-1]
+    watched: Dict[str, Watched] = {}  # every watched function of any table (some exist in a few releases only)
+    for v in reversed(supported_versions()):
+        for w in load_watched(v):
+            watched.setdefault(w.name, w)
     source = WheelSource(fetch_wheel(version, cache or None))
     out: Dict[str, List[Dict]] = {"seams": [], "watched": []}
     lines = []
-    for record in [*load_table(newest), *load_watched(newest)]:
+    for record in [*load_table(newest), *(watched[n] for n in sorted(watched))]:
         name = key(record) if isinstance(record, Seam) else f"watched {key(record)}"
         what = f"hook {reader(record)}" if isinstance(record, Seam) else reader(record)
+        k = (type(record), key(record))
         try:
             fp = source.fingerprint(record.module, record.target)
         except LookupError as e:
-            lines.append(f"{name}: MISSING ({e}); {what} needs a new target")
+            lacking = [v for v in against if k not in known[v]] if isinstance(record, Watched) else []
+            lines.append(f"{name}: absent, as in {', '.join(lacking)}" if lacking else
+                         f"{name}: MISSING ({e}); {what} needs a new target")
             continue
-        k = (type(record), key(record))
         same = [v for v, table in known.items() if k in table and table[k].fingerprint == fp]
         differs = next((known[v][k].differs for v in same), "")
         if any(v in BASE_RELEASES for v in same):
@@ -101,7 +107,7 @@ def main(argv: List[str]) -> int:
             with open(a.out, "w") as f:
                 json.dump(table, f, indent=2)
                 f.write("\n")
-        return 0 if all(": same as" in line for line in lines) else 3
+        return 0 if all(": same as" in line or ": absent, as in" in line for line in lines) else 3
     if not a.table:
         ap.error("give a table to refresh from the installed SGLang, or --from-wheel VERSION")
     _from_installed(a.table)

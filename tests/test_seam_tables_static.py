@@ -9,16 +9,73 @@ import json
 
 import pytest
 
-from sglang_capture.patches import BASE_RELEASES, Seam, load_table, supported_versions, unexplained
+from sglang_capture.patches import (
+    BASE_RELEASES,
+    Seam,
+    Watched,
+    key,
+    load_table,
+    load_watched,
+    supported_versions,
+    unexplained,
+)
 from sglang_capture.patches.wheel_source import WheelSource, fetch_wheel
 
 
-@pytest.mark.parametrize("version", supported_versions())
-def test_every_patched_function_of_a_supported_release_matches_its_table(version):
+def _changed(version, records):
+    """One line per record whose function in ``version``'s wheel is not the one it fingerprints."""
     source = WheelSource(fetch_wheel(version))
-    changed = [f"{s.module}.{s.target} changed in sglang {version} (seam {s.seam})" for s in load_table(version)
-               if source.fingerprint(s.module, s.target) != s.fingerprint]
+    return [f"{r.module}.{r.target} changed in sglang {version} ({'seam' if isinstance(r, Seam) else 'watched'} "
+            f"{key(r)})" for r in records if source.fingerprint(r.module, r.target) != r.fingerprint]
+
+
+@pytest.mark.parametrize("version", supported_versions())
+def test_every_patched_and_watched_function_of_a_supported_release_matches_its_table(version):
+    changed = _changed(version, [*load_table(version), *load_watched(version)])
     assert not changed, "\n".join(changed)
+
+
+def test_a_release_that_changes_a_layer_rule_fails_until_someone_reads_it():
+    """Issue 34 item 6: a setter whose rule changed would make exported draft configs name layers
+    SGLang does not capture. Its changed fingerprint fails the check above; recorded, it is refused
+    until its note says the layer rule was read against it."""
+    [setter] = [w for w in load_watched("0.5.20") if w.name == "deepseek_v2_eagle3_setter"]
+    moved = Watched(**{**setter.__dict__, "fingerprint": "sha256:" + "0" * 64})
+    assert _changed("0.5.20", [moved]) == [
+        "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture changed in sglang 0.5.20 "
+        "(watched deepseek_v2_eagle3_setter)"]
+    assert unexplained([moved]) == [
+        "deepseek_v2_eagle3_setter: sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture "
+        "differs from SGLang 0.5.17 and 0.5.23's and its record does not say how; read "
+        "sglang_capture.core.layers:sglang_layers_to_capture against it and write its differs"]
+    read = Watched(**{**moved.__dict__, "differs": "read core.layers:sglang_layers_to_capture: vs 0.5.17: ..."})
+    assert unexplained([read]) == []
+
+
+def test_every_supported_models_layer_setter_and_decoder_loop_is_watched_in_both_base_releases():
+    """The setter that runs for each architecture the package supports (inherited or its own, as the
+    installed SGLang resolves it) and its inner model's forward are in the tables."""
+    import importlib
+    import inspect
+    import warnings
+
+    from sglang_capture.core.layers import SUPPORTED_ARCHITECTURES
+
+    modules = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+               "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v2",
+               "KimiK25ForConditionalGeneration": "kimi_k25"}
+    assert set(modules) == set(SUPPORTED_ARCHITECTURES)
+    for version in BASE_RELEASES:
+        watched = {(w.module, w.target) for w in load_watched(version)}
+        for arch, module in modules.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), arch)
+            setter = inspect.unwrap(cls.set_eagle3_layers_to_capture)
+            assert (setter.__module__, setter.__qualname__) in watched, (version, arch)
+    inner = {w.target.split(".")[0] for w in load_watched("0.5.17") if w.target.endswith("Model.forward")}
+    assert inner == {"LlamaModel", "Qwen2Model", "Qwen2MoeModel", "DeepseekV2Model"}  # Qwen3(-MoE) inherit theirs
 
 
 def test_the_fingerprint_read_from_a_wheel_is_the_one_the_instrumentor_computes_installed():
@@ -39,18 +96,18 @@ def test_every_release_from_0_5_17_to_0_5_23_is_supported():
 
 @pytest.mark.parametrize("version", supported_versions())
 def test_every_function_unlike_both_base_releases_says_what_changed_and_why_its_hook_holds(version):
-    seams = load_table(version)
-    assert not unexplained(seams), "\n".join(unexplained(seams))
+    records = [*load_table(version), *load_watched(version)]
+    assert not unexplained(records), "\n".join(unexplained(records))
     if version in BASE_RELEASES:
-        assert not any(s.differs for s in seams)
+        assert not any(r.differs for r in records)
 
 
 def test_one_function_has_one_note_in_every_table_that_has_it():
     """refresh copies a note to an identical function, so every table is what refresh would write."""
     notes = {}
     for version in supported_versions():
-        for s in load_table(version):
-            assert notes.setdefault((s.seam, s.fingerprint), s.differs) == s.differs, (version, s.seam)
+        for r in [*load_table(version), *load_watched(version)]:
+            assert notes.setdefault((key(r), r.fingerprint), r.differs) == r.differs, (version, key(r))
 
 
 def test_a_changed_function_without_its_note_is_refused_with_one_line_naming_it():
@@ -82,6 +139,7 @@ def test_refresh_writes_a_releases_table_and_names_each_hook_to_read_again(tmp_p
     for version in ("0.5.17", "0.5.20", "0.5.21"):
         assert main(["--from-wheel", version, "--out", str(out)]) == 0
         assert [Seam(**s) for s in json.load(open(out))["seams"]] == load_table(version)
+        assert [Watched(**w) for w in json.load(open(out))["watched"]] == load_watched(version)
     capsys.readouterr()
     assert main(["--from-wheel", "0.5.20", "--against", "0.5.17,0.5.23", "--out", str(out)]) == 3
     lines = capsys.readouterr().out.splitlines()
@@ -91,7 +149,13 @@ def test_refresh_writes_a_releases_table_and_names_each_hook_to_read_again(tmp_p
             "the hook holds") in lines
     written = [Seam(**s) for s in json.load(open(out))["seams"]]
     assert {s.seam for s in written if not s.differs} == {s.seam for s in written}
-    assert [line.split(":")[0] for line in unexplained(written)] == [line.split(":")[0] for line in lines if "CHANGED" in line]
+    assert [line.split(":")[0] for line in unexplained(written)] == [
+        line.split(":")[0] for line in lines if "CHANGED" in line and not line.startswith("watched ")]
+    watched = [Watched(**w) for w in json.load(open(out))["watched"]]
+    assert ["watched " + line.split(":")[0] for line in unexplained(watched)] == [
+        line.split(":")[0] for line in lines if "CHANGED" in line and line.startswith("watched ")]
+    assert "watched req_set_extend_range: same as 0.5.17" in lines  # gone from 0.5.22 on
+    assert "watched copy_result_to_cpu: absent, as in 0.5.17" in lines  # new in 0.5.23
     with pytest.raises(SystemExit):
         main(["--from-wheel", "0.5.20", "--against", "0.5.16"])
     assert "--against 0.5.16: not a supported release" in capsys.readouterr().err
