@@ -63,6 +63,15 @@ def _extra_memory(fn, x: torch.Tensor, block: int) -> int:
     return extra
 
 
+def _forward_tensor(a: argparse.Namespace, trial: int) -> torch.Tensor:
+    """A fresh [rows, width] bf16 tensor of the forward stream, with no other cached block of its
+    size: the next "forward" tensor must be offered its memory (a freed temporary of the same size
+    would be picked first, hiding the race)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.empty(a.rows, a.width, device="cuda", dtype=torch.bfloat16).normal_().mul_(trial + 1)
+
+
 def race(a: argparse.Namespace) -> Dict:
     forward, side = torch.cuda.current_stream(), torch.cuda.Stream()
     block = a.width // 4
@@ -70,11 +79,7 @@ def race(a: argparse.Namespace) -> Dict:
     for record in (False, True):
         corrupted = 0
         for trial in range(a.trials):
-            # No other cached block of x's size: the next "forward" tensor must be offered x's
-            # memory (a freed temporary of the same size would be picked first, hiding the race).
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            x = torch.empty(a.rows, a.width, device="cuda", dtype=torch.bfloat16).normal_().mul_(trial + 1)
+            x = _forward_tensor(a, trial)
             want, x_ptr = pack(x, block), x.data_ptr()
             side.wait_stream(forward)
             with torch.cuda.stream(side):
@@ -117,9 +122,7 @@ def _race_through_the_copy_hook(a: argparse.Namespace, forward, side) -> Dict:
         for record in (False, True):
             corrupted = 0
             for trial in range(a.trials):
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                x = torch.empty(a.rows, a.width, device="cuda", dtype=torch.bfloat16).normal_().mul_(trial + 1)
+                x = _forward_tensor(a, trial)
                 want, x_ptr = pack(x, block).cpu(), x.data_ptr()
                 call = CopyHookCall(capture_dir, x, block, ["fp8", "fp8"], [a.rows // 2, a.rows - a.rows // 2], pool)
                 del x  # the result object holds the forward's rows now, as in SGLang

@@ -74,7 +74,8 @@ def _bind(return_logprob: bool, return_hidden_states: bool = True) -> tuple:
 
 
 def copy_hidden_to_pool(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Around ``GenerationBatchResult.copy_to_cpu`` (scheduler thread, on SGLang's copy stream).
+    """Around ``GenerationBatchResult.copy_to_cpu`` (scheduler thread, on the stream SGLang copies
+    results on: its copy stream, or with 0.5.17's delayed sampling the forward stream itself).
 
     Usually called inside ``run_batch``; with delayed sampling (grammars) after it, which is why
     the batch's state is looked up on the result first."""
