@@ -15,7 +15,8 @@ PIP_QUIET := { grep -v -e 'is ignored: it is neither a file nor a directory' || 
 # machine (demo and test, say) would otherwise both remove and rebuild it, or install into it at once.
 install:
 	@mkdir -p $(dir $(VENV))
-	@flock $(VENV).lock $(MAKE) --no-print-directory venv
+	@flock -w 1800 -E 99 $(VENV).lock $(MAKE) --no-print-directory venv || { rc=$$?; [ $$rc -ne 99 ] || \
+	  echo "make: waited 30 min for another make building $(VENV) (lock $(VENV).lock)" >&2; exit $$rc; }
 
 venv:
 	@if ! $(VENV)/bin/python -c "import sglang, sys; sys.exit(sglang.__version__ != '$(SGLANG_VERSION)')" 2>/dev/null; then \

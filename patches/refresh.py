@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from sglang_capture.patches import BASE_RELEASES, Seam, Watched, key, load_table, load_watched, reader, supported_versions
 
@@ -37,6 +37,16 @@ def _from_installed(path: str) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
+
+
+def _release_key(version: str) -> Tuple[int, ...]:
+    return tuple(int(x) for x in version.split("."))
+
+
+def _nearest_at_or_below(version: str) -> Optional[str]:
+    """The newest supported release that is not newer than ``version`` (None when all are)."""
+    older = [v for v in supported_versions() if _release_key(v) <= _release_key(version)]
+    return max(older, key=_release_key) if older else None
 
 
 def compare_release(version: str, cache: str = "", against: Sequence[str] = ()) -> Tuple[Dict, List[str]]:
@@ -65,9 +75,13 @@ def compare_release(version: str, cache: str = "", against: Sequence[str] = ()) 
         try:
             fp = source.fingerprint(record.module, record.target)
         except LookupError as e:
-            lacking = [v for v in against if k not in known[v]] if isinstance(record, Watched) else []
-            lines.append(f"{name}: absent, as in {', '.join(lacking)}" if lacking else
-                         f"{name}: MISSING ({e}); {what} needs a new target")
+            # a watched function may come or go between releases, but one that the nearest
+            # supported release at or below this one has is a change to read
+            nearest = _nearest_at_or_below(version)
+            if isinstance(record, Watched) and nearest and record.name not in {w.name for w in load_watched(nearest)}:
+                lines.append(f"{name}: absent, as in {nearest}")
+            else:
+                lines.append(f"{name}: MISSING ({e}); {what} needs a new target")
             continue
         same = [v for v, table in known.items() if k in table and table[k].fingerprint == fp]
         differs = next((known[v][k].differs for v in same), "")

@@ -181,3 +181,47 @@ def test_a_lock_wait_says_what_it_waits_for_and_ends_at_its_bound(tmp_path, capl
         os.close(fd)
         if holder >= 0:
             os.close(holder)
+
+
+def test_a_failed_flush_of_the_name_removes_the_file_it_named(tmp_path):
+    """The name appeared, then its directory's flush failed: the caller reports an error, so no
+    file may stay under the name (an outcome of error never beside a published file)."""
+    from sglang_capture.core.capture_dir import DirFds
+    from sglang_capture.core.format import Codec, host_tensor
+    from sglang_capture.writer.capture_file import write_capture_file
+
+    class NameFlushFails(Durability):
+        def sync_names(self, dir_fd: int) -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+    dirs = DirFds.open(str(tmp_path))
+    with pytest.raises(OSError, match="Input/output error"):
+        write_capture_file(dirs, "named", {"rid": "named"}, {"x": host_tensor(torch.zeros(2, 4))}, Codec("zstd"),
+                           NameFlushFails())
+    assert sorted(os.listdir(tmp_path)) == [".index", ".tmp"] and os.listdir(tmp_path / ".tmp") == []
+
+
+def test_one_large_write_goes_to_the_disk_a_step_at_a_time(tmp_path, monkeypatch):
+    """A 64 MiB frame is one write: it is handed to writeback and waited for in steps, with progress
+    after each, so no more than two steps are ever dirty and a slow disk never silences the writer."""
+    from sglang_capture.writer import durability
+    from sglang_capture.writer.durability import WriteBehind
+
+    events = []
+    real = durability.sync_file_range
+    monkeypatch.setattr(durability, "sync_file_range",
+                        lambda fd, off, n, wait: (events.append(("wait" if wait else "start", off, n)), real(fd, off, n, wait)))
+    step = 16384
+    with open(tmp_path / "big", "wb", buffering=1 << 20) as f:
+        behind = WriteBehind(f, lambda: events.append(("progress", behind.written)), step=step)
+        behind.write(memoryview(os.urandom(10 * step + 100)))
+        behind.finish()
+    progress = [e[1] for e in events if e[0] == "progress"]
+    assert sorted(set(progress)) == [step * (i + 1) for i in range(10)] + [10 * step + 100]  # after every step written
+    waits = [e for e in events if e[0] == "wait"]
+    for i, e in enumerate(events):  # never more than two steps handed and not yet waited for
+        if e[0] == "start":
+            waited = sum(w[2] for w in events[:i] if w[0] == "wait")
+            assert e[1] + e[2] - waited <= 2 * step
+    assert max(w[2] for w in waits) <= step
+    assert sum(w[2] for w in waits) == os.path.getsize(tmp_path / "big") == 10 * step + 100

@@ -54,7 +54,8 @@ def test_a_release_that_changes_a_layer_rule_fails_until_someone_reads_it():
 
 def test_every_supported_models_layer_setter_and_decoder_loop_is_watched_in_both_base_releases():
     """The setter that runs for each architecture the package supports (inherited or its own, as the
-    installed SGLang resolves it) and its inner model's forward are in the tables."""
+    installed SGLang resolves it; every release's setters have one module and name, the tables say
+    so) and its inner model's forward are in the base releases' tables."""
     import importlib
     import inspect
     import warnings
@@ -155,7 +156,42 @@ def test_refresh_writes_a_releases_table_and_names_each_hook_to_read_again(tmp_p
     assert ["watched " + line.split(":")[0] for line in unexplained(watched)] == [
         line.split(":")[0] for line in lines if "CHANGED" in line and line.startswith("watched ")]
     assert "watched req_set_extend_range: same as 0.5.17" in lines  # gone from 0.5.22 on
-    assert "watched copy_result_to_cpu: absent, as in 0.5.17" in lines  # new in 0.5.23
+    assert "watched copy_result_to_cpu: absent, as in 0.5.20" in lines  # new in 0.5.23
     with pytest.raises(SystemExit):
         main(["--from-wheel", "0.5.20", "--against", "0.5.16"])
     assert "--against 0.5.16: not a supported release" in capsys.readouterr().err
+
+
+def test_refresh_says_missing_when_a_new_release_drops_a_watched_function_the_last_one_had(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """A release past 0.5.23 without ``Scheduler._copy_result_to_cpu`` (the stream the copy hook
+    runs on) is a change to read, not an absence to copy: exit 3, MISSING named."""
+    from sglang_capture.patches import refresh, wheel_source
+
+    real = wheel_source.WheelSource.fingerprint
+
+    def without_copy_wrapper(self, module, target):
+        if target == "Scheduler._copy_result_to_cpu":
+            raise LookupError(f"{module}.{target} is not in the wheel")
+        return real(self, module, target)
+
+    newest = fetch_wheel("0.5.23")  # stands in for the new release's wheel, less that function
+    monkeypatch.setattr(wheel_source.WheelSource, "fingerprint", without_copy_wrapper)
+    monkeypatch.setattr(wheel_source, "fetch_wheel", lambda version, cache=None: newest)
+    assert refresh.main(["--from-wheel", "0.5.24", "--out", str(tmp_path / "t.json")]) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "MISSING" in line] == [
+        "watched copy_result_to_cpu: MISSING (sglang.srt.managers.scheduler.Scheduler._copy_result_to_cpu is not in "
+        "the wheel); sglang_capture.server.hooks.transfer:copy_hidden_to_pool needs a new target"]
+
+
+def test_the_code_each_record_names_exists_in_the_package():
+    """A hook or a relying function renamed in the package must not leave the tables naming nothing."""
+    import importlib
+
+    for version in supported_versions():
+        for r in [*load_table(version), *load_watched(version)]:
+            module, _, path = (r.hook if isinstance(r, Seam) else r.relied_on_by).partition(":")
+            obj = importlib.import_module(module)
+            for part in path.split("."):
+                obj = getattr(obj, part)

@@ -343,7 +343,7 @@ def test_a_writer_ended_while_flushing_leaves_an_outcome_that_matches_the_file(t
     capture_dir = tmp_path / "captures"
     capture_dir.mkdir()
     job, ledger = make_job(capture_dir, [(0, torch.randn(64, 4))], 64, name="flushing")
-    writer, pid = _one_writer(capture_dir, ledger, writer_stall_s=1.0)
+    writer, pid = _one_writer(capture_dir, ledger, writer_stall_s=5.0)  # a loaded machine must not stall it first
     if flush_fails:
         real_fsync = os.fsync
 
@@ -376,3 +376,68 @@ def test_a_writer_ended_while_flushing_leaves_an_outcome_that_matches_the_file(t
         if flush_fails:
             assert outcome["error"].endswith("then flushing its name failed (OSError: Input/output error), "
                                              "so the file was removed")
+
+
+def test_a_writer_still_stuck_in_the_kernel_gets_an_error_outcome_and_its_file_goes_once_it_exits(tmp_path):
+    """Killed while stuck in the kernel (a hung mount), a process that announced its file may still
+    link it after the outcome was recorded: the outcome says error and whatever it names is removed
+    once it is gone. A file under the name that is not the announced one is kept."""
+    import threading
+    import types
+
+    from sglang_capture.server.writer_pool import WriterPool, WriterStalled
+
+    cfg = CaptureConfig(capture_dir=str(tmp_path), writers=1)
+    pool = WriterPool(cfg, HostMemoryLedger(1 << 20))
+    job, _ = make_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="late")
+    path = tmp_path / "late.capture.msgpack"
+    path.write_bytes(b"a whole file, linked after the outcome")
+    st = os.stat(path)
+    job.publishing = {"op": "publishing", "dev": st.st_dev, "ino": st.st_ino, "bytes": 38, "checksum": "x"}
+    child = types.SimpleNamespace(pid=1, proc=types.SimpleNamespace(returncode=None), exit_lock=threading.Lock(),
+                                  temp=None, unlink_on_exit=None)
+    outcome = pool._outcome_after_failure(job, WriterStalled("stalled"), child)
+    assert outcome["status"] == "error" and outcome["error"].endswith("removed once the process ends")
+    assert path.exists()  # not yet: the process is not gone
+    child.proc.returncode = -9
+    pool._child_exited(child)
+    assert not path.exists()
+
+    other, _ = make_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="taken")
+    taken = tmp_path / "taken.capture.msgpack"
+    taken.write_bytes(b"another request's file")
+    other.publishing = {"op": "publishing", "dev": st.st_dev, "ino": st.st_ino + 1, "bytes": 1, "checksum": "x"}
+    child.proc.returncode = None
+    assert pool._outcome_after_failure(other, WriterStalled("stalled"), child)["status"] == "error"
+    child.proc.returncode = -9
+    pool._child_exited(child)
+    assert taken.exists()
+
+
+def test_a_name_flush_that_does_not_end_in_time_fails_the_capture_and_removes_the_file_when_it_ends(tmp_path):
+    import threading
+
+    from sglang_capture.server.writer_pool import _flush_names_within
+    from sglang_capture.writer.durability import Durability
+
+    release = threading.Event()
+
+    class Hung(Durability):
+        def sync_names(self, dir_fd: int) -> None:
+            release.wait(30)
+
+    path = tmp_path / "f.capture.msgpack"
+    path.write_bytes(b"x")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        t0 = time.monotonic()
+        assert _flush_names_within(Hung(), fd, path.name, os.stat(path), 0.5) == "did not end within 0.5 s"
+        assert time.monotonic() - t0 < 5 and path.exists()
+        release.set()
+        deadline = time.monotonic() + 10
+        while path.exists():  # removed by the flush's own thread once the flush returned
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert _flush_names_within(Durability(), fd, path.name, os.stat(tmp_path), 5) is None
+    finally:
+        os.close(fd)

@@ -50,7 +50,9 @@ def slow_dir(tmp_path_factory):
     dev = subprocess.run(["losetup", "-f", "--show", str(image)], check=True, capture_output=True, text=True).stdout.strip()
     rule = ""
     try:
-        subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True, capture_output=True)
+        # no lazy initialisation: its background writes would share the throttle with the test's
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev], check=True,
+                       capture_output=True)
         subprocess.run(["mount", dev, str(mnt)], check=True, capture_output=True)
         st = os.stat(dev)
         rule = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"

@@ -9,7 +9,8 @@ the offline tools all read or write.
   for ``--capture-index-retention`` seconds, then swept by a writer process (``sweep_records``).
 - ``.index/_writer-<host>.<pid>.<nonce>.json``: the stats of each scheduler process that writes,
   for monitoring, beside a ``.lock`` its process holds while it lives. At start-up the stats of
-  processes that are gone are added into ``.index/_stats-history.json`` and removed. No request's
+  processes that are gone (and whose file was not rewritten for ``STATS_STALE_S``) are added into
+  ``.index/_stats-history.json`` and removed. No request's
   record can take these names: a safe request id never starts with ``_`` (core/names.py).
 """
 from __future__ import annotations
@@ -110,18 +111,6 @@ def remove_orphans(dirs: DirFds, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
     return removed
 
 
-def remove_temp_files_of(dirs: DirFds, pid: int) -> int:
-    """Remove the temp files in ``.tmp/`` of this host's process ``pid``, which has exited (a
-    writer process killed mid-file): multi-GB files go when the process is replaced, not at the
-    next server start. Returns how many; a file whose lock is held is kept (another process took
-    the pid, or the file is not this one's)."""
-    removed, owner = 0, (host_tag(), str(pid))
-    for entry in os.listdir(dirs.tmp):
-        if _temp_owner(entry) == owner:
-            removed += remove_unowned(entry, dirs.tmp)
-    return removed
-
-
 def _temp_owner(entry: str) -> Optional[Tuple[str, str]]:
     """(host tag, pid) of a temp file's name (core/durable.temp_name), None for other names."""
     parts = entry.split(".")
@@ -207,7 +196,8 @@ def retire_stale_stats(dirs: DirFds, min_age_s: float = STATS_STALE_S) -> int:
             history = {"processes": 0, "totals": {}, "peaks": {}}
         entries = sorted(os.listdir(dirs.index))
         for entry in entries:  # a lock whose process died before writing any stats
-            if entry.startswith(STATS_PREFIX) and entry.endswith(_LOCK) and entry[:-len(_LOCK)] + ".json" not in entries:
+            if entry.endswith(_LOCK) and _stats_stem(entry[:-len(_LOCK)] + ".json") and \
+                    entry[:-len(_LOCK)] + ".json" not in entries:
                 remove_unowned(entry, dirs.index, ORPHAN_MIN_AGE_S)
         for entry in entries:
             stem = _stats_stem(entry)

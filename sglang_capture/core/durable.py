@@ -28,7 +28,7 @@ import os
 import socket
 import time
 import uuid
-from typing import IO, Callable, Optional, TypeVar, Union
+from typing import IO, Callable, Optional, Tuple, TypeVar, Union
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -67,8 +67,9 @@ def lock_within(fd: int, what: str, timeout_s: float = LOCK_TIMEOUT_S) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
-        except BlockingIOError:
-            pass
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # EACCES: how some mounts say "held"
+                raise
         left = deadline - time.monotonic()
         if left <= 0:
             raise LockTimeout(errno.ETIMEDOUT, f"waited {timeout_s:g} s for the lock on {what}, which another "
@@ -164,36 +165,55 @@ def _sync_dir_of(name: str, dir_fd: Optional[int]) -> None:
 def publish_new(name: str, write: Callable[[IO[bytes]], T], *, dir_fd: Optional[int] = None,
                 tmp_dir_fd: Optional[int] = None, sync_data: Optional[Callable[[int], None]] = None,
                 sync_names: Optional[Callable[[int], None]] = None,
+                created: Optional[Callable[[str], None]] = None,
                 before_link: Optional[Callable[[int, T], None]] = None) -> T:
     """Create ``name`` (in ``dir_fd``, else relative to the cwd) with what ``write`` puts into a
     binary file, never replacing an existing file; returns what ``write`` returned.
 
     The temp file lives in ``tmp_dir_fd`` (default: beside ``name``; it must be on the same
-    filesystem). ``sync_data(fd)`` runs once the bytes are written, before the name appears
-    (default: fsync of the file); ``before_link(fd, result)`` last before the name appears, when
-    the file is whole and flushed; ``sync_names(dir_fd)`` after (default: fsync of the directory).
-    Raises FileExistsError when the name is taken; leaves nothing behind on any failure. The temp
-    file stays locked (``create_owned``) until it has its name."""
+    filesystem); ``created(temp name)`` is called once it exists. ``sync_data(fd)`` runs once the
+    bytes are written, before the name appears (default: fsync of the file); ``before_link(fd,
+    result)`` last before the name appears, when the file is whole and flushed; ``sync_names(dir_fd)``
+    after (default: fsync of the directory). Raises FileExistsError when the name is taken; leaves
+    nothing behind on any failure, the name included when its flush fails. The temp file stays
+    locked (``create_owned``) until it has its name."""
     tmp_dir = tmp_dir_fd if tmp_dir_fd is not None else dir_fd
     tmp = temp_name(os.path.basename(name)) if tmp_dir is not None else temp_name(name)
     try:
         with os.fdopen(create_owned(tmp, tmp_dir), "wb", buffering=1 << 20) as f:
+            if created is not None:
+                created(tmp)
             result = write(f)
             f.flush()
             (sync_data or os.fsync)(f.fileno())
             if before_link is not None:
                 before_link(f.fileno(), result)
+            st = os.fstat(f.fileno())
             try:
                 os.link(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd, follow_symlinks=False)
             except FileExistsError:
                 raise FileExistsError(f"{name} already exists") from None
-        if sync_names is None:
-            _sync_dir_of(name, dir_fd)
-        else:
-            sync_names(dir_fd)
+        try:
+            if sync_names is None:
+                _sync_dir_of(name, dir_fd)
+            else:
+                sync_names(dir_fd)
+        except BaseException:
+            unlink_if_same(name, dir_fd, (st.st_dev, st.st_ino))  # an outcome of error never beside a file
+            raise
     finally:
         unlink_quietly(tmp, tmp_dir)
     return result
+
+
+def unlink_if_same(name: str, dir_fd: Optional[int], identity: Tuple[int, int]) -> None:
+    """Remove ``name`` if it is still the file of that (device, inode): never another one that took the name."""
+    try:
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) == identity:
+            os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
 def replace_atomic(name: str, write: Callable[[IO[bytes]], object], *, dir_fd: Optional[int] = None,

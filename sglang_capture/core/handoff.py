@@ -7,12 +7,13 @@ or the server has none) travel inline as bytes. Messages are length-prefixed msg
 
 Protocol, per writer process: ``hello`` (configuration, pool descriptor), then per job
 ``write`` → ``copied`` (the rows are read out of the pool: the scheduler side may free it) →
-``publishing`` (the file is whole and flushed; its device, inode, size and checksum; its name
-appears next) → ``done`` (the outcome), with ``progress`` messages between them while a long file
+``temp`` (the temp file's name under ``.tmp/``, removed by the scheduler side if the process is
+killed) → ``publishing`` (the file is whole and flushed; its device, inode, size and checksum; its
+name appears next) → ``done`` (the outcome), with ``progress`` messages between them while a long file
 is still being written and reaching the disk (at most one a second): the scheduler side gives up
 on a writer that sends nothing for ``--capture-writer-stall-timeout``. A writer that dies or stalls
 after ``publishing`` may have published the file: the scheduler side then judges it by that
-identity. ``publishing`` is absent when the file failed before it was whole. Between jobs, ``sweep`` → ``swept`` removes old outcome
+identity. ``temp`` and ``publishing`` are absent when the file failed before them. Between jobs, ``sweep`` → ``swept`` removes old outcome
 records. EOF on either side ends it.
 """
 from __future__ import annotations

@@ -28,10 +28,10 @@ from sglang_capture.core.capture_dir import (
     error_text,
     record_outcome,
     remove_orphans,
-    remove_temp_files_of,
     retire_stale_stats,
 )
 from sglang_capture.core.config import CaptureConfig
+from sglang_capture.core.durable import remove_unowned, unlink_if_same
 from sglang_capture.core.handoff import Stalled, describe_chunks, ids_bytes, recv_reply, send
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.server.ledger import HostMemoryLedger
@@ -99,6 +99,11 @@ class _Child:
 
     def __init__(self, config: CaptureConfig, pool: Optional[HostPool]) -> None:
         self.stall_s = config.writer_stall_s
+        self.temp: Optional[str] = None  # the temp file (under .tmp/) of the job in hand, once created
+        # a file published by the job in hand, to remove once the process is gone: it died or stalled
+        # while stuck in the kernel, and its outcome, recorded meanwhile, says error
+        self.unlink_on_exit: Optional[Tuple[str, int, int]] = None
+        self.exit_lock = threading.Lock()
         pass_fds = (pool.fd,) if pool is not None else ()  # the pool's memfd, mapped read-only there
         self.proc = subprocess.Popen([sys.executable, "-m", "sglang_capture.writer.process"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, pass_fds=pass_fds)
@@ -139,10 +144,10 @@ class _Child:
             code = None
         return WriterProcessDied(f"writer process {self.pid} exited (code {code}) before finishing the file")
 
-    def stop(self, timeout: float, exited: Callable[[int], None] = lambda pid: None) -> None:
+    def stop(self, timeout: float, exited: Callable[[_Child], None] = lambda child: None) -> None:
         """EOF tells the process to finish and exit; kill it if it does not in time. Closes the
         pipes either way (a server replacing writers for days must not leak descriptors), and
-        calls ``exited(pid)`` once the process is gone (from a reaper thread if it is stuck in the
+        calls ``exited(self)`` once the process is gone (from a reaper thread if it is stuck in the
         kernel)."""
         try:
             self.proc.stdin.close()
@@ -154,25 +159,41 @@ class _Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5.0)
-            exited(self.pid)
+            exited(self)
         except subprocess.TimeoutExpired:  # stuck in the kernel (a hung mount): reaped when it returns
             def reap() -> None:
                 self.proc.wait()
-                exited(self.pid)
+                exited(self)
 
             threading.Thread(target=reap, name=f"sglang-capture-reap-{self.pid}", daemon=True).start()
         finally:
             self.proc.stdout.close()
 
 
-def _unlink_if_same(name: str, dir_fd: int, st: os.stat_result) -> None:
-    """Remove ``name`` if it is still the file ``st`` describes."""
-    try:
-        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-            os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
+def _flush_names_within(durability: Any, dir_fd: int, name: str, st: os.stat_result, timeout: float) -> Optional[str]:
+    """Flush the capture dir's names per ``durability`` on a thread of its own, waiting at most
+    ``timeout``: None when done, else what went wrong. The file ``name`` (``st``) is then removed,
+    when the flush ends: a hung mount must not hang the hand-off thread that asks."""
+    lock, done = threading.Lock(), threading.Event()
+    verdict: Dict[str, Optional[str]] = {}
+
+    def flush() -> None:
+        try:
+            durability.sync_names(dir_fd)
+            failed = None
+        except OSError as e:
+            failed = f"failed ({error_text(e)})"
+        with lock:
+            late = "verdict" in verdict
+            verdict.setdefault("verdict", failed)
+        if failed is not None or late:
+            unlink_if_same(name, dir_fd, (st.st_dev, st.st_ino))
+        done.set()
+
+    threading.Thread(target=flush, name="sglang-capture-name-flush", daemon=True).start()
+    done.wait(timeout)
+    with lock:
+        return verdict.setdefault("verdict", f"did not end within {timeout:g} s")
 
 
 def _logged_step(doing: str, step: Callable[[], Any]) -> Any:
@@ -335,7 +356,7 @@ class WriterPool:
                 with self._lock:
                     child = self._children.pop(slot, None)
                 if child is not None:
-                    child.stop(30.0, self._remove_temp_files)
+                    child.stop(30.0, self._child_exited)
                 return
             if isinstance(job, SweepJob):
                 self._sweep(slot, job)
@@ -349,8 +370,9 @@ class WriterPool:
                 self.stats["queue_wait_s"] += time.monotonic() - job.enqueued
             try:
                 outcome = self._write(slot, job)
-            except Exception as e:  # a dead writer process fails only this job
-                outcome = self._outcome_after_failure(job, e)
+            except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
+                outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job),
+                           "status": "error", "error": error_text(e)}
             finally:
                 job.capture.release()
                 with self._lock:
@@ -366,24 +388,28 @@ class WriterPool:
 
     def _write(self, slot: int, job: CaptureJob) -> Dict[str, Any]:
         """Have the slot's writer process write ``job``; a process found gone before it took the
-        job is replaced and the job handed to the new one (once)."""
+        job is replaced and the job handed to the new one (once). A process that dies or stalls
+        with the job fails only it (a stalled one is killed and replaced first)."""
         child = self._children.get(slot)
         if child is None or not child.alive():
             child = self._replace(slot)
         try:
-            return self._hand_off(child, job)
-        except NotTaken:
-            return self._hand_off(self._replace(slot), job)
-        except WriterStalled:
-            self._drop(slot, stalled=True)
-            raise
+            try:
+                return self._hand_off(child, job)
+            except NotTaken:
+                child = self._replace(slot)
+                return self._hand_off(child, job)
+        except WriterProcessDied as e:
+            if isinstance(e, WriterStalled):
+                self._drop(slot, stalled=True)
+            return self._outcome_after_failure(job, e, child)
 
     def _replace(self, slot: int, stop_timeout: float = 1.0) -> _Child:
         """Start the slot's writer process, stopping the one it replaces (raises WriterProcessDied)."""
         with self._lock:
             old = self._children.pop(slot, None)
         if old is not None:
-            old.stop(stop_timeout, self._remove_temp_files)
+            old.stop(stop_timeout, self._child_exited)
         try:
             child = _Child(self.config, self.pool)
         except OSError as e:
@@ -416,12 +442,17 @@ class WriterPool:
                     "input_ids": ids_bytes(job.input_ids),
                     "output_ids": ids_bytes(job.output_ids),
                     "loss_spans": [list(s) for s in spans] if spans is not None else None})
+        child.temp = None
         child.recv()  # "copied": the process holds the rows now
         job.capture.release()
         reply = child.recv()
-        if reply.get("op") == "publishing":
-            job.publishing = reply
+        while reply.get("op") in ("temp", "publishing"):
+            if reply["op"] == "temp":
+                child.temp = reply["name"]
+            else:
+                job.publishing = reply
             reply = child.recv()
+        child.temp = None  # the file has its name, or the process removed it
         result, timings = reply["result"], reply["timings"]
         outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job), **result}
         raw = outcome.pop("raw_bytes", 0)
@@ -437,18 +468,25 @@ class WriterPool:
             outcome["write_s"] = round(time.monotonic() - job.enqueued, 6)
         return outcome
 
-    def _outcome_after_failure(self, job: CaptureJob, e: Exception) -> Dict[str, Any]:
-        """The outcome of a job whose writer failed, matching what is under the file's name: a
-        writer process that died or stalled after ``publishing`` (in the directory's flush, say)
-        left its whole, flushed file under the name, so the name's flush is done here and the
-        outcome is ``ok``; if that flush fails the file is removed. Otherwise ``error``, and no file
-        of this job is under the name (a file there that is not the one announced is kept)."""
+    def _outcome_after_failure(self, job: CaptureJob, e: WriterProcessDied, child: _Child) -> Dict[str, Any]:
+        """The outcome of a job whose writer process died or stalled, matching what is under the
+        file's name. A process gone after ``publishing`` (in the directory's flush, say) left its
+        whole, flushed file under the name: the name's flush is done here, within the stall
+        timeout, and the outcome is ``ok``; if that flush fails or does not end in time, the file is
+        removed (when the flush ends) and the outcome is ``error``. A process still stuck in the
+        kernel may yet link the file: the outcome is ``error`` and the file is removed once the
+        process is gone. A file under the name that is not the one announced is never touched."""
         outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": self._path(job), "status": "error",
                    "error": error_text(e)}
         announced = job.publishing
-        if announced is None or not isinstance(e, WriterProcessDied):
+        if announced is None:
             return outcome
         name = job.capture.name + FILE_SUFFIX
+        with child.exit_lock:
+            if child.proc.returncode is None:
+                child.unlink_on_exit = (name, announced["dev"], announced["ino"])
+                outcome["error"] += "; its file, if the process names it, is removed once the process ends"
+                return outcome
         try:
             dirs = self.dirs()
             st = os.stat(name, dir_fd=dirs.capture, follow_symlinks=False)
@@ -456,11 +494,10 @@ class WriterPool:
             return outcome
         if (st.st_dev, st.st_ino) != (announced["dev"], announced["ino"]):
             return outcome
-        try:
-            durability_for(self.config.durability).sync_names(dirs.capture)
-        except OSError as flush_error:
-            _unlink_if_same(name, dirs.capture, st)
-            outcome["error"] = f"{outcome['error']}; then flushing its name failed ({error_text(flush_error)}), so the file was removed"
+        failed = _flush_names_within(durability_for(self.config.durability), dirs.capture, name, st,
+                                     self.config.writer_stall_s)
+        if failed is not None:
+            outcome["error"] += f"; then flushing its name {failed}, so the file was removed"
             return outcome
         with self._lock:
             self.stats["written"] += 1
@@ -471,14 +508,23 @@ class WriterPool:
                 "bytes": announced["bytes"], "checksum": announced["checksum"],
                 "write_s": round(time.monotonic() - job.enqueued, 6)}
 
-    def _remove_temp_files(self, pid: int) -> None:
-        """Remove an exited writer process's temp files (a file cut short by a kill or a stall)."""
-        removed = _logged_step(f"removing the temp files of writer process {pid}",
-                               lambda: remove_temp_files_of(self.dirs(), pid))
-        if removed:
-            logger.info("sglang_capture: removed %d temp files of writer process %d", removed, pid)
+    def _child_exited(self, child: _Child) -> None:
+        """A writer process is gone: remove the temp file of the job it had in hand (cut short by a
+        kill or a stall), and a file it published after its job's outcome said error."""
+        with child.exit_lock:
+            temp, published, child.unlink_on_exit = child.temp, child.unlink_on_exit, None
+        try:
+            dirs = self.dirs()
+        except OSError:
+            return
+        if temp is not None and _logged_step(f"removing the temp file of writer process {child.pid}",
+                                             lambda: remove_unowned(temp, dirs.tmp)):
+            logger.info("sglang_capture: removed the temp file %s of writer process %d", temp, child.pid)
             with self._lock:
-                self.stats["temp_files_removed"] += removed
+                self.stats["temp_files_removed"] += 1
+        if published is not None:
+            name, dev, ino = published
+            unlink_if_same(name, dirs.capture, (dev, ino))
 
     def sweep(self) -> SweepJob:
         """Queue a sweep of old outcome records now (they are also swept every quarter of

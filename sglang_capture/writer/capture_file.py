@@ -24,6 +24,7 @@ def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors
                        progress: Callable[[], None] = lambda: None,
                        checksum: str = DEFAULT_CHECKSUM,
                        publishing: Optional[Callable[[os.stat_result, int, str], None]] = None,
+                       temp_created: Optional[Callable[[str], None]] = None,
                        ) -> Tuple[int, str, Dict[str, float]]:
     """Encode ``tensors`` into ``<name>.capture.msgpack`` and publish it; returns its size,
     checksum and stage timings. Raises on failure (FileExistsError when the name is taken),
@@ -34,9 +35,11 @@ def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors
     allocation on the host, the server's included, and nothing reads these files back soon.
 
     ``progress`` is called after each write and each step of the file that reaches the disk: how
-    the writer shows it is not hung. ``publishing(stat, bytes, checksum)`` is called when the file
-    is whole and flushed, just before its name appears: with it the server side can tell, if this
-    process dies in the directory's flush, that the file under the name is this one and whole."""
+    the writer shows it is not hung. ``temp_created(name)`` says the temp file's name under
+    ``.tmp/`` (the server side removes it if this process is killed mid-file), and
+    ``publishing(stat, bytes, checksum)`` is called when the file is whole and flushed, just
+    before its name appears: with it the server side can tell, if this process dies in the
+    directory's flush, that the file under the name is this one and whole."""
     t0 = time.monotonic()
     encoded_at = [t0]
 
@@ -63,7 +66,8 @@ def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors
 
     try:
         nbytes, digest = publish_new(name + FILE_SUFFIX, encode, dir_fd=dirs.capture, tmp_dir_fd=dirs.tmp,
-                                       sync_data=sync_data, sync_names=sync_names, before_link=before_link)
+                                       sync_data=sync_data, sync_names=sync_names, created=temp_created,
+                                       before_link=before_link)
     except FileExistsError:
         raise FileExistsError(f"a capture file named {name!r} already exists") from None
     return nbytes, digest, {"encode_write_s": encoded_at[0] - t0, "fsync_publish_s": time.monotonic() - encoded_at[0]}

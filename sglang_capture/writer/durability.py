@@ -80,11 +80,14 @@ class WriteBehind:
         self._ranges = True  # the file takes range writeback (set False on its first refusal)
 
     def write(self, data: Any) -> None:
-        self._f.write(data)
-        self.written += memoryview(data).nbytes
-        self._progress()
-        if self.written - self._handed >= self._step:
-            self._advance()
+        view = memoryview(data).cast("B")
+        for at in range(0, len(view), self._step):  # a 64 MiB frame goes a step at a time too
+            piece = view[at:at + self._step]
+            self._f.write(piece)
+            self.written += len(piece)
+            self._progress()
+            if self.written - self._handed >= self._step:
+                self._advance()
 
     def finish(self) -> None:
         """Wait until every byte written is on the disk (before the file's flush and name)."""

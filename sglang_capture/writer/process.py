@@ -61,9 +61,10 @@ class WriterProcess:
             return {"op": "swept", "removed": 0, "error": error_text(e)}
 
     def write(self, msg: Dict[str, Any], out_fd: int) -> Dict[str, Any]:
-        """Publish one job; sends ``copied`` as soon as its rows are out of the pool, then
-        ``progress`` while the file is written, and ``publishing`` (the whole, flushed file's
-        identity, size and checksum) just before its name appears (core/handoff.py)."""
+        """Publish one job; sends ``copied`` as soon as its rows are out of the pool, ``temp`` (its
+        temp file's name) once that exists, ``progress`` while the file is written, and
+        ``publishing`` (the whole, flushed file's identity, size and checksum) just before its name
+        appears (core/handoff.py)."""
         t0 = time.monotonic()
         beat = self._heartbeat(out_fd)
         copied = False
@@ -92,7 +93,8 @@ class WriterProcess:
 
             nbytes, checksum, stage = write_capture_file(self.dirs, msg["name"], msg["meta"], tensors, self.codec,
                                                          self.durability, self.config.keep_page_cache, beat,
-                                                         self.config.checksum, publishing)
+                                                         self.config.checksum, publishing,
+                                                         lambda temp: send(out_fd, {"op": "temp", "name": temp}))
             timings.update(stage)
             result = {"status": "ok", "bytes": nbytes, "checksum": checksum,
                       "raw_bytes": sum(int(t.nbytes) for t in tensors.values())}
