@@ -65,6 +65,10 @@ def compare_release(version: str, cache: str = "", against: Sequence[str] = ()) 
     for v in reversed(supported_versions()):
         for w in load_watched(v):
             watched.setdefault(w.name, w)
+    # a watched function may come or go between releases, but one that the nearest supported
+    # release at or below this one has is a change to read
+    nearest = _nearest_at_or_below(version)
+    nearest_watched = {w.name for w in load_watched(nearest)} if nearest else set()
     source = WheelSource(fetch_wheel(version, cache or None))
     out: Dict[str, List[Dict]] = {"seams": [], "watched": []}
     lines = []
@@ -75,10 +79,7 @@ def compare_release(version: str, cache: str = "", against: Sequence[str] = ()) 
         try:
             fp = source.fingerprint(record.module, record.target)
         except LookupError as e:
-            # a watched function may come or go between releases, but one that the nearest
-            # supported release at or below this one has is a change to read
-            nearest = _nearest_at_or_below(version)
-            if isinstance(record, Watched) and nearest and record.name not in {w.name for w in load_watched(nearest)}:
+            if isinstance(record, Watched) and nearest and record.name not in nearest_watched:
                 lines.append(f"{name}: absent, as in {nearest}")
             else:
                 lines.append(f"{name}: MISSING ({e}); {what} needs a new target")

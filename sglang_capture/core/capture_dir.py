@@ -22,7 +22,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 from sglang_capture.core.durable import (
     CREATE_FLAGS,
@@ -105,18 +105,11 @@ def remove_orphans(dirs: DirFds, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
     removed, here = 0, host_tag()
     for dir_fd in (dirs.tmp, dirs.index):
         for entry in os.listdir(dir_fd):
-            owner = _temp_owner(entry)
-            if owner is not None and owner[0] == here:
-                removed += remove_unowned(entry, dir_fd, min_age_s)
+            parts = entry.split(".")
+            if len(parts) < 5 or "." + parts[-1] != TEMP_SUFFIX or parts[-4] != here:
+                continue
+            removed += remove_unowned(entry, dir_fd, min_age_s)
     return removed
-
-
-def _temp_owner(entry: str) -> Optional[Tuple[str, str]]:
-    """(host tag, pid) of a temp file's name (core/durable.temp_name), None for other names."""
-    parts = entry.split(".")
-    if len(parts) < 5 or "." + parts[-1] != TEMP_SUFFIX:
-        return None
-    return parts[-4], parts[-3]
 
 
 def _write_json(doc: Dict[str, Any]):
@@ -196,8 +189,8 @@ def retire_stale_stats(dirs: DirFds, min_age_s: float = STATS_STALE_S) -> int:
             history = {"processes": 0, "totals": {}, "peaks": {}}
         entries = sorted(os.listdir(dirs.index))
         for entry in entries:  # a lock whose process died before writing any stats
-            if entry.endswith(_LOCK) and _stats_stem(entry[:-len(_LOCK)] + ".json") and \
-                    entry[:-len(_LOCK)] + ".json" not in entries:
+            stats = entry[:-len(_LOCK)] + ".json" if entry.endswith(_LOCK) else None
+            if stats and _stats_stem(stats) and stats not in entries:
                 remove_unowned(entry, dirs.index, ORPHAN_MIN_AGE_S)
         for entry in entries:
             stem = _stats_stem(entry)
