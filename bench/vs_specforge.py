@@ -1,0 +1,722 @@
+"""Side by side with SpecForge's offline capture (issue 35): same H200, same conversations.
+
+    python bench/vs_specforge.py STAGE|run [--deadline-s S] [options]
+
+Both tools get the same 2,000 conversations (ShareGPT first turns, answers regenerated greedily
+by SmolLM2, as in the drafter chain; each with the system turn SpecForge's ``qwen`` template
+would add, so that both render the same ChatML), the same draft config (its
+``eagle_aux_hidden_state_layer_ids`` decide the layers for both: our launcher through
+``--capture-layers-from-draft``) and the same maximum length (2,048). Two targets:
+``smol`` (SmolLM2-135M-Instruct, real weights) and ``l8b`` (Llama-3.1-8B shapes, random bf16
+weights written as safetensors here, so that both tools load the same files).
+
+For each target:
+``servers``   plain SGLang 0.5.17 (the ceiling: prefill-only, ``max_new_tokens`` 1, our ids) and
+              the package's launcher, side by side; ``sglang-capture extract`` in bf16, then fp8.
+``sf-B``      SpecForge's ``scripts/prepare_hidden_states.py`` (the checkout at ``--specforge``,
+              SGLang 0.5.14 from the second kit) at ``--batch-size B`` for B in 8, 32, 64; then
+              ``sf-gz`` with ``--compress`` at the fastest B.
+``rows``      (smol) every sample of SpecForge's files against our export of the same
+              conversation: input ids, loss masks, per-row cosine per column, plain and without
+              each row's 4 largest channels.
+
+Every measurement: whole-stage real-token tok/s (SpecForge's padding excluded), start-up apart,
+samples written against given, bytes on disk, peak host RSS of the tool's process tree, GPU busy
+share (``nvidia-smi`` utilization sampled every 200 ms). ``run`` does the pending stages in
+order and stops before one that would not finish by ``--deadline-s`` (a device call's limit):
+call it again to go on. Results: WORK/results/*.json, ``report`` prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import psutil
+import requests
+
+from sglang_capture.testbed.cpu import server_env
+from sglang_capture.testbed.once import cache_dir
+from sglang_capture.testbed.server import Server, start_server, stop_server
+
+SYSTEM = "You are a helpful assistant."  # SpecForge's qwen template adds it when a sample has none
+BATCHES = (8, 32, 64)
+SF_ORDER = (32, 64, 8)  # SpecForge's default first
+TARGETS = ("smol", "l8b")
+# Same flags for the ceiling and for our launcher. No decode step runs (max_new_tokens 1), so CUDA
+# graphs only cost start-up; SpecForge's runner has them off too. Two servers share the GPU while
+# they start: a high static fraction with --max-total-tokens capping each pool (drafter_run.py).
+SERVER_ARGS = ("--attention-backend triton --grammar-backend none --disable-cuda-graph --sleep-on-idle "
+               "--chunked-prefill-size 16384 --max-running-requests 128 --mem-fraction-static 0.88")
+KV_TOKENS = {"smol": 131072, "l8b": 60000}
+L8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+       "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+       "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+       "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+       "eos_token_id": 2, "attention_bias": False, "mlp_bias": False}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- probes
+
+
+class GpuBusy:
+    """``nvidia-smi`` utilization every 200 ms, timestamped here; ``share(t0, t1)`` is the mean."""
+
+    def __init__(self) -> None:
+        self.samples: List[Tuple[float, float]] = []
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "200"], stdout=subprocess.PIPE, text=True)
+        except FileNotFoundError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.samples.append((time.monotonic(), float(line.strip().split(",")[0])))
+            except ValueError:
+                pass
+
+    def share(self, t0: float, t1: float) -> Optional[float]:
+        xs = [u for t, u in self.samples if t0 <= t <= t1]
+        return round(sum(xs) / len(xs) / 100, 3) if xs else None
+
+
+class PeakRss:
+    """Peak of the summed RSS of the process trees under ``roots`` (sampled every 200 ms)."""
+
+    def __init__(self, roots: List[int]) -> None:
+        self.roots, self.peak, self._stop = list(roots), 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def add(self, pid: int) -> None:
+        self.roots.append(pid)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            total, seen = 0, set()
+            for root in list(self.roots):
+                try:
+                    p = psutil.Process(root)
+                    procs = [p] + p.children(recursive=True)
+                except psutil.Error:
+                    continue
+                for q in procs:
+                    if q.pid in seen:
+                        continue
+                    seen.add(q.pid)
+                    try:
+                        total += q.memory_info().rss
+                    except psutil.Error:
+                        pass
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def conversations(a: argparse.Namespace) -> None:
+    """The drafter chain's regenerated conversations, each with SpecForge's default system turn."""
+    src = os.path.join(a.work, "regen", "conversations.jsonl")
+    if not os.path.exists(src):
+        from drafter_run import regen  # bench/ is on sys.path: this script lives there
+
+        os.makedirs(os.path.dirname(src), exist_ok=True)
+        regen(argparse.Namespace(model=model_dir(a, "smol"), train_prompts=a.prompts, samples=a.samples,
+                                 answer_tokens=a.answer_tokens, concurrency=64, work=os.path.dirname(src),
+                                 server_args="--attention-backend triton --grammar-backend none --cuda-graph-max-bs 128 "
+                                             "--mem-fraction-static 0.5"))
+    n = 0
+    with open(src) as f, open(conv_path(a), "w") as out:
+        for line in f:
+            doc = json.loads(line)
+            doc["conversations"] = [{"from": "system", "value": SYSTEM}] + doc["conversations"]
+            out.write(json.dumps(doc) + "\n")
+            n += 1
+    save(a, "conversations", {"samples": n, "source": src, "system": SYSTEM})
+
+
+def conv_path(a: argparse.Namespace) -> str:
+    return os.path.join(a.work, "conversations.jsonl")
+
+
+def model_dir(a: argparse.Namespace, target: str) -> str:
+    return os.path.join(a.work, target, "model")
+
+
+def draft_config(a: argparse.Namespace, target: str) -> str:
+    """One EAGLE-3 draft config per target, given to both tools: its ids are SGLang's default
+    capture for the target (``[2, L//2, L-3]`` entering layers, so ids one less)."""
+    path = os.path.join(a.work, target, "draft_config.json")
+    t = json.load(open(os.path.join(model_dir(a, target), "config.json")))
+    n = t["num_hidden_layers"]
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": t["hidden_size"],
+           "target_hidden_size": t["hidden_size"], "num_hidden_layers": 1,
+           "num_attention_heads": t["num_attention_heads"], "num_key_value_heads": t["num_key_value_heads"],
+           "intermediate_size": t["intermediate_size"], "hidden_act": "silu", "rms_norm_eps": t["rms_norm_eps"],
+           "max_position_embeddings": t["max_position_embeddings"], "vocab_size": t["vocab_size"],
+           "draft_vocab_size": 32000, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, n // 2 - 1, n - 4], "use_aux_hidden_state": True}}
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path
+
+
+def l8b_weights(a: argparse.Namespace) -> None:
+    """Random bf16 weights of Llama-3.1-8B's shapes as safetensors shards (std 0.02, norms 1),
+    and SmolLM2's tokenizer (ChatML; its ids fit the 128,256 vocab)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = model_dir(a, "l8b")
+    os.makedirs(out, exist_ok=True)
+    c, t0 = L8B, time.monotonic()
+    h, kv, inter = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+
+    shards: List[Dict[str, torch.Tensor]] = [{"model.embed_tokens.weight": rnd(c["vocab_size"], h),
+                                              "lm_head.weight": rnd(c["vocab_size"], h),
+                                              "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}]
+    weight_map = {}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        if i % 4 == 0:
+            shards.append({})
+        shards[-1].update({p + "self_attn.q_proj.weight": rnd(h, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                           p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, h),
+                           p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                           p + "mlp.down_proj.weight": rnd(h, inter),
+                           p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                           p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    for k, shard in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out, name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(c, f, indent=1)
+    size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(out, "*.safetensors")))
+    log(f"l8b weights: {size / 1e9:.1f} GB in {time.monotonic() - t0:.0f} s")
+    open(os.path.join(out, ".weights-done"), "w").close()
+
+
+def l8b_model(a: argparse.Namespace) -> None:
+    """Waits for the weights (written in the background since the first call) and adds the tokenizer."""
+    out = model_dir(a, "l8b")
+    for _ in range(600):
+        if os.path.exists(os.path.join(out, ".weights-done")):
+            break
+        time.sleep(1)
+    else:
+        raise SystemExit("the l8b weights are not written yet (see /tmp/vs/l8b-weights.log)")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        src = os.path.join(model_dir(a, "smol"), name)
+        if os.path.exists(src):
+            shutil.copy(src, out)
+    save(a, "l8b-model", {"bytes": du(out, "*.safetensors")})
+
+
+# ---------------------------------------------------------------- our side and the ceiling
+
+
+def encoded(a: argparse.Namespace, target: str):
+    """(id, input_ids, loss_mask) of every conversation, by the package's own templating."""
+    from sglang_capture.tools.conversations import read_samples
+    from sglang_capture.tools.templating import ChatEncoder, load_tokenizer
+
+    enc = ChatEncoder(load_tokenizer(model_dir(a, target)), model_dir(a, target))
+    out = []
+    for s in read_samples(conv_path(a)).samples:
+        e = enc.encode(s)
+        out.append((s.id, e.input_ids, e.loss_mask))
+    return out
+
+
+def _ceiling(server: Server, samples, concurrency: int) -> Dict:
+    session = requests.Session()
+    adapter = requests.adapters.HTTPAdapter(pool_maxsize=concurrency)
+    session.mount("http://", adapter)
+
+    def one(ids: List[int]) -> int:
+        r = session.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 1, "temperature": 0}}, timeout=600)
+        r.raise_for_status()
+        return r.json()["meta_info"]["prompt_tokens"]
+
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, [ids for _, ids, _ in samples]))
+    return {"tokens": tokens, "seconds": time.monotonic() - t0}
+
+
+def _extract(a: argparse.Namespace, server: Server, out: str, dtype: str, rss: PeakRss, spy: str = "") -> Dict:
+    cmd = ["sglang-capture", "extract", conv_path(a), "--server", server.url, "--out", out, "--concurrency",
+           str(a.concurrency), "--no-progress"] + (["--capture-dtype", "fp8"] if dtype == "fp8" else [])
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rss.add(proc.pid)
+    if spy and shutil.which("py-spy"):  # the client, every sample (--idle): where its wall time goes
+        subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration", str(int(a.spy_s) + 4), "--rate", "100",
+                          "--nonblocking", "--threads", "--idle", "--format", "raw", "-o", spy],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stdout, stderr = proc.communicate()
+    seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"extract {dtype} failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    summary = stdout.strip().splitlines()[-1]
+    m = re.search(r"(\d+) samples: (\d+) written.*?([\d,]+) tokens", summary)
+    return {"summary": summary, "given": int(m.group(1)), "written": int(m.group(2)),
+            "tokens": int(m.group(3).replace(",", "")), "seconds": seconds}
+
+
+def servers(a: argparse.Namespace, target: str, gpu: GpuBusy) -> None:
+    """The ceiling and our extract (bf16, fp8) on two servers started side by side."""
+    work = os.path.join(a.work, target)
+    model, draft = model_dir(a, target), draft_config(a, target)
+    args = shlex.split(a.server_args or SERVER_ARGS + f" --max-total-tokens {KV_TOKENS[target]}")
+    capture_dir = os.path.join(work, "capture-server")
+    os.makedirs(capture_dir, exist_ok=True)
+    cmds = {"plain": ([sys.executable, "-m", "sglang.launch_server", "--model-path", model, *args], ""),
+            "ours": ([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir,
+                      "--capture-layers-from-draft", draft, "--model-path", model, *args], capture_dir)}
+    started: Dict[str, Tuple[Server, float]] = {}
+
+    def start(name: str) -> None:
+        t0 = time.monotonic()
+        cmd, cdir = cmds[name]
+        started[name] = (start_server(cmd, server_env(cache_dir()), os.path.join(work, f"server-{name}.log"), cdir),
+                         time.monotonic() - t0)
+
+    samples = encoded(a, target)
+    res: Dict = {"draft_config": json.load(open(draft))["eagle_config"]}
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            list(pool.map(start, cmds))
+        for name, (server, secs) in started.items():
+            res[f"{name}_startup_s"] = round(secs, 1)
+        time.sleep(3)
+        plain, ours = started["plain"][0], started["ours"][0]
+        rss = PeakRss([plain.proc.pid])
+        t0 = time.monotonic()
+        c = _ceiling(plain, samples, a.concurrency)
+        t1 = time.monotonic()
+        res["ceiling"] = {**c, "tok_per_s": round(c["tokens"] / c["seconds"]), "samples": len(samples),
+                          "peak_rss_gb": round(rss.stop() / 1e9, 2), "gpu_busy": gpu.share(t0, t1)}
+        log(f"{target} ceiling: {res['ceiling']['tok_per_s']:,} tok/s ({c['tokens']:,} tokens)")
+        for dtype in ("bf16", "fp8"):
+            time.sleep(3)
+            out = os.path.join(work, f"ours-{dtype}")
+            shutil.rmtree(out, ignore_errors=True)
+            rss = PeakRss([ours.proc.pid])
+            t0 = time.monotonic()
+            e = _extract(a, ours, out, dtype, rss)
+            t1 = time.monotonic()
+            res[dtype] = {**e, "tok_per_s": round(e["tokens"] / e["seconds"]), "bytes": du(out, "*.capture.msgpack"),
+                          "peak_rss_gb": round(rss.stop() / 1e9, 2), "gpu_busy": gpu.share(t0, t1),
+                          "of_ceiling": round(e["tokens"] / e["seconds"] / res["ceiling"]["tok_per_s"], 3)}
+            log(f"{target} ours {dtype}: {e['summary']}")
+        if a.spy_s > 0:  # a third pass, not in the table: py-spy on the scheduler and on extract's client
+            import e2e_probes
+
+            spydir = os.path.join(a.mirror or work, "pyspy")
+            os.makedirs(spydir, exist_ok=True)
+            out = os.path.join(work, "ours-spy")
+            shutil.rmtree(out, ignore_errors=True)
+            thread = e2e_probes.py_spy_window(ours, f"{target}-scheduler", a.spy_s, spydir, res)
+            e = _extract(a, ours, out, "bf16", PeakRss([]), spy=os.path.join(spydir, f"{target}-client.all.txt"))
+            thread.join(timeout=a.spy_s + 60)
+            res["spy_pass"] = e
+            shutil.rmtree(out, ignore_errors=True)
+    finally:
+        for server, _ in started.values():
+            stop_server(server)
+    if target == "smol":
+        for dtype in ("bf16", "fp8"):
+            out = os.path.join(work, f"ours-{dtype}")
+            res[dtype]["verify"] = _cli("verify", out, "--no-progress").strip().splitlines()[-1]
+            _cli("export", "--format", "specforge", out, os.path.join(work, f"ckpt-{dtype}"), "--no-progress")
+    else:
+        for dtype in ("bf16", "fp8"):
+            shutil.rmtree(os.path.join(work, f"ours-{dtype}"), ignore_errors=True)
+    shutil.rmtree(capture_dir, ignore_errors=True)
+    save(a, f"{target}-servers", res)
+
+
+def _cli(*args: str) -> str:
+    r = subprocess.run(["sglang-capture", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"sglang-capture {' '.join(args[:2])} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+# ---------------------------------------------------------------- SpecForge's script
+
+
+def specforge_commit(a: argparse.Namespace) -> str:
+    path = os.path.join(a.specforge, "COMMIT")
+    return open(path).read().strip() if os.path.exists(path) else "unknown (no COMMIT file in the checkout)"
+
+
+def sf_files(out: str) -> List[str]:
+    return sorted(glob.glob(os.path.join(out, "rows_*", "data_*.ckpt*")), key=lambda p: int(re.search(r"data_(\d+)", p).group(1)))
+
+
+def _sf_index(path: str) -> int:
+    return int(re.search(r"data_(\d+)", path).group(1))
+
+
+def specforge(a: argparse.Namespace, target: str, batch: int, compress: bool, gpu: GpuBusy) -> None:
+    work = os.path.join(a.work, target)
+    name = f"sf-{batch}" + ("-gz" if compress else "")
+    out, cache = os.path.join(work, name), os.path.join(work, "sf-cache")
+    for d in (out, cache, os.path.join(a.specforge, "cache")):  # cold: no dataset cache from a run before
+        shutil.rmtree(d, ignore_errors=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+           os.path.join(a.specforge, "scripts", "prepare_hidden_states.py"), "--strategy", "eagle3",
+           "--target-model-path", model_dir(a, target), "--draft-model-config", draft_config(a, target),
+           "--data-path", conv_path(a), "--output-path", out, "--cache-dir", cache, "--chat-template", "qwen",
+           "--max-length", "2048", "--tp-size", "1", "--batch-size", str(batch),
+           "--sglang-attention-backend", "triton"] + (["--compress"] if compress else [])
+    env = dict(os.environ, PYTHONPATH=a.specforge_site, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    logf = open(os.path.join(work, f"{name}.log"), "w")
+    marks: Dict[str, float] = {}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=work,
+                            start_new_session=True)
+    rss = PeakRss([proc.pid])
+    buf = b""
+    for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+        buf += chunk
+        *lines, buf = re.split(rb"[\r\n]", buf)
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            if not line.strip():
+                continue
+            now = time.monotonic() - t0
+            logf.write(f"{now:8.2f} {line}\n")
+            if "TP Rank" in line and "DP Rank" in line and "model" not in marks:
+                marks["model"] = now
+            if "Number of batches" in line:
+                marks["loop"] = now
+    rc = proc.wait()
+    seconds = time.monotonic() - t0
+    peak = rss.stop()
+    logf.close()
+    files = sf_files(out)
+    res = {"commit": specforge_commit(a), "batch": batch, "compress": compress, "rc": rc, "seconds": round(seconds, 1),
+           "startup_s": round(marks.get("model", float("nan")), 1), "loop_start_s": round(marks.get("loop", float("nan")), 1),
+           "given": sum(1 for _ in open(conv_path(a))), "written": len(files),
+           "bytes": sum(os.path.getsize(p) for p in files), "peak_rss_gb": round(peak / 1e9, 2),
+           "gpu_busy_stage": gpu.share(t0 + marks.get("model", 0), t0 + seconds),
+           "gpu_busy_loop": gpu.share(t0 + marks.get("loop", 0), t0 + seconds)}
+    if rc != 0:
+        save(a, f"{target}-{name}", res)
+        raise SystemExit(f"SpecForge {name} exited with {rc}: see {logf.name}")
+    lengths = _sf_lengths(a, target, out, batch, compress)
+    real = sum(lengths[_sf_index(p)][0] for p in files)
+    padded = sum(lengths[_sf_index(p)][1] for p in files)
+    stage_s = seconds - marks.get("model", 0)
+    res.update(real_tokens=real, padded_tokens=padded, padding_share=round(1 - real / padded, 3),
+               stage_s=round(stage_s, 1), tok_per_s=round(real / stage_s), tok_per_s_with_startup=round(real / seconds))
+    if not compress:
+        res["check"] = _sf_check(a, target, out, files)
+    log(f"{target} SpecForge {name}: {res['written']}/{res['given']} samples, {real:,} real tokens "
+        f"({res['padding_share']:.0%} padding), {res['tok_per_s']:,} tok/s after a {res['startup_s']} s start-up")
+    if not (target == "smol" and name == f"sf-{a.rows_batch}"):  # those are kept for the rows
+        shutil.rmtree(out, ignore_errors=True)
+    save(a, f"{target}-{name}", res)
+
+
+def _sf_lengths(a: argparse.Namespace, target: str, out: str, batch: int, compress: bool) -> Dict[int, Tuple[int, int]]:
+    """Per file index: (real tokens, stored tokens). A ``--compress`` run's come from the run at the
+    same batch size (same shuffle seed, same order), kept in WORK/TARGET/sf-B.lengths.json."""
+    import torch
+
+    path = os.path.join(a.work, target, f"sf-{batch}.lengths.json")
+    if compress:
+        return {int(k): tuple(v) for k, v in json.load(open(path)).items()}
+    lengths = {}
+    for p in sf_files(out):
+        ids = torch.load(p, weights_only=True, mmap=True)["input_ids"].view(-1)
+        nz = torch.nonzero(ids).view(-1)
+        lengths[_sf_index(p)] = (int(nz[-1]) + 1 if nz.numel() else 0, ids.numel())
+    json.dump(lengths, open(path, "w"))
+    return lengths
+
+
+def _sf_check(a: argparse.Namespace, target: str, out: str, files: List[str]) -> Dict:
+    """Their ids and masks against the package's templating of the same conversations."""
+    import torch
+
+    ours = {tuple(ids): (sid, mask) for sid, ids, mask in encoded(a, target)}
+    ids_equal, mask_equal, unmatched, diff_examples = 0, 0, 0, []
+    only_theirs = only_ours = 0
+    for p in files:
+        s = torch.load(p, weights_only=True, mmap=True)
+        ids = s["input_ids"].view(-1)
+        nz = torch.nonzero(ids).view(-1)
+        real = ids[:int(nz[-1]) + 1].tolist() if nz.numel() else []
+        hit = ours.get(tuple(real))
+        if hit is None:
+            unmatched += 1
+            continue
+        ids_equal += 1
+        theirs = s["loss_mask"].view(-1)[:len(real)].tolist()
+        if theirs == list(hit[1]):
+            mask_equal += 1
+            continue
+        d_theirs = [i for i, (x, y) in enumerate(zip(theirs, hit[1])) if x and not y]
+        d_ours = [i for i, (x, y) in enumerate(zip(theirs, hit[1])) if y and not x]
+        only_theirs += len(d_theirs)
+        only_ours += len(d_ours)
+        if len(diff_examples) < 5:
+            diff_examples.append({"id": hit[0], "only_theirs": [(i, real[i]) for i in d_theirs[:6]],
+                                  "only_ours": [(i, real[i]) for i in d_ours[:6]]})
+    return {"files": len(files), "ids_equal": ids_equal, "ids_unmatched": unmatched, "loss_mask_equal": mask_equal,
+            "mask_tokens_only_theirs": only_theirs, "mask_tokens_only_ours": only_ours, "mask_diff_examples": diff_examples}
+
+
+# ---------------------------------------------------------------- rows
+
+
+def rows(a: argparse.Namespace) -> None:
+    """SmolLM2: every SpecForge sample against our export of the same conversation."""
+    import torch
+
+    work = os.path.join(a.work, "smol")
+    theirs = sf_files(os.path.join(work, f"sf-{a.rows_batch}"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    res: Dict = {"specforge_run": f"sf-{a.rows_batch}", "samples": len(theirs)}
+    for dtype in ("bf16", "fp8"):
+        ours = {}
+        for p in glob.glob(os.path.join(work, f"ckpt-{dtype}", "*.ckpt")):
+            s = torch.load(p, weights_only=True, mmap=True)
+            ours[tuple(s["input_ids"].tolist())] = p
+        cols: Dict[str, List[torch.Tensor]] = {}
+        worst: List[Dict] = []
+        matched = 0
+        for p in theirs:
+            t = torch.load(p, weights_only=True)
+            ids = t["input_ids"].view(-1)
+            nz = torch.nonzero(ids).view(-1)
+            n = int(nz[-1]) + 1
+            q = ours.get(tuple(ids[:n].tolist()))
+            if q is None:
+                continue
+            matched += 1
+            o = torch.load(q, weights_only=True)
+            h = o["hidden_state"].shape[-1]
+            pairs = {f"aux{k}": (t["aux_hidden_state"][0, :n, k * h:(k + 1) * h], o["aux_hidden_state"][0, :, k * h:(k + 1) * h])
+                     for k in range(o["aux_hidden_state"].shape[-1] // h)}
+            pairs["final"] = (t["hidden_state"][0, :n], o["hidden_state"][0])
+            for col, (x, y) in pairs.items():
+                x, y = x.to(dev, torch.float32), y.to(dev, torch.float32)
+                cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
+                top = torch.maximum(x.abs(), y.abs()).topk(4, dim=-1).indices
+                keep = torch.ones_like(x).scatter_(-1, top, 0.0)
+                cos4 = torch.nn.functional.cosine_similarity(x * keep, y * keep, dim=-1)
+                cols.setdefault(col, []).append(cos.cpu())
+                cols.setdefault(col + "-top4", []).append(cos4.cpu())
+                for r in torch.nonzero(torch.minimum(cos, cos4) < 0.99).view(-1).tolist()[:3]:
+                    if len(worst) < 20:
+                        d = (x[r] - y[r]).abs()
+                        worst.append({"file": os.path.basename(p), "col": col, "pos": r, "of": n, "token": int(ids[r]),
+                                      "cos": round(float(cos[r]), 5), "cos_top4": round(float(cos4[r]), 5),
+                                      "channels": d.topk(4).indices.tolist(),
+                                      "theirs": [round(float(x[r, c]), 3) for c in d.topk(4).indices.tolist()],
+                                      "ours": [round(float(y[r, c]), 3) for c in d.topk(4).indices.tolist()]})
+        stats = {}
+        for col, xs in cols.items():
+            v = torch.cat(xs)
+            stats[col] = {"rows": v.numel(), "min": round(float(v.min()), 5), "p0.1": round(float(torch.quantile(v, 0.001)), 5),
+                          "below_0.99": int((v < 0.99).sum())}
+        res[dtype] = {"matched": matched, "columns": stats, "below_0.99_examples": worst}
+        log(f"rows {dtype}: {matched} samples; " + ", ".join(f"{c} p0.1 {s['p0.1']}" for c, s in stats.items()))
+    save(a, "smol-rows", res)
+    shutil.rmtree(os.path.join(work, f"sf-{a.rows_batch}"), ignore_errors=True)
+
+
+# ---------------------------------------------------------------- plumbing
+
+
+def du(path: str, pattern: str) -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(path, pattern)))
+
+
+def save(a: argparse.Namespace, name: str, info: Dict) -> None:
+    os.makedirs(os.path.join(a.work, "results"), exist_ok=True)
+    with open(os.path.join(a.work, "results", f"{name}.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    if a.mirror:
+        os.makedirs(a.mirror, exist_ok=True)
+        shutil.copy(os.path.join(a.work, "results", f"{name}.json"), a.mirror)
+
+
+def result(a: argparse.Namespace, name: str) -> Optional[Dict]:
+    path = os.path.join(a.work, "results", f"{name}.json")
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def best_batch(a: argparse.Namespace, target: str) -> int:
+    runs = [(result(a, f"{target}-sf-{b}") or {}).get("tok_per_s", 0) for b in BATCHES]
+    return BATCHES[max(range(len(BATCHES)), key=lambda k: runs[k])]
+
+
+def plan(a: argparse.Namespace) -> List[Tuple[str, int, Callable[[GpuBusy], None]]]:
+    """(result name, seconds it may take, what runs it), in order: the batch size SpecForge
+    defaults to first; ``--compress`` on SmolLM2 only (real weights give real ratios; on the
+    random 8B it would spend device time on gzip of noise)."""
+    steps: List[Tuple[str, int, Callable[[GpuBusy], None]]] = [
+        ("conversations", 60, lambda g: wait_for(a, "conversations", 400) or conversations(a))]
+    for target in a.targets:
+        est = {"smol": (190, 90), "l8b": (240, 170)}[target]
+        if target == "l8b":
+            steps.append(("l8b-model", 30, lambda g: l8b_model(a)))
+        steps.append((f"{target}-servers", est[0], lambda g, t=target: servers(a, t, g)))
+        for b in SF_ORDER:
+            steps.append((f"{target}-sf-{b}", est[1], lambda g, t=target, b=b: specforge(a, t, b, False, g)))
+        if target == "smol":
+            steps.append(("smol-sf-gz", est[1] + 30, lambda g: specforge(a, "smol", best_batch(a, "smol"), True, g)))
+            steps.append(("smol-rows", 60, lambda g: rows(a)))
+    return steps
+
+
+def wait_for(a: argparse.Namespace, name: str, seconds: float) -> bool:
+    """True once WORK/results/NAME.json exists, if a background stage (WORK/NAME.running) makes it."""
+    if not os.path.exists(os.path.join(a.work, f"{name}.running")):
+        return False
+    for _ in range(int(seconds)):
+        if result(a, name) is not None:
+            return True
+        time.sleep(1)
+    raise SystemExit(f"{name} (in the background) has not finished after {seconds:.0f} s: see {a.work}/{name}.log")
+
+
+def done(a: argparse.Namespace, name: str) -> bool:
+    if name == "smol-sf-gz":
+        return result(a, f"smol-sf-{best_batch(a, 'smol')}-gz") is not None
+    return result(a, name) is not None
+
+
+def run(a: argparse.Namespace) -> int:
+    gpu, t0 = GpuBusy(), time.monotonic()
+    for name, est, fn in plan(a):
+        if done(a, name):
+            continue
+        left = a.deadline_s - (time.monotonic() - t0)
+        if left < est:
+            log(f"stopping before {name} (may take {est} s, {left:.0f} s left): call again to go on")
+            return 3
+        log(f"-- {name}")
+        fn(gpu)
+    log("all stages done")
+    report(a)
+    return 0
+
+
+def report(a: argparse.Namespace) -> None:
+    """The comparison as one table (markdown), also written to WORK/results/report.md."""
+    lines = ["| target | tool | setting | tok/s (real tokens, whole stage) | of ceiling | start-up s | written/given | "
+             "bytes | bytes / SpecForge .ckpt | peak RSS GB | GPU busy |", "|" + "---|" * 11]
+    for target in a.targets:
+        s = result(a, f"{target}-servers")
+        ref = result(a, f"{target}-sf-{best_batch(a, target)}") or {}
+        ceiling = (s or {}).get("ceiling", {}).get("tok_per_s")
+
+        def ratio(x: Optional[float], y: Optional[float]) -> str:
+            return f"{x / y:.3f}" if x and y else "-"
+
+        if s:
+            c = s["ceiling"]
+            lines.append(f"| {target} | plain SGLang 0.5.17 (ceiling) | prefill only | {c['tok_per_s']:,} | 1 | "
+                         f"{s['plain_startup_s']} | {c['samples']}/{c['samples']} | - | - | {c['peak_rss_gb']} | {c['gpu_busy']} |")
+            for dtype in ("bf16", "fp8"):
+                o = s[dtype]
+                lines.append(f"| {target} | sglang_capture | {dtype} | {o['tok_per_s']:,} | {o['of_ceiling']} | "
+                             f"{s['ours_startup_s']} | {o['written']}/{o['given']} | {o['bytes'] / 1e9:.2f} GB | "
+                             f"{ratio(o['bytes'], ref.get('bytes'))} | {o['peak_rss_gb']} | {o['gpu_busy']} |")
+        for b in BATCHES:
+            for gz in ("", "-gz"):
+                r = result(a, f"{target}-sf-{b}{gz}")
+                if not r or r.get("rc"):
+                    continue
+                lines.append(f"| {target} | SpecForge prepare_hidden_states | batch {b}{' --compress' if gz else ''} | "
+                             f"{r['tok_per_s']:,} ({r['padding_share']:.0%} padding) | {ratio(r['tok_per_s'], ceiling)} | "
+                             f"{r['startup_s']} | {r['written']}/{r['given']} | {r['bytes'] / 1e9:.2f} GB | "
+                             f"{ratio(r['bytes'], ref.get('bytes'))} | {r['peak_rss_gb']} | {r['gpu_busy_stage']} |")
+    text = "\n".join(lines)
+    os.makedirs(os.path.join(a.work, "results"), exist_ok=True)
+    with open(os.path.join(a.work, "results", "report.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stage", help="run, report, l8b-weights, or one stage name of the plan")
+    ap.add_argument("--work", default="/tmp/vs")
+    ap.add_argument("--prompts", default="prompts-train.jsonl", help="bench/drafter_data.py's training prompts")
+    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--answer-tokens", type=int, default=384)
+    ap.add_argument("--concurrency", type=int, default=64, help="requests in flight (extract and the ceiling)")
+    ap.add_argument("--specforge", default=".specforge", help="SpecForge checkout (scripts/prepare_hidden_states.py)")
+    ap.add_argument("--specforge-site", default="/tmp/site-0.5.14", help="PYTHONPATH with SGLang 0.5.14 and specforge")
+    ap.add_argument("--targets", default="smol,l8b")
+    ap.add_argument("--rows-batch", type=int, default=32, help="the SpecForge run whose files the rows stage reads")
+    ap.add_argument("--deadline-s", type=float, default=540)
+    ap.add_argument("--spy-s", type=float, default=6, help="py-spy window of a third extract pass (0: none)")
+    ap.add_argument("--server-args", default="", help="replaces the servers' flags (a CPU dry run)")
+    ap.add_argument("--mirror", default="", help="also copy each result JSON here (the device call's $OUT)")
+    a = ap.parse_args()
+    a.targets = [t for t in a.targets.split(",") if t]
+    a.specforge = os.path.abspath(a.specforge)
+    a.prompts = os.path.abspath(a.prompts)
+    if a.stage == "run":
+        return run(a)
+    if a.stage == "report":
+        report(a)
+        return 0
+    if a.stage in ("l8b-weights", "conversations"):  # started in the background by an early device call
+        marker = os.path.join(a.work, f"{a.stage}.running")
+        os.makedirs(a.work, exist_ok=True)
+        open(marker, "w").close()
+        (l8b_weights if a.stage == "l8b-weights" else conversations)(a)
+        return 0
+    gpu = GpuBusy()
+    for name, _, fn in plan(a):
+        if name == a.stage:
+            fn(gpu)
+            return 0
+    raise SystemExit(f"unknown stage {a.stage!r}: run, report, l8b-weights or one of "
+                     f"{', '.join(n for n, _, _ in plan(a))}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
