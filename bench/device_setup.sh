@@ -11,7 +11,11 @@ mkdir -p "$OUT" "$W"
 # the call: carry ["dist", ...]), installed into /tmp/sc with its entry points (SGLang's plugin).
 whl=$(ls "$R"/dist/sglang_capture-*.whl 2>/dev/null | tail -1)
 [ -n "$whl" ] || { echo "no dist/sglang_capture-*.whl: run 'make wheel' here and carry dist"; exit 1; }
-rm -rf /tmp/sc && python -m pip install -q --no-deps --no-index --no-compile --target /tmp/sc "$whl" || exit 1
+# Reinstalled only when the wheel changed: servers left running by an earlier call of a chain import from /tmp/sc.
+if ! cmp -s "$whl" /tmp/sc/.installed.whl; then
+  rm -rf /tmp/sc && python -m pip install -q --no-deps --no-index --no-compile --target /tmp/sc "$whl" && \
+    cp "$whl" /tmp/sc/.installed.whl || exit 1
+fi
 export PYTHONPATH=/tmp/sc:${PYTHONPATH:-}
 tiny_model() { python -m sglang_capture.testbed.tiny_models "$@"; }
 SGLANG_GPU_ARGS="--attention-backend triton --grammar-backend none --sleep-on-idle --max-total-tokens 300000 --cuda-graph-max-bs 64 --chunked-prefill-size 16384 --max-running-requests 128"

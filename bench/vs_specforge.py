@@ -275,9 +275,10 @@ def _ceiling(server: Server, samples, concurrency: int) -> Dict:
     return {"tokens": tokens, "seconds": time.monotonic() - t0}
 
 
-def _extract(a: argparse.Namespace, server: Server, out: str, dtype: str, rss: PeakRss, spy: str = "") -> Dict:
+def _extract(a: argparse.Namespace, server: Server, out: str, dtype: str, rss: PeakRss, spy: str = "",
+             concurrency: int = 0) -> Dict:
     cmd = ["sglang-capture", "extract", conv_path(a), "--server", server.url, "--out", out, "--concurrency",
-           str(a.concurrency), "--no-progress"] + (["--capture-dtype", "fp8"] if dtype == "fp8" else [])
+           str(concurrency or a.concurrency), "--no-progress"] + (["--capture-dtype", "fp8"] if dtype == "fp8" else [])
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rss.add(proc.pid)
@@ -295,29 +296,129 @@ def _extract(a: argparse.Namespace, server: Server, out: str, dtype: str, rss: P
             "tokens": int(m.group(3).replace(",", "")), "seconds": seconds}
 
 
-def servers(a: argparse.Namespace, target: str, gpu: GpuBusy) -> None:
-    """The ceiling and our extract (bf16, fp8) on two servers started side by side."""
+class Adopted:
+    """The ``Popen`` face (pid, poll, wait) of a server another process of this chain started."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        try:
+            alive = psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            alive = False
+        if not alive:
+            self.returncode = self.returncode if self.returncode is not None else -1
+        return None if alive else self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        try:
+            psutil.Process(self.pid).wait(timeout)
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.TimeoutExpired:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout) from None
+        self.returncode = -1
+        return self.returncode
+
+
+def server_cmds(a: argparse.Namespace, target: str) -> Dict[str, Tuple[List[str], str]]:
     work = os.path.join(a.work, target)
     model, draft = model_dir(a, target), draft_config(a, target)
     args = shlex.split(a.server_args or SERVER_ARGS + f" --max-total-tokens {KV_TOKENS[target]}")
     capture_dir = os.path.join(work, "capture-server")
     os.makedirs(capture_dir, exist_ok=True)
-    cmds = {"plain": ([sys.executable, "-m", "sglang.launch_server", "--model-path", model, *args], ""),
+    return {"plain": ([sys.executable, "-m", "sglang.launch_server", "--model-path", model, *args], ""),
             "ours": ([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir,
                       "--capture-layers-from-draft", draft, "--model-path", model, *args], capture_dir)}
+
+
+def start_both(a: argparse.Namespace, target: str) -> Dict[str, Tuple[Server, float]]:
+    """The ceiling's server and ours, started side by side: (server, start-up seconds) by name."""
+    cmds = server_cmds(a, target)
     started: Dict[str, Tuple[Server, float]] = {}
 
     def start(name: str) -> None:
         t0 = time.monotonic()
         cmd, cdir = cmds[name]
-        started[name] = (start_server(cmd, server_env(cache_dir()), os.path.join(work, f"server-{name}.log"), cdir),
-                         time.monotonic() - t0)
+        log_path = os.path.join(a.work, target, f"server-{name}.log")
+        started[name] = (start_server(cmd, server_env(cache_dir()), log_path, cdir), time.monotonic() - t0)
 
-    samples = encoded(a, target)
-    res: Dict = {"draft_config": json.load(open(draft))["eagle_config"]}
     try:
         with cf.ThreadPoolExecutor(2) as pool:
             list(pool.map(start, cmds))
+    except BaseException:
+        for server, _ in started.values():
+            stop_server(server)
+        raise
+    return started
+
+
+def prestart(a: argparse.Namespace, target: str) -> None:
+    """In the background, from an early call of the chain: the model's files, then both servers,
+    so that their start-up overlaps the calls before ``run``. WORK/TARGET/servers.json says where
+    they are (or servers.failed why not); ``servers`` adopts them."""
+    state = os.path.join(a.work, target, "servers")
+    for suffix in (".json", ".failed"):
+        if os.path.exists(state + suffix):
+            os.unlink(state + suffix)
+    try:
+        if target == "l8b":
+            l8b_model(a)
+        started = start_both(a, target)
+    except BaseException as e:
+        with open(state + ".failed", "w") as f:
+            f.write(f"{type(e).__name__}: {e}"[-3000:])
+        raise
+    with open(state + ".json", "w") as f:
+        json.dump({name: {"url": srv.url, "pid": srv.proc.pid, "log": srv.log_path, "capture_dir": srv.capture_dir,
+                          "startup_s": secs} for name, (srv, secs) in started.items()}, f)
+
+
+def adopt(a: argparse.Namespace, target: str, wait_s: float = 420) -> Dict[str, Tuple[Server, float]]:
+    """Servers ``prestart`` started (waiting for it while it runs), or none."""
+    state = os.path.join(a.work, target, "servers")
+    if not os.path.exists(os.path.join(a.work, f"{target}-prestart.running")):
+        return {}
+    deadline = time.monotonic() + wait_s
+    while not (os.path.exists(state + ".json") or os.path.exists(state + ".failed")):
+        if time.monotonic() > deadline:
+            log(f"{target}: the servers started in the background are not up after {wait_s:.0f} s; starting anew")
+            return {}
+        time.sleep(1)
+    os.unlink(os.path.join(a.work, f"{target}-prestart.running"))
+    if os.path.exists(state + ".failed"):
+        log(f"{target}: the background start failed ({open(state + '.failed').read()[-300:]}); starting anew")
+        return {}
+    out = {}
+    for name, d in json.load(open(state + ".json")).items():
+        srv = Server(d["url"], Adopted(d["pid"]), d["log"], d["capture_dir"])  # type: ignore[arg-type]
+        try:
+            healthy = requests.get(srv.url + "/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            healthy = False
+        if not healthy:
+            log(f"{target}: the background {name} server does not answer; starting anew")
+            for s, _ in out.values():
+                stop_server(s)
+            stop_server(srv)
+            return {}
+        out[name] = (srv, float(d["startup_s"]))
+    log(f"{target}: adopted the servers started in the background")
+    return out
+
+
+def servers(a: argparse.Namespace, target: str, gpu: GpuBusy) -> None:
+    """The ceiling and our extract (bf16, fp8) on two servers started side by side."""
+    work = os.path.join(a.work, target)
+    draft = draft_config(a, target)
+    capture_dir = os.path.join(work, "capture-server")
+    started: Dict[str, Tuple[Server, float]] = {}
+    samples = encoded(a, target)
+    res: Dict = {"draft_config": json.load(open(draft))["eagle_config"]}
+    try:
+        started.update(adopt(a, target) or start_both(a, target))
         for name, (server, secs) in started.items():
             res[f"{name}_startup_s"] = round(secs, 1)
         time.sleep(3)
@@ -344,7 +445,7 @@ def servers(a: argparse.Namespace, target: str, gpu: GpuBusy) -> None:
         if a.spy_s > 0:  # a third pass, not in the table: py-spy on the scheduler and on extract's client
             import e2e_probes
 
-            spydir = os.path.join(a.mirror or work, "pyspy")
+            spydir = os.path.join(a.work, "pyspy")
             os.makedirs(spydir, exist_ok=True)
             out = os.path.join(work, "ours-spy")
             shutil.rmtree(out, ignore_errors=True)
@@ -352,6 +453,12 @@ def servers(a: argparse.Namespace, target: str, gpu: GpuBusy) -> None:
             e = _extract(a, ours, out, "bf16", PeakRss([]), spy=os.path.join(spydir, f"{target}-client.all.txt"))
             thread.join(timeout=a.spy_s + 60)
             res["spy_pass"] = e
+            shutil.rmtree(out, ignore_errors=True)
+        if target == "smol":  # not in the table: does more in flight help where per-sample costs decide?
+            out = os.path.join(work, "ours-c4x")
+            e = _extract(a, ours, out, "bf16", PeakRss([]), concurrency=4 * a.concurrency)
+            res["bf16_concurrency_x4"] = {**e, "tok_per_s": round(e["tokens"] / e["seconds"])}
+            log(f"{target} ours bf16 at concurrency {4 * a.concurrency}: {e['summary']}")
             shutil.rmtree(out, ignore_errors=True)
     finally:
         for server, _ in started.values():
@@ -404,10 +511,11 @@ def specforge(a: argparse.Namespace, target: str, batch: int, compress: bool, gp
            "--max-length", "2048", "--tp-size", "1", "--batch-size", str(batch),
            "--sglang-attention-backend", "triton"] + (["--compress"] if compress else [])
     env = dict(os.environ, PYTHONPATH=a.specforge_site, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
+               TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")  # unbuffered: the marks below are timed as lines arrive
     logf = open(os.path.join(work, f"{name}.log"), "w")
     marks: Dict[str, float] = {}
-    t0 = time.monotonic()
+    batches = 0
+    t0, wall0 = time.monotonic(), time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=work,
                             start_new_session=True)
     rss = PeakRss([proc.pid])
@@ -421,34 +529,51 @@ def specforge(a: argparse.Namespace, target: str, batch: int, compress: bool, gp
                 continue
             now = time.monotonic() - t0
             logf.write(f"{now:8.2f} {line}\n")
-            if "TP Rank" in line and "DP Rank" in line and "model" not in marks:
+            # The model is built (weights loaded, KV pool made) before the dataset is read: the first
+            # dataset line ends the start-up. Then the loop's bar appears, and its first update
+            # ends the first batch, which carries the triton kernels' compilation.
+            if "model" not in marks and re.search(r"Generating train split|Loading/building dataset|dataset is cached"
+                                                  r"|Map \(num_proc", line):
                 marks["model"] = now
-            if "Number of batches" in line:
-                marks["loop"] = now
+            if "Generating Hidden States" in line:
+                marks.setdefault("loop", now)
+                m = re.search(r"\|\s*\d+/(\d+) \[", line)
+                batches = int(m.group(1)) if m else batches
+                if "processed=" in line:
+                    marks.setdefault("first_batch", now)
     rc = proc.wait()
     seconds = time.monotonic() - t0
     peak = rss.stop()
     logf.close()
     files = sf_files(out)
+    # the stage ends when the last file is on disk, not when the process has torn down
+    end = max((os.path.getmtime(p) for p in files), default=wall0 + seconds) - wall0
+    start = marks.get("model", 0.0)
     res = {"commit": specforge_commit(a), "batch": batch, "compress": compress, "rc": rc, "seconds": round(seconds, 1),
-           "startup_s": round(marks.get("model", float("nan")), 1), "loop_start_s": round(marks.get("loop", float("nan")), 1),
-           "given": sum(1 for _ in open(conv_path(a))), "written": len(files),
+           "last_file_s": round(end, 1), "startup_s": round(marks.get("model", float("nan")), 1),
+           "loop_start_s": round(marks.get("loop", float("nan")), 1),
+           "first_batch_s": round(marks.get("first_batch", float("nan")) - marks.get("loop", float("nan")), 1),
+           "batches": batches, "given": sum(1 for _ in open(conv_path(a))), "written": len(files),
            "bytes": sum(os.path.getsize(p) for p in files), "peak_rss_gb": round(peak / 1e9, 2),
-           "gpu_busy_stage": gpu.share(t0 + marks.get("model", 0), t0 + seconds),
-           "gpu_busy_loop": gpu.share(t0 + marks.get("loop", 0), t0 + seconds)}
+           "gpu_busy_stage": gpu.share(t0 + start, t0 + end),
+           "gpu_busy_after_first_batch": gpu.share(t0 + marks.get("first_batch", start), t0 + end)}
     if rc != 0:
         save(a, f"{target}-{name}", res)
         raise SystemExit(f"SpecForge {name} exited with {rc}: see {logf.name}")
     lengths = _sf_lengths(a, target, out, batch, compress)
     real = sum(lengths[_sf_index(p)][0] for p in files)
     padded = sum(lengths[_sf_index(p)][1] for p in files)
-    stage_s = seconds - marks.get("model", 0)
+    stage_s = end - start
+    after_first = end - marks.get("first_batch", start)
     res.update(real_tokens=real, padded_tokens=padded, padding_share=round(1 - real / padded, 3),
-               stage_s=round(stage_s, 1), tok_per_s=round(real / stage_s), tok_per_s_with_startup=round(real / seconds))
+               stage_s=round(stage_s, 1), tok_per_s=round(real / stage_s), tok_per_s_with_startup=round(real / end),
+               # the batches after the first (their share of the real tokens, by count): kernels compiled
+               tok_per_s_after_first_batch=round(real * (1 - 1 / max(batches, 1)) / after_first) if after_first > 0 else None)
     if not compress:
         res["check"] = _sf_check(a, target, out, files)
     log(f"{target} SpecForge {name}: {res['written']}/{res['given']} samples, {real:,} real tokens "
-        f"({res['padding_share']:.0%} padding), {res['tok_per_s']:,} tok/s after a {res['startup_s']} s start-up")
+        f"({res['padding_share']:.0%} padding), {res['tok_per_s']:,} tok/s after a {res['startup_s']} s start-up "
+        f"(first batch {res['first_batch_s']} s; {res['tok_per_s_after_first_batch']} tok/s after it)")
     if not (target == "smol" and name == f"sf-{a.rows_batch}"):  # those are kept for the rows
         shutil.rmtree(out, ignore_errors=True)
     save(a, f"{target}-{name}", res)
@@ -574,9 +699,6 @@ def save(a: argparse.Namespace, name: str, info: Dict) -> None:
     os.makedirs(os.path.join(a.work, "results"), exist_ok=True)
     with open(os.path.join(a.work, "results", f"{name}.json"), "w") as f:
         json.dump(info, f, indent=1)
-    if a.mirror:
-        os.makedirs(a.mirror, exist_ok=True)
-        shutil.copy(os.path.join(a.work, "results", f"{name}.json"), a.mirror)
 
 
 def result(a: argparse.Namespace, name: str) -> Optional[Dict]:
@@ -595,16 +717,16 @@ def plan(a: argparse.Namespace) -> List[Tuple[str, int, Callable[[GpuBusy], None
     random 8B it would spend device time on gzip of noise)."""
     steps: List[Tuple[str, int, Callable[[GpuBusy], None]]] = [
         ("conversations", 60, lambda g: wait_for(a, "conversations", 400) or conversations(a))]
-    for target in a.targets:
-        est = {"smol": (190, 90), "l8b": (240, 170)}[target]
+    for target in sorted(a.targets, key=lambda t: t != "l8b"):  # the 8B first: its bars decide
+        est = {"smol": (200, 100), "l8b": (330, 150)}[target]
         if target == "l8b":
             steps.append(("l8b-model", 30, lambda g: l8b_model(a)))
         steps.append((f"{target}-servers", est[0], lambda g, t=target: servers(a, t, g)))
         for b in SF_ORDER:
             steps.append((f"{target}-sf-{b}", est[1], lambda g, t=target, b=b: specforge(a, t, b, False, g)))
         if target == "smol":
-            steps.append(("smol-sf-gz", est[1] + 30, lambda g: specforge(a, "smol", best_batch(a, "smol"), True, g)))
-            steps.append(("smol-rows", 60, lambda g: rows(a)))
+            steps.append(("smol-sf-gz", est[1], lambda g: specforge(a, "smol", best_batch(a, "smol"), True, g)))
+            steps.append(("smol-rows", 90, lambda g: rows(a)))
     return steps
 
 
@@ -625,11 +747,29 @@ def done(a: argparse.Namespace, name: str) -> bool:
     return result(a, name) is not None
 
 
+def _abort() -> None:
+    """The deadline passed inside a stage: end this process tree at once (the results of finished
+    stages are saved; the device script packs them), before the call's own limit kills everything."""
+    log("deadline passed inside a stage: stopping it; call again to redo it")
+    me = psutil.Process()
+    for p in me.children(recursive=True):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    os._exit(4)
+
+
 def run(a: argparse.Namespace) -> int:
     gpu, t0 = GpuBusy(), time.monotonic()
+    watchdog = threading.Timer(a.deadline_s + 25, _abort)
+    watchdog.daemon = True
+    watchdog.start()
     for name, est, fn in plan(a):
         if done(a, name):
             continue
+        if name.endswith("-servers") and os.path.exists(os.path.join(a.work, name.split("-")[0], "servers.json")):
+            est = 150  # started in the background: the measurements only
         left = a.deadline_s - (time.monotonic() - t0)
         if left < est:
             log(f"stopping before {name} (may take {est} s, {left:.0f} s left): call again to go on")
@@ -680,7 +820,7 @@ def report(a: argparse.Namespace) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", help="run, report, l8b-weights, or one stage name of the plan")
+    ap.add_argument("stage", help="run, report, l8b-weights, conversations, l8b-prestart (background), or a stage of the plan")
     ap.add_argument("--work", default="/tmp/vs")
     ap.add_argument("--prompts", default="prompts-train.jsonl", help="bench/drafter_data.py's training prompts")
     ap.add_argument("--samples", type=int, default=2000)
@@ -693,7 +833,6 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=540)
     ap.add_argument("--spy-s", type=float, default=6, help="py-spy window of a third extract pass (0: none)")
     ap.add_argument("--server-args", default="", help="replaces the servers' flags (a CPU dry run)")
-    ap.add_argument("--mirror", default="", help="also copy each result JSON here (the device call's $OUT)")
     a = ap.parse_args()
     a.targets = [t for t in a.targets.split(",") if t]
     a.specforge = os.path.abspath(a.specforge)
@@ -703,11 +842,12 @@ def main() -> int:
     if a.stage == "report":
         report(a)
         return 0
-    if a.stage in ("l8b-weights", "conversations"):  # started in the background by an early device call
-        marker = os.path.join(a.work, f"{a.stage}.running")
-        os.makedirs(a.work, exist_ok=True)
-        open(marker, "w").close()
-        (l8b_weights if a.stage == "l8b-weights" else conversations)(a)
+    background = {"l8b-weights": l8b_weights, "conversations": conversations,
+                  "l8b-prestart": lambda a: prestart(a, "l8b")}
+    if a.stage in background:  # started in the background by an early device call
+        os.makedirs(os.path.join(a.work, "l8b"), exist_ok=True)
+        open(os.path.join(a.work, f"{a.stage}.running"), "w").close()
+        background[a.stage](a)
         return 0
     gpu = GpuBusy()
     for name, _, fn in plan(a):

@@ -14,10 +14,13 @@ import fcntl
 import itertools
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
+
+import requests
 
 from sglang_capture.core import checksum
 from sglang_capture.core.durable import LockTimeout, fsync_dir, publish_new
@@ -120,6 +123,8 @@ class Extractor:
         self.tokenizer_path = tokenizer
         self.report = ExtractReport()
         self._runs = RunLocks()
+        self._thread = threading.local()  # each worker thread's requests.Session
+        self._sessions: List[requests.Session] = []
 
     def _prepare_out(self) -> None:
         try:
@@ -262,25 +267,38 @@ class Extractor:
                 time.sleep(min(0.5 * 2 ** attempt, 10.0))
             return Failure(sample.id, sample.line, reason)
 
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            futures = [pool.submit(one, s) for s in todo]
-            for f in as_completed(futures):
-                result = f.result()
-                if isinstance(result, Failure):
-                    self.report.failures.append(result)
-                else:
-                    self.report.written += 1
-                    self.report.tokens += result.tokens
-                    self.report.bytes += result.bytes
-                    bar.set_postfix(rates.add(result.tokens, result.bytes), refresh=False)
-                bar.update(1)
-        bar.close()
+        try:
+            with ThreadPoolExecutor(self.concurrency) as pool:
+                futures = [pool.submit(one, s) for s in todo]
+                for f in as_completed(futures):
+                    result = f.result()
+                    if isinstance(result, Failure):
+                        self.report.failures.append(result)
+                    else:
+                        self.report.written += 1
+                        self.report.tokens += result.tokens
+                        self.report.bytes += result.bytes
+                        bar.set_postfix(rates.add(result.tokens, result.bytes), refresh=False)
+                    bar.update(1)
+        finally:
+            bar.close()
+            for session in self._sessions:
+                session.close()
+            self._sessions.clear()
         self.report.failures.sort(key=lambda x: x.line)
+
+    def _session(self) -> requests.Session:
+        """This worker thread's session: one kept-alive connection per thread and server."""
+        session = getattr(self._thread, "session", None)
+        if session is None:
+            session = self._thread.session = requests.Session()
+            self._sessions.append(session)  # list.append is atomic: closed when the run ends
+        return session
 
     def _capture(self, sample: Sample, enc: Encoded, server: ServerInfo) -> Entry:
         name = self._runs.attempt_name(sample.id)
         ref = capture_prefill(server, enc.input_ids, name, spans_from_mask(enc.loss_mask), self.timeout,
-                              self.capture_dtype)
+                              self.capture_dtype, self._session())
         if int(ref.get("rows", -1)) != len(enc.input_ids):
             raise ServerError(f"{server.url}: the capture has {ref.get('rows')} rows for {len(enc.input_ids)} tokens")
         dst = sample_path(self.out, sample.id)
