@@ -14,7 +14,8 @@
 #   4. carry [.devkit-0.5.14]               source .devkit/env.sh; bash bench/h200_vs_specforge.sh kit14 $OUT
 #      (in the background: the 8B's two servers start, to be adopted by run)
 #   5. carry [dist]                         source .devkit/env.sh; bash bench/h200_vs_specforge.sh run $OUT
-#      (again while it says "call again": each call stops before a stage that would pass its limit)
+#      (again while it says "call again": each call stops before a stage that would pass its limit;
+#      VS_ARGS="--targets l8b --sweep 256" passes options to vs_specforge.py run)
 # Each call leaves $OUT/log (what it printed) and $OUT/results.tgz (result JSONs, logs, py-spy files).
 set -o pipefail
 PHASE=${1:?usage: $0 carry|kit|part|prep|kit14|run OUT}
@@ -47,7 +48,8 @@ export PATH=/tmp/sc/bin:$PATH:/tmp/site-0.5.14/py_spy-0.4.3.data/scripts  # py-s
 ARGS=(--work $W --specforge $R/.specforge --prompts $W/prompts-train.jsonl)
 pack() {  # at most 8 files come back: everything in one archive
   mkdir -p $W/results
-  tar czf "$OUT/results.tgz" -C $W results $(cd $W && ls -d *.log smol/*.log l8b/*.log smol/*.json l8b/*.json pyspy 2>/dev/null)
+  tar czf "$OUT/results.tgz" -C $W results $(cd $W && ls -d *.log smol/*.log l8b/*.log smol/*.json l8b/*.json pyspy \
+    conversations.jsonl 2>/dev/null)  # the conversations: a later chain can carry them instead of regenerating
 }
 bg() { setsid nohup python "$R/bench/vs_specforge.py" "$1" "${ARGS[@]}" > $W/$1.log 2>&1 < /dev/null & }
 case $PHASE in
@@ -66,7 +68,7 @@ case $PHASE in
     ;;
   run)
     cd /tmp
-    timeout -k 10 $(( ${DEADLINE_S:-520} + 45 )) python "$R/bench/vs_specforge.py" run "${ARGS[@]}" \
+    timeout -k 10 $(( ${DEADLINE_S:-520} + 45 )) python "$R/bench/vs_specforge.py" run "${ARGS[@]}" ${VS_ARGS:-} \
       --deadline-s ${DEADLINE_S:-520} 2>&1 | tee -a $OUT/log
     rc=$?
     # a stage cut short leaves its processes: none may hold the GPU into the next call
