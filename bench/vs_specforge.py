@@ -766,7 +766,7 @@ def plan(a: argparse.Namespace) -> List[Tuple[str, int, Callable[[GpuBusy], None
     steps: List[Tuple[str, int, Callable[[GpuBusy], None]]] = [
         ("conversations", 60, lambda g: wait_for(a, "conversations", 400) or conversations(a))]
     for target in sorted(a.targets, key=lambda t: t != "l8b"):  # the 8B first: its bars decide
-        est = {"smol": (200, 100), "l8b": (330, 150)}[target]
+        est = {"smol": (200, 100), "l8b": (330, 120)}[target]
         if target == "l8b":
             steps.append(("l8b-model", 30, lambda g: l8b_model(a)))
         steps.append((f"{target}-servers", est[0], lambda g, t=target: servers(a, t, g)))
