@@ -152,7 +152,8 @@ def conversations(a: argparse.Namespace) -> None:
     with open(src) as f, open(conv_path(a), "w") as out:
         for line in f:
             doc = json.loads(line)
-            doc["conversations"] = [{"from": "system", "value": SYSTEM}] + doc["conversations"]
+            if doc["conversations"][0]["from"] != "system":  # a carried file from an earlier chain has it
+                doc["conversations"] = [{"from": "system", "value": SYSTEM}] + doc["conversations"]
             out.write(json.dumps(doc) + "\n")
             n += 1
     save(a, "conversations", {"samples": n, "source": src, "system": SYSTEM})
@@ -275,25 +276,47 @@ def _ceiling(server: Server, samples, concurrency: int) -> Dict:
     return {"tokens": tokens, "seconds": time.monotonic() - t0}
 
 
-def _extract(a: argparse.Namespace, server: Server, out: str, dtype: str, rss: PeakRss, spy: str = "",
-             concurrency: int = 0) -> Dict:
+def _first_file(out: str, proc: subprocess.Popen, t0: float, seen: Dict[str, float]) -> None:
+    """Note when the pass's first sample file appears: what comes before is extract's own start-up."""
+    while proc.poll() is None:
+        try:
+            if any(n.endswith(".capture.msgpack") for n in os.listdir(out)):
+                seen["first_file_s"] = round(time.monotonic() - t0, 2)
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)
+
+
+def _extract(a: argparse.Namespace, server: Server, out: str, dtype: str, rss: PeakRss,
+             concurrency: int = 0, on_first_file: Optional[Callable[[subprocess.Popen], None]] = None) -> Dict:
     cmd = ["sglang-capture", "extract", conv_path(a), "--server", server.url, "--out", out, "--concurrency",
            str(concurrency or a.concurrency), "--no-progress"] + (["--capture-dtype", "fp8"] if dtype == "fp8" else [])
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rss.add(proc.pid)
-    if spy and shutil.which("py-spy"):  # the client, every sample (--idle): where its wall time goes
-        subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration", str(int(a.spy_s) + 4), "--rate", "100",
-                          "--nonblocking", "--threads", "--idle", "--format", "raw", "-o", spy],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen: Dict[str, float] = {}
+
+    def watch() -> None:
+        _first_file(out, proc, t0, seen)
+        if on_first_file is not None and "first_file_s" in seen:
+            on_first_file(proc)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     stdout, stderr = proc.communicate()
     seconds = time.monotonic() - t0
+    watcher.join(timeout=5)
     if proc.returncode != 0:
         raise SystemExit(f"extract {dtype} failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-3000:]}")
     summary = stdout.strip().splitlines()[-1]
     m = re.search(r"(\d+) samples: (\d+) written.*?([\d,]+) tokens", summary)
-    return {"summary": summary, "given": int(m.group(1)), "written": int(m.group(2)),
-            "tokens": int(m.group(3).replace(",", "")), "seconds": seconds}
+    tokens = int(m.group(3).replace(",", ""))
+    first = seen.get("first_file_s")
+    return {"summary": summary, "given": int(m.group(1)), "written": int(m.group(2)), "tokens": tokens,
+            "seconds": seconds, "first_file_s": first,
+            # the rate once extract is sending: its start-up (imports, tokenizer) left out
+            "tok_per_s_from_first_file": round(tokens / (seconds - first)) if first and seconds > first else None}
 
 
 class Adopted:
@@ -432,26 +455,34 @@ def stats_delta(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, 
 
 def spy_pass(a: argparse.Namespace, target: str, ours: Server, concurrency: int, res: Dict) -> Dict:
     """An extract pass sampled by py-spy (raw stacks, every sample: wall time) in the scheduler,
-    one writer process and the client; the raw files go to WORK/pyspy."""
+    one writer process and the client, from its first file on (before it, extract is starting up);
+    the raw files go to WORK/pyspy."""
     import e2e_probes
 
     spydir = os.path.join(a.work, "pyspy")
     os.makedirs(spydir, exist_ok=True)
     out = os.path.join(a.work, target, "ours-spy")
     shutil.rmtree(out, ignore_errors=True)
-    thread = e2e_probes.py_spy_window(ours, f"{target}-scheduler", a.spy_s, spydir, res)
     writers = [p.pid for p in psutil.Process(ours.proc.pid).children(recursive=True)
                if "sglang_capture.writer.process" in " ".join(p.cmdline())]
-    if writers and shutil.which("py-spy"):
-        subprocess.Popen(["py-spy", "record", "--pid", str(writers[0]), "--duration", str(int(a.spy_s) + 4), "--rate",
-                          "100", "--nonblocking", "--threads", "--idle", "--format", "raw", "-o",
-                          os.path.join(spydir, f"{target}-writer.all.txt")],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    e = _extract(a, ours, out, "bf16", PeakRss([]), spy=os.path.join(spydir, f"{target}-client.all.txt"),
-                 concurrency=concurrency)
-    thread.join(timeout=a.spy_s + 60)
+    threads: List[threading.Thread] = []
+
+    def record(client: subprocess.Popen) -> None:
+        threads.append(e2e_probes.py_spy_window(ours, f"{target}-scheduler", a.spy_s, spydir, res))
+        if not shutil.which("py-spy"):
+            return
+        for name, pid in (("writer", writers[0] if writers else None), ("client", client.pid)):
+            if pid is not None:
+                subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(a.spy_s)), "--rate", "100",
+                                  "--nonblocking", "--threads", "--idle", "--format", "raw", "-o",
+                                  os.path.join(spydir, f"{target}-{name}.all.txt")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    e = _extract(a, ours, out, "bf16", PeakRss([]), concurrency=concurrency, on_first_file=record)
+    for t in threads:
+        t.join(timeout=a.spy_s + 60)
     shutil.rmtree(out, ignore_errors=True)
-    return {**e, "writers_sampled": len(writers[:1]), "writer_processes": len(writers)}
+    return {**e, "writer_processes": len(writers)}
 
 
 def servers(a: argparse.Namespace, target: str, gpu: GpuBusy) -> None:
@@ -766,7 +797,7 @@ def plan(a: argparse.Namespace) -> List[Tuple[str, int, Callable[[GpuBusy], None
     steps: List[Tuple[str, int, Callable[[GpuBusy], None]]] = [
         ("conversations", 60, lambda g: wait_for(a, "conversations", 400) or conversations(a))]
     for target in sorted(a.targets, key=lambda t: t != "l8b"):  # the 8B first: its bars decide
-        est = {"smol": (200, 100), "l8b": (330, 120)}[target]
+        est = {"smol": (200, 100), "l8b": (330, 240)}[target]  # the 8B: 45 s vocab mapping, 70 s first batch
         if target == "l8b":
             steps.append(("l8b-model", 30, lambda g: l8b_model(a)))
         steps.append((f"{target}-servers", est[0], lambda g, t=target: servers(a, t, g)))
