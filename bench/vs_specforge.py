@@ -315,7 +315,8 @@ def _extract(a: argparse.Namespace, server: Server, out: str, dtype: str, rss: P
     first = seen.get("first_file_s")
     return {"summary": summary, "given": int(m.group(1)), "written": int(m.group(2)), "tokens": tokens,
             "seconds": seconds, "first_file_s": first,
-            # the rate once extract is sending: its start-up (imports, tokenizer) left out
+            # the rate once extract's first file is out (its start-up, imports and tokenizer, left out;
+            # the first file's own prefill and write too, so a little high)
             "tok_per_s_from_first_file": round(tokens / (seconds - first)) if first and seconds > first else None}
 
 
@@ -399,23 +400,46 @@ def prestart(a: argparse.Namespace, target: str) -> None:
                           "startup_s": secs} for name, (srv, secs) in started.items()}, f)
 
 
+def _stop_pids(pids: List[int]) -> None:
+    """Stop processes and what they started (servers run in process groups of their own)."""
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += [p] + p.children(recursive=True)
+        except psutil.Error:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
 def adopt(a: argparse.Namespace, target: str, wait_s: float = 420) -> Dict[str, Tuple[Server, float]]:
-    """Servers ``prestart`` started (waiting for it while it runs), or none."""
+    """Servers ``prestart`` started (waiting for it while it runs), or none; on any failure,
+    nothing it started is left running."""
     state = os.path.join(a.work, target, "servers")
-    if not os.path.exists(os.path.join(a.work, f"{target}-prestart.running")):
+    marker = os.path.join(a.work, f"{target}-prestart.running")
+    if not os.path.exists(marker):
         return {}
+    prestart_pid = int(open(marker).read().strip() or 0)
     deadline = time.monotonic() + wait_s
     while not (os.path.exists(state + ".json") or os.path.exists(state + ".failed")):
         if time.monotonic() > deadline:
             log(f"{target}: the servers started in the background are not up after {wait_s:.0f} s; starting anew")
+            _stop_pids([prestart_pid])
+            os.unlink(marker)
             return {}
         time.sleep(1)
-    os.unlink(os.path.join(a.work, f"{target}-prestart.running"))
+    os.unlink(marker)
     if os.path.exists(state + ".failed"):
         log(f"{target}: the background start failed ({open(state + '.failed').read()[-300:]}); starting anew")
         return {}
+    listed = json.load(open(state + ".json"))
     out = {}
-    for name, d in json.load(open(state + ".json")).items():
+    for name, d in listed.items():
         srv = Server(d["url"], Adopted(d["pid"]), d["log"], d["capture_dir"])  # type: ignore[arg-type]
         try:
             healthy = requests.get(srv.url + "/health", timeout=10).status_code == 200
@@ -423,9 +447,7 @@ def adopt(a: argparse.Namespace, target: str, wait_s: float = 420) -> Dict[str, 
             healthy = False
         if not healthy:
             log(f"{target}: the background {name} server does not answer; starting anew")
-            for s, _ in out.values():
-                stop_server(s)
-            stop_server(srv)
+            _stop_pids([int(x["pid"]) for x in listed.values()])
             return {}
         out[name] = (srv, float(d["startup_s"]))
     log(f"{target}: adopted the servers started in the background")
@@ -478,7 +500,9 @@ def spy_pass(a: argparse.Namespace, target: str, ours: Server, concurrency: int,
                                   os.path.join(spydir, f"{target}-{name}.all.txt")],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    e = _extract(a, ours, out, "bf16", PeakRss([]), concurrency=concurrency, on_first_file=record)
+    rss = PeakRss([])
+    e = _extract(a, ours, out, "bf16", rss, concurrency=concurrency, on_first_file=record)
+    rss.stop()
     for t in threads:
         t.join(timeout=a.spy_s + 60)
     shutil.rmtree(out, ignore_errors=True)
@@ -591,9 +615,25 @@ def specforge(a: argparse.Namespace, target: str, batch: int, compress: bool, gp
         + (["--num-samples", str(a.sf_samples[target])] if target in a.sf_samples else [])
     env = dict(os.environ, PYTHONPATH=a.specforge_site, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")  # unbuffered: the marks below are timed as lines arrive
-    logf = open(os.path.join(work, f"{name}.log"), "w")
+    logf = open(os.path.join(work, f"{name}.log"), "w", buffering=1)  # whole lines, also when the watchdog ends us
     marks: Dict[str, float] = {}
     batches = 0
+
+    def mark(text: str, now: float) -> None:
+        nonlocal batches
+        # The model is built (weights loaded, KV pool made) before the dataset is read: the first
+        # dataset line ends the start-up. Then the loop's bar appears, and its first update ends
+        # the first batch, which carries the triton kernels' compilation.
+        if "model" not in marks and re.search(r"Generating train split|Loading/building dataset|dataset is cached"
+                                              r"|Map \(num_proc", text):
+            marks["model"] = now
+        if "Generating Hidden States" in text:
+            marks.setdefault("loop", now)
+            m = re.search(r"\|\s*\d+/(\d+) \[", text)
+            batches = int(m.group(1)) if m else batches
+            if "processed=" in text:
+                marks.setdefault("first_batch", now)
+
     t0, wall0 = time.monotonic(), time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=work,
                             start_new_session=True)
@@ -608,18 +648,9 @@ def specforge(a: argparse.Namespace, target: str, batch: int, compress: bool, gp
                 continue
             now = time.monotonic() - t0
             logf.write(f"{now:8.2f} {line}\n")
-            # The model is built (weights loaded, KV pool made) before the dataset is read: the first
-            # dataset line ends the start-up. Then the loop's bar appears, and its first update
-            # ends the first batch, which carries the triton kernels' compilation.
-            if "model" not in marks and re.search(r"Generating train split|Loading/building dataset|dataset is cached"
-                                                  r"|Map \(num_proc", line):
-                marks["model"] = now
-            if "Generating Hidden States" in line:
-                marks.setdefault("loop", now)
-                m = re.search(r"\|\s*\d+/(\d+) \[", line)
-                batches = int(m.group(1)) if m else batches
-                if "processed=" in line:
-                    marks.setdefault("first_batch", now)
+            mark(line, now)
+        # tqdm ends a status with no line break: the next one completes it, so the tail is read now
+        mark(buf.decode(errors="replace"), time.monotonic() - t0)
     rc = proc.wait()
     seconds = time.monotonic() - t0
     peak = rss.stop()
@@ -847,7 +878,9 @@ def run(a: argparse.Namespace) -> int:
     for name, est, fn in plan(a):
         if done(a, name):
             continue
-        if name.endswith("-servers") and os.path.exists(os.path.join(a.work, name.split("-")[0], "servers.json")):
+        target = name.split("-")[0]
+        if name.endswith("-servers") and os.path.exists(os.path.join(a.work, f"{target}-prestart.running")) \
+                and os.path.exists(os.path.join(a.work, target, "servers.json")):
             est = 200  # started in the background: the measurements only
         left = a.deadline_s - (time.monotonic() - t0)
         if left < est:
@@ -930,7 +963,8 @@ def main() -> int:
                   "l8b-prestart": lambda a: prestart(a, "l8b")}
     if a.stage in background:  # started in the background by an early device call
         os.makedirs(os.path.join(a.work, "l8b"), exist_ok=True)
-        open(os.path.join(a.work, f"{a.stage}.running"), "w").close()
+        with open(os.path.join(a.work, f"{a.stage}.running"), "w") as f:
+            f.write(str(os.getpid()))
         background[a.stage](a)
         return 0
     gpu = GpuBusy()

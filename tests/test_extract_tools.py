@@ -490,27 +490,32 @@ def test_a_run_lock_held_elsewhere_fails_within_its_bound_naming_the_lock(tmp_pa
 
 
 def test_manifest_appenders_share_fsyncs_and_every_line_is_on_disk_when_append_returns(tmp_path, monkeypatch):
-    """Group commit: 32 threads appending while each fsync takes 20 ms need far fewer than 32
-    fsyncs, and no append returns before an fsync that began after its line was written."""
+    """Group commit: 32 threads appending at once while each fsync takes 20 ms need far fewer than
+    32 fsyncs, and each append returns only after an fsync that began once its line was written
+    and ended before the append returned."""
     import threading
 
     from sglang_capture.tools.manifest import Entry, ManifestWriter
 
     writer = ManifestWriter(str(tmp_path))
-    real_fsync, durable = os.fsync, []
+    real_fsync, fsyncs = os.fsync, []  # (lines in the file when it began, when it ended)
 
     def slow_fsync(fd):
-        lines = open(tmp_path / MANIFEST).read().count("\n")  # what this fsync makes durable
+        lines = open(tmp_path / MANIFEST).read().count("\n")
         time.sleep(0.02)
         real_fsync(fd)
-        durable.append(lines)
+        fsyncs.append((lines, time.monotonic()))
 
     monkeypatch.setattr(os, "fsync", slow_fsync)
-    returned_before = []
+    start, returned, errors = threading.Barrier(32), {}, []
 
     def append(i):
-        writer.append(Entry(f"s{i}", f"s{i}.capture.msgpack", i, i, "xxh3_128:0", i))
-        returned_before.append((i, max(durable)))  # the most lines durable when this append returned
+        try:
+            start.wait()
+            writer.append(Entry(f"s{i}", f"s{i}.capture.msgpack", i, i, "xxh3_128:0", i))
+            returned[f"s{i}"] = time.monotonic()
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
 
     threads = [threading.Thread(target=append, args=(i,)) for i in range(32)]
     for t in threads:
@@ -518,11 +523,12 @@ def test_manifest_appenders_share_fsyncs_and_every_line_is_on_disk_when_append_r
     for t in threads:
         t.join()
     writer.close()
+    assert not errors and len(returned) == 32
     entries, problems = read_manifest(str(tmp_path))
-    assert not problems and sorted(e.id for e in entries) == sorted(f"s{i}" for i in range(32))
-    position = {e.id: k + 1 for k, e in enumerate(entries)}
-    assert all(position[f"s{i}"] <= synced for i, synced in returned_before)
-    assert len(durable) <= 8
+    assert not problems and sorted(e.id for e in entries) == sorted(returned)
+    for position, e in enumerate(entries, start=1):
+        assert any(lines >= position and ended <= returned[e.id] for lines, ended in fsyncs), e.id
+    assert len(fsyncs) <= 8
 
 
 def test_extract_keeps_one_connection_per_worker_thread(server, conversations, tmp_path, env):
@@ -543,4 +549,4 @@ def test_extract_keeps_one_connection_per_worker_thread(server, conversations, t
     r = extract(server, inp, tmp_path / "out", "--concurrency", "2", env=env)
     assert r.returncode == 0, r.stderr
     assert len(_files(tmp_path / "out")) == 20
-    assert len(closed() - before) <= 3
+    assert 1 <= len(closed() - before) <= 3  # discovery's connection closes too: the count is seen

@@ -292,6 +292,11 @@ class Extractor:
         session = getattr(self._thread, "session", None)
         if session is None:
             session = self._thread.session = requests.Session()
+            # a pool per server (requests keeps 10 by default: with more --server URLs each request
+            # would evict one and open a new connection), one connection each: this thread's
+            adapter = requests.adapters.HTTPAdapter(pool_connections=max(len(self.server_urls), 1), pool_maxsize=1)
+            session.mount("http://", adapter)
+            session.mount("https://", adapter)
             self._sessions.append(session)  # list.append is atomic: closed when the run ends
         return session
 
