@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import psutil
 import requests
+from drafter_run import _cli, regen  # bench/ is on sys.path: this script lives there
 
 from sglang_capture.testbed.cpu import server_env
 from sglang_capture.testbed.once import cache_dir
@@ -141,8 +142,6 @@ def conversations(a: argparse.Namespace) -> None:
     """The drafter chain's regenerated conversations, each with SpecForge's default system turn."""
     src = os.path.join(a.work, "regen", "conversations.jsonl")
     if not os.path.exists(src):
-        from drafter_run import regen  # bench/ is on sys.path: this script lives there
-
         os.makedirs(os.path.dirname(src), exist_ok=True)
         regen(argparse.Namespace(model=model_dir(a, "smol"), train_prompts=a.prompts, samples=a.samples,
                                  answer_tokens=a.answer_tokens, concurrency=64, work=os.path.dirname(src),
@@ -575,13 +574,6 @@ def servers(a: argparse.Namespace, target: str, gpu: GpuBusy) -> None:
             shutil.rmtree(res[dtype]["dir"], ignore_errors=True)
     shutil.rmtree(capture_dir, ignore_errors=True)
     save(a, f"{target}-servers", res)
-
-
-def _cli(*args: str) -> str:
-    r = subprocess.run(["sglang-capture", *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"sglang-capture {' '.join(args[:2])} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-    return r.stdout
 
 
 # ---------------------------------------------------------------- SpecForge's script
