@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Tuple
 
+from sglang_capture.tools import tokenizer_cache
 from sglang_capture.tools.conversations import Sample
 
 
@@ -26,7 +27,18 @@ class Encoded:
 
 
 def load_tokenizer(path: str) -> Any:
-    """The model's tokenizer (must be a fast one: the mask needs character offsets)."""
+    """The model's tokenizer (must be a fast one: the mask needs character offsets). After the
+    first load of a local tokenizer, from the package's cache in about a second
+    (tokenizer_cache.py says why and what makes it exact)."""
+    cached = tokenizer_cache.load(path, lambda: _load_with_transformers(path))
+    if cached is not None:
+        return cached
+    tok = _load_with_transformers(path)
+    tokenizer_cache.save(path, tok)
+    return tok
+
+
+def _load_with_transformers(path: str) -> Any:
     from transformers import AutoTokenizer
 
     try:
