@@ -31,8 +31,10 @@ print(os.path.join(list(s.submodule_search_locations)[0], 'SmolLM2-135M-Instruct
     rm -rf .carry-a .carry-b .specforge && mkdir -p .carry-a .carry-b/prompts
     split -b 50M "$gguf" .carry-a/gguf.part- && mv .carry-a/gguf.part-ab .carry-b/
     python bench/drafter_data.py .carry-b/prompts --train 2000 --test 200 || exit 1
-    # CONVERSATIONS=conversations.jsonl from an earlier chain's results.tgz: the device skips the regeneration
-    [ -z "${CONVERSATIONS:-}" ] || cp "$CONVERSATIONS" .carry-b/conversations.jsonl || exit 1
+    # CONVERSATIONS=an earlier chain's conversations (results.tgz's conversations.jsonl, or r58's kept in
+    # bench/results/ as .jsonl.gz): the device skips the regeneration, and both chains use the same ones
+    [ -z "${CONVERSATIONS:-}" ] || { case "$CONVERSATIONS" in *.gz) zcat "$CONVERSATIONS";; *) cat "$CONVERSATIONS";; esac; } \
+      > .carry-b/conversations.jsonl || exit 1
     sf=${SPECFORGE_REPO:?SPECFORGE_REPO=a SpecForge git dir (fetch github:sgl-project/SpecForge)}
     commit=${SPECFORGE_COMMIT:-a6b6b023}
     mkdir -p .specforge && git -C "$sf" archive "$commit" scripts | tar x -C .specforge && \
