@@ -32,6 +32,27 @@ def tokenizer_dirs(tiny_models):
     return dirs
 
 
+def _copy(src, dst, tokenizer_json=None, config=None):
+    """A copy of a tokenizer directory (no weights), its tokenizer.json / tokenizer_config.json edited."""
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
+    for name, edit in (("tokenizer.json", tokenizer_json), ("tokenizer_config.json", config)):
+        if edit is not None:
+            doc = json.load(open(os.path.join(dst, name)))
+            edit(doc)
+            json.dump(doc, open(os.path.join(dst, name), "w"))
+    return str(dst)
+
+
+TRICKY = [  # special-token strings inside content, non-ASCII, long enough to pass a saved truncation
+    [{"role": "user", "content": "say <|im_end|> and <|im_start|> literally, then déjà vu — 東京 🙂"},
+     {"role": "assistant", "content": "ok: <|im_end|> is the end marker; naïve café " * 3}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the quick brown fox " * 20},
+     {"role": "assistant", "content": "jumps over the lazy dog " * 20}],
+]
+
+
 def _encodings(encoder, samples):
     out = []
     for s in samples:
@@ -75,6 +96,7 @@ def test_a_changed_tokenizer_file_misses_the_cache_and_a_damaged_entry_is_reload
     for entry in os.listdir(cache):
         (cache / entry).write_text("{not json")
     assert not isinstance(load_tokenizer(path), tokenizer_cache.CachedTokenizer)
+    assert isinstance(load_tokenizer(path), tokenizer_cache.CachedTokenizer)  # the damaged entry was rewritten
 
 
 def test_an_unwritable_cache_only_costs_the_fast_start(tokenizer_dirs, tmp_path, monkeypatch):
@@ -137,3 +159,63 @@ def test_text_samples_keep_the_post_processors_special_tokens(tokenizer_dirs, ca
     plain_cached = cached(text, add_special_tokens=False, return_offsets_mapping=True)
     assert plain_cached["input_ids"] == plain_full["input_ids"] and plain_cached["input_ids"][0] != 0
     assert [tuple(o) for o in plain_cached["offset_mapping"]] == [tuple(o) for o in plain_full["offset_mapping"]]
+
+
+@pytest.mark.parametrize("variant", ["plain", "truncation", "padding", "split_special_tokens"])
+def test_settings_transformers_applies_per_call_are_applied_alike(variant, tokenizer_dirs, cache, tmp_path):
+    """A tokenizer.json that saved truncation or padding (transformers turns both off on each call),
+    and split_special_tokens (transformers sets the backend's flag on each call)."""
+    from sglang_capture.tools.conversations import Sample
+
+    edits = {"plain": (None, None),
+             "truncation": (lambda d: d.__setitem__("truncation", {"direction": "Right", "max_length": 16,
+                                                                   "strategy": "LongestFirst", "stride": 0}), None),
+             "padding": (lambda d: d.__setitem__("padding", {"strategy": "BatchLongest", "direction": "Right",
+                                                             "pad_to_multiple_of": 8, "pad_id": 2, "pad_type_id": 0,
+                                                             "pad_token": "<|im_end|>"}), None),
+             "split_special_tokens": (None, lambda c: c.__setitem__("split_special_tokens", True))}[variant]
+    path = _copy(tokenizer_dirs["smollm2"], tmp_path / "tok", *edits)
+    full = load_tokenizer(path)
+    cached = load_tokenizer(path)
+    assert isinstance(cached, tokenizer_cache.CachedTokenizer)
+    samples = [Sample(id=f"t{i}", line=i, messages=m, text=None) for i, m in enumerate(TRICKY)]
+    samples.append(Sample(id="text", line=9, messages=None, text="plain <|im_end|> text, déjà vu " * 8))
+    want = _encodings(ChatEncoder(full, path), samples)
+    assert _encodings(ChatEncoder(cached, path), samples) == want
+    assert all(w[0] != "error" and len(w[0]) > 16 for w in want)
+
+
+def test_the_key_covers_additional_templates_and_configs_naming_files_elsewhere_are_not_cached(
+        tokenizer_dirs, cache, tmp_path):
+    path = _copy(tokenizer_dirs["smollm2"], tmp_path / "tok")
+    os.makedirs(os.path.join(path, "additional_chat_templates"))
+    extra = os.path.join(path, "additional_chat_templates", "tools.jinja")
+    open(extra, "w").write("{{ messages[0]['content'] }}")
+    key = tokenizer_cache.cache_key(path)
+    open(extra, "w").write("v2 {{ messages[0]['content'] }}")
+    assert tokenizer_cache.cache_key(path) != key
+    elsewhere = _copy(tokenizer_dirs["smollm2"], tmp_path / "elsewhere",
+                      config=lambda c: c.__setitem__("tokenizer_file", os.path.join(path, "tokenizer.json")))
+    assert tokenizer_cache.cache_key(elsewhere) is None
+    load_tokenizer(elsewhere)
+    assert not isinstance(load_tokenizer(elsewhere), tokenizer_cache.CachedTokenizer)
+
+
+def test_a_class_with_its_own_encoding_is_never_cached(tokenizer_dirs, cache, tmp_path):
+    """CodeLlama's infilling and mBART's language modes live in their classes' own methods, which a
+    rebuilt backend would skip: such classes always load through transformers."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    path = tokenizer_dirs["smollm2"]
+    tok = _load_with_transformers(path)
+    assert type(tok) is TokenizersBackend and tokenizer_cache._plain_backend(tok)
+    infilling = type("Infilling", (TokenizersBackend,),
+                     {"_encode_plus": lambda self, *a, **k: TokenizersBackend._encode_plus(self, *a, **k)})
+    modes = type("Modes", (TokenizersBackend,), {"_switch_to_input_mode": lambda self: None})
+    defaults = type("Defaults", (TokenizersBackend,), {"padding_side": "left"})  # no method changed: cached
+    assert not tokenizer_cache._plain_backend(object.__new__(infilling))
+    assert not tokenizer_cache._plain_backend(object.__new__(modes))
+    assert tokenizer_cache._plain_backend(object.__new__(defaults))
+    tok.__class__ = infilling
+    tokenizer_cache.save(tokenizer_cache.cache_key(path), tok)
+    assert not cache.exists() or not os.listdir(cache)

@@ -30,11 +30,12 @@ def load_tokenizer(path: str) -> Any:
     """The model's tokenizer (must be a fast one: the mask needs character offsets). After the
     first load of a local tokenizer, from the package's cache in about a second
     (tokenizer_cache.py says why and what makes it exact)."""
-    cached = tokenizer_cache.load(path, lambda: _load_with_transformers(path))
+    key = tokenizer_cache.cache_key(path)  # before transformers reads the files, so an entry never outdates them
+    cached = tokenizer_cache.load(key, lambda: _load_with_transformers(path))
     if cached is not None:
         return cached
     tok = _load_with_transformers(path)
-    tokenizer_cache.save(path, tok)
+    tokenizer_cache.save(key, tok)
     return tok
 
 
@@ -95,7 +96,7 @@ class ChatEncoder:
         return Encoded(list(enc["input_ids"]), mask)
 
     def _encode_with_generation_markers(self, messages: List[dict]) -> Encoded:
-        if "{% generation %}" not in (self.tok.chat_template or "").replace("{%- generation %}", "{% generation %}"):
+        if "{% generation %}" not in self.tok.get_chat_template().replace("{%- generation %}", "{% generation %}"):
             raise TemplateError("the chat template rewrites earlier turns and has no {% generation %} markers, so "
                                 "assistant tokens cannot be located; pass --tokenizer with a prefix-stable template")
         out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)

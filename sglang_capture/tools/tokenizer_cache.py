@@ -9,9 +9,18 @@ tokens the template sees. Later runs rebuild it with the ``tokenizers`` library 
 transformers' own ``render_jinja_template``: the same backend, the same template, the same
 renderer and arguments, so the same ids and the same offsets, without the auto classes.
 
-The cache key covers every small file of the tokenizer's directory (not the weights) and the
-versions of transformers and tokenizers; anything else (a generation-marker template, a
-tokenizer without a ``tokenizer.json``) is served by transformers itself, loaded on demand.
+What transformers does on each call is redone here: it encodes with truncation and padding off
+(it turns off whatever ``tokenizer.json`` saved) and sets the backend's ``encode_special_tokens``
+from ``split_special_tokens``. Only the base ``TokenizersBackend`` class, or a subclass that
+changes none of its encoding and templating methods, is cached: a class with its own encoding
+(CodeLlama's infilling, mBART's language modes) is always loaded through transformers.
+
+The cache key covers the tokenizer's files (every ``.json``, ``.jinja``, ``.txt``, ``.model`` and
+``.tiktoken`` file of the directory and its ``additional_chat_templates/``, not the weights) and the
+versions of transformers and tokenizers, and is taken before transformers reads the directory. A
+``tokenizer_config.json`` that points at files elsewhere (``tokenizer_file``, ``vocab_file``,
+``merges_file``) is not cached. Anything else (a generation-marker template, a tokenizer without a
+``tokenizer.json``) is served by transformers itself, loaded on demand.
 """
 from __future__ import annotations
 
@@ -20,12 +29,17 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from importlib import metadata
 from typing import Any, Callable, Dict, List, Optional
 
-FORMAT = 1
-_KEY_FILES = ("*.json", "*.jinja", "*.txt", "*.model")  # the tokenizer's own files; weights are not read
-_MAX_KEY_FILE = 64 << 20  # a larger .json is not a tokenizer file (a weight index is small, shards are not json)
+FORMAT = 2
+_KEY_FILES = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")  # the tokenizer's own files, not the weights
+_KEY_DIRS = ("", "additional_chat_templates")
+_ELSEWHERE = ("tokenizer_file", "vocab_file", "merges_file")  # tokenizer_config keys naming files to read instead
+# What TokenizersBackend does when encoding and templating: a subclass that changes any of it is not cached.
+_METHODS = ("__call__", "_call_one", "encode", "_encode_plus", "_batch_encode_plus", "set_truncation_and_padding",
+            "apply_chat_template", "get_chat_template", "_switch_to_input_mode", "_switch_to_target_mode")
 
 
 def cache_dir() -> str:
@@ -39,38 +53,54 @@ def cache_dir() -> str:
 
 def cache_key(path: str) -> Optional[str]:
     """A digest of the tokenizer's files and the library versions; None where there is no local
-    directory with a ``tokenizer.json`` (a hub name, a slow tokenizer)."""
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return None
-    h = hashlib.sha256()
-    for lib in ("transformers", "tokenizers"):
-        try:
-            h.update(f"{lib}={metadata.version(lib)}\n".encode())
-        except metadata.PackageNotFoundError:
+    directory with a ``tokenizer.json`` (a hub name, a slow tokenizer), where its config names files
+    elsewhere, or where a file cannot be read (transformers then says what is wrong)."""
+    try:
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             return None
-    names = sorted({os.path.basename(p) for pattern in _KEY_FILES for p in glob.glob(os.path.join(path, pattern))})
-    for name in names:
-        full = os.path.join(path, name)
-        if os.path.getsize(full) > _MAX_KEY_FILE:
-            continue
-        h.update(f"{name}\n".encode())
-        with open(full, "rb") as f:
-            h.update(hashlib.sha256(f.read()).digest())
-    return h.hexdigest()
+        config = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                doc = json.load(f)
+            if any(doc.get(k) for k in _ELSEWHERE):
+                return None
+        h = hashlib.sha256()
+        for lib in ("transformers", "tokenizers"):
+            h.update(f"{lib}={metadata.version(lib)}\n".encode())
+        names = sorted({os.path.relpath(p, path) for sub in _KEY_DIRS for pattern in _KEY_FILES
+                        for p in glob.glob(os.path.join(path, sub, pattern))})
+        for name in names:
+            h.update(f"{name}\n".encode())
+            with open(os.path.join(path, name), "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+        return h.hexdigest()
+    except (OSError, ValueError, metadata.PackageNotFoundError):
+        return None
 
 
-def save(path: str, tokenizer: Any) -> None:
-    """Store what ``CachedTokenizer`` needs of a transformers fast tokenizer; a cache that cannot
-    be written (read-only home, full disk) only costs the next run its fast start."""
-    key = cache_key(path)
-    if key is None:
+def _plain_backend(tokenizer: Any) -> bool:
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return False
+    cls = type(tokenizer)
+    return issubclass(cls, TokenizersBackend) and all(
+        getattr(cls, m, None) is getattr(TokenizersBackend, m, None) for m in _METHODS)
+
+
+def save(key: Optional[str], tokenizer: Any) -> None:
+    """Store what ``CachedTokenizer`` needs of a transformers fast tokenizer under ``key`` (taken
+    before it was loaded); a cache that cannot be written (read-only home, full disk) only costs
+    the next run its fast start."""
+    if key is None or not _plain_backend(tokenizer):
         return
     try:
         template = tokenizer.get_chat_template() if getattr(tokenizer, "chat_template", None) else None
         doc = {"format": FORMAT, "backend": tokenizer.backend_tokenizer.to_str(), "chat_template": template,
-               "special_tokens_map": dict(tokenizer.special_tokens_map)}
+               "special_tokens_map": dict(tokenizer.special_tokens_map),
+               "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))}
         text = json.dumps(doc)
-    except (AttributeError, TypeError, ValueError):  # not a fast tokenizer, or a map that is not JSON
+    except Exception:  # noqa: BLE001 - a component tokenizers cannot serialize, a map that is not JSON: not cached
         return
     directory = cache_dir()
     try:
@@ -87,10 +117,9 @@ def save(path: str, tokenizer: Any) -> None:
         pass
 
 
-def load(path: str, full: Callable[[], Any]) -> Optional["CachedTokenizer"]:
-    """The cached tokenizer of ``path``, or None when there is none (or it cannot be read);
+def load(key: Optional[str], full: Callable[[], Any]) -> Optional["CachedTokenizer"]:
+    """The cached tokenizer under ``key``, or None when there is none (or it cannot be read);
     ``full`` loads transformers' own, for what the cached one does not do."""
-    key = cache_key(path)
     if key is None:
         return None
     try:
@@ -101,9 +130,12 @@ def load(path: str, full: Callable[[], Any]) -> Optional["CachedTokenizer"]:
         from tokenizers import Tokenizer
 
         backend = Tokenizer.from_str(doc["backend"])
+        backend.no_truncation()  # transformers turns off what tokenizer.json saved, on every call
+        backend.no_padding()
+        backend.encode_special_tokens = bool(doc["split_special_tokens"])
+        return CachedTokenizer(backend, doc.get("chat_template"), doc.get("special_tokens_map") or {}, full)
     except Exception:  # noqa: BLE001 - a damaged or foreign entry: load the tokenizer anew
         return None
-    return CachedTokenizer(backend, doc.get("chat_template"), doc.get("special_tokens_map") or {}, full)
 
 
 class CachedTokenizer:
@@ -120,11 +152,18 @@ class CachedTokenizer:
         self.special_tokens_map = special_tokens_map
         self._full_loader = full
         self._full: Any = None
+        self._full_lock = threading.Lock()  # extract's worker threads: one load, not one each
 
     def full(self) -> Any:
-        if self._full is None:
-            self._full = self._full_loader()
-        return self._full
+        with self._full_lock:
+            if self._full is None:
+                self._full = self._full_loader()
+            return self._full
+
+    def get_chat_template(self) -> str:
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        return self.chat_template
 
     def __call__(self, text: str, add_special_tokens: bool = True,
                  return_offsets_mapping: bool = False) -> Dict[str, List[Any]]:
