@@ -28,10 +28,11 @@ import glob
 import hashlib
 import json
 import os
-import tempfile
 import threading
 from importlib import metadata
 from typing import Any, Callable, Dict, List, Optional
+
+from sglang_capture.core.durable import replace_atomic
 
 FORMAT = 2
 _KEY_FILES = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")  # the tokenizer's own files, not the weights
@@ -105,14 +106,8 @@ def save(key: Optional[str], tokenizer: Any) -> None:
     directory = cache_dir()
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, os.path.join(directory, key + ".json"))
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        # readers see the old entry or the new one; a crash mid-write only costs a reload
+        replace_atomic(os.path.join(directory, key + ".json"), lambda f: f.write(text.encode("utf-8")), sync=False)
     except OSError:
         pass
 
