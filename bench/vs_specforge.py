@@ -287,10 +287,10 @@ def _first_file(out: str, proc: subprocess.Popen, t0: float, seen: Dict[str, flo
         time.sleep(0.05)
 
 
-def _extract(a: argparse.Namespace, server: Server, out: str, dtype: str, rss: PeakRss,
-             concurrency: int = 0, on_first_file: Optional[Callable[[subprocess.Popen], None]] = None) -> Dict:
+def _extract(a: argparse.Namespace, server: Server, out: str, dtype: str, rss: PeakRss, concurrency: int,
+             on_first_file: Optional[Callable[[subprocess.Popen], None]] = None) -> Dict:
     cmd = ["sglang-capture", "extract", conv_path(a), "--server", server.url, "--out", out, "--concurrency",
-           str(concurrency or a.concurrency), "--no-progress"] + (["--capture-dtype", "fp8"] if dtype == "fp8" else [])
+           str(concurrency), "--no-progress"] + (["--capture-dtype", "fp8"] if dtype == "fp8" else [])
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rss.add(proc.pid)
@@ -929,10 +929,10 @@ def main() -> int:
     ap.add_argument("--prompts", default="prompts-train.jsonl", help="bench/drafter_data.py's training prompts")
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--answer-tokens", type=int, default=384)
-    ap.add_argument("--concurrency", type=int, default=64, help="requests in flight (extract and the ceiling)")
     ap.add_argument("--sf-samples", default="l8b:1000", help="TARGET:N gives SpecForge the first N conversations "
                     "(its padded, uncompressed 8B files for all 2,000 do not fit the H200's 64 GB disk beside the weights)")
-    ap.add_argument("--sweep", default="64,256", help="concurrencies the servers stage measures (both tools' best is kept)")
+    ap.add_argument("--sweep", default="64,256", help="requests in flight, each measured for the ceiling and extract "
+                    "(both tools' best is kept)")
     ap.add_argument("--specforge", default=".specforge", help="SpecForge checkout (scripts/prepare_hidden_states.py)")
     ap.add_argument("--specforge-site", default="/tmp/site-0.5.14", help="PYTHONPATH with SGLang 0.5.14 and specforge")
     ap.add_argument("--targets", default="smol,l8b")
