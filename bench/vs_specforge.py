@@ -12,15 +12,21 @@ weights written as safetensors here, so that both tools load the same files).
 
 For each target:
 ``servers``   plain SGLang 0.5.17 (the ceiling: prefill-only, ``max_new_tokens`` 1, our ids) and
-              the package's launcher, side by side; ``sglang-capture extract`` in bf16, then fp8.
+              the package's launcher, side by side (the 8B's started in the background by an
+              earlier call, ``l8b-prestart``); at each ``--sweep`` count of requests in flight the
+              ceiling, then ``sglang-capture extract`` in bf16 and fp8 (each tool's best goes in
+              the table, with the writers' counters and extract's first file apart); then a pass
+              sampled by py-spy in the scheduler, a writer and the client.
 ``sf-B``      SpecForge's ``scripts/prepare_hidden_states.py`` (the checkout at ``--specforge``,
-              SGLang 0.5.14 from the second kit) at ``--batch-size B`` for B in 8, 32, 64; then
-              ``sf-gz`` with ``--compress`` at the fastest B.
+              SGLang 0.5.14 from the second kit) at ``--batch-size B`` for B in 8, 32, 64 (on the
+              8B the first ``--sf-samples`` conversations); then ``sf-gz`` with ``--compress`` at
+              the fastest B.
 ``rows``      (smol) every sample of SpecForge's files against our export of the same
               conversation: input ids, loss masks, per-row cosine per column, plain and without
               each row's 4 largest channels.
 
-Every measurement: whole-stage real-token tok/s (SpecForge's padding excluded), start-up apart,
+Every measurement: whole-stage real-token tok/s (SpecForge's padding excluded; its stage ends at
+its last file), start-up apart (SpecForge's first batch, which compiles kernels, also apart),
 samples written against given, bytes on disk, peak host RSS of the tool's process tree, GPU busy
 share (``nvidia-smi`` utilization sampled every 200 ms). ``run`` does the pending stages in
 order and stops before one that would not finish by ``--deadline-s`` (a device call's limit):
@@ -938,7 +944,7 @@ def main() -> int:
     ap.add_argument("--targets", default="smol,l8b")
     ap.add_argument("--rows-batch", type=int, default=32, help="the SpecForge run whose files the rows stage reads")
     ap.add_argument("--deadline-s", type=float, default=540)
-    ap.add_argument("--spy-s", type=float, default=6, help="py-spy window of a third extract pass (0: none)")
+    ap.add_argument("--spy-s", type=float, default=6, help="py-spy window of an extra extract pass after the sweep (0: none)")
     ap.add_argument("--server-args", default="", help="replaces the servers' flags (a CPU dry run)")
     a = ap.parse_args()
     a.targets = [t for t in a.targets.split(",") if t]
