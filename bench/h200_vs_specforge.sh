@@ -68,11 +68,11 @@ case $PHASE in
       mkdir -p $W/regen && cp $R/.carry-b/conversations.jsonl $W/regen/conversations.jsonl
     fi
     bg conversations; bg l8b-weights
-    sleep 15; tail -3 $W/conversations.log $W/l8b-weights.log
+    sleep 15; tail -n 3 $W/conversations.log $W/l8b-weights.log
     ;;
   kit14)
     cd /tmp && bg l8b-prestart
-    sleep 5; tail -3 $W/conversations.log $W/l8b-weights.log $W/l8b-prestart.log
+    sleep 5; tail -n 3 $W/conversations.log $W/l8b-weights.log $W/l8b-prestart.log
     ;;
   run)
     cd /tmp
