@@ -32,6 +32,12 @@ def tokenizer_dirs(tiny_models):
     return dirs
 
 
+def _edit_json(directory, name, edit):
+    doc = json.load(open(os.path.join(directory, name)))
+    edit(doc)
+    json.dump(doc, open(os.path.join(directory, name), "w"))
+
+
 def _copy(src, dst, tokenizer_json=None, config=None):
     """A copy of a tokenizer directory (no weights), its tokenizer.json / tokenizer_config.json edited."""
     import shutil
@@ -39,9 +45,7 @@ def _copy(src, dst, tokenizer_json=None, config=None):
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
     for name, edit in (("tokenizer.json", tokenizer_json), ("tokenizer_config.json", config)):
         if edit is not None:
-            doc = json.load(open(os.path.join(dst, name)))
-            edit(doc)
-            json.dump(doc, open(os.path.join(dst, name), "w"))
+            _edit_json(dst, name, edit)
     return str(dst)
 
 
@@ -81,16 +85,10 @@ def test_cached_tokenizer_gives_transformers_ids_and_masks(name, tokenizer_dirs,
 
 
 def test_a_changed_tokenizer_file_misses_the_cache_and_a_damaged_entry_is_reloaded(tokenizer_dirs, cache, tmp_path):
-    import shutil
-
-    path = str(tmp_path / "tok")
-    shutil.copytree(tokenizer_dirs["smollm2"], path, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
+    path = _copy(tokenizer_dirs["smollm2"], tmp_path / "tok")
     load_tokenizer(path)
     assert isinstance(load_tokenizer(path), tokenizer_cache.CachedTokenizer)
-    cfg = os.path.join(path, "tokenizer_config.json")
-    doc = json.load(open(cfg))
-    doc["model_max_length"] = 12345
-    json.dump(doc, open(cfg, "w"))
+    _edit_json(path, "tokenizer_config.json", lambda c: c.__setitem__("model_max_length", 12345))
     assert not isinstance(load_tokenizer(path), tokenizer_cache.CachedTokenizer)  # a new key: loaded anew
     assert isinstance(load_tokenizer(path), tokenizer_cache.CachedTokenizer)
     for entry in os.listdir(cache):
@@ -137,19 +135,12 @@ def test_generation_marker_templates_go_to_transformers(tokenizer_dirs, cache):
 def test_text_samples_keep_the_post_processors_special_tokens(tokenizer_dirs, cache, tmp_path):
     """A tokenizer whose post-processor adds a BOS (Llama 3's does): text samples get it, chat
     renderings (add_special_tokens=False) do not, as with transformers."""
-    import shutil
-
-    path = str(tmp_path / "bos")
-    shutil.copytree(tokenizer_dirs["tiny-llama"], path, ignore=shutil.ignore_patterns("*.safetensors"))
-    tj = os.path.join(path, "tokenizer.json")
-    doc = json.load(open(tj))
-    doc["post_processor"] = {
-        "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                 {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [0], "tokens": ["<|bos|>"]}}}
-    json.dump(doc, open(tj, "w"))
+    bos = {"type": "TemplateProcessing",
+           "single": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+           "pair": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                    {"Sequence": {"id": "B", "type_id": 1}}],
+           "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [0], "tokens": ["<|bos|>"]}}}
+    path = _copy(tokenizer_dirs["tiny-llama"], tmp_path / "bos", tokenizer_json=lambda d: d.__setitem__("post_processor", bos))
     full = load_tokenizer(path)
     cached = load_tokenizer(path)
     assert isinstance(cached, tokenizer_cache.CachedTokenizer)
