@@ -106,6 +106,17 @@ def test_a_server_whose_port_is_taken_before_it_binds_is_started_again_on_anothe
             testbed_server.stop_server(server)
 
 
+def test_free_port_skips_a_port_whose_dp_attention_detokenizer_port_is_held_and_stays_below_ephemeral_ports():
+    first = testbed_server.free_port()
+    second = next(p for p in iter(testbed_server.free_port, None) if p != first)
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    assert testbed_server.LOWEST_PORT <= first < low - 240 and second < low - 240
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", first + 235))  # SGLang's detokenizer port under DP attention
+        held.listen()
+        assert testbed_server.free_port([first, second]) == second
+
+
 def test_servers_starting_together_on_a_fresh_machine_share_one_working_cuda_stub(tmp_path):
     stub_dir = str(tmp_path / "cudastub")
     results, errors = [], []

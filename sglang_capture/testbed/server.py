@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, Iterable, List, Optional
 
 import requests
 
@@ -17,10 +18,44 @@ from sglang_capture.testbed.cpu import CPU_SERVER_ARGS, has_nvidia_driver
 START_TIMEOUT_S = 300
 
 
-def free_port() -> int:
+# SGLang binds ports derived from the ones it is given: under DP attention on one node, the HTTP port
+# + 233 and the six after it; from a --dist-init-addr port, that port and the six after it.
+DERIVED_PORT_OFFSETS = (*range(0, 8), *range(233, 241))
+LOWEST_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(candidates: Optional[Iterable[int]] = None) -> int:
+    """A port whose whole derived window (``DERIVED_PORT_OFFSETS``) is free, below the ephemeral range.
+
+    A port the kernel hands out (bind to 0) lies in the ephemeral range, and so do the ports SGLang
+    derives from it; any outgoing connection on the machine can hold one of those for its local end,
+    and then a DP-attention server waits 30 s for it and exits. Below that range only listeners take
+    ports."""
+    if candidates is None:
+        rng = random.SystemRandom()
+        top = _ephemeral_low() - 1 - max(DERIVED_PORT_OFFSETS)
+        candidates = (rng.randrange(LOWEST_PORT, top) for _ in range(1000))
+    for port in candidates:
+        if all(_bindable(port + offset) for offset in DERIVED_PORT_OFFSETS):
+            return port
+    raise RuntimeError(f"no free port with its derived ports free below {_ephemeral_low()}")
 
 
 @dataclass
@@ -54,10 +89,12 @@ def plain_cmd(model: str, *extra: str) -> List[str]:
 
 
 class PortTaken(RuntimeError):
-    """The server's HTTP port was taken between ``free_port`` and the server binding it."""
+    """The server's HTTP port, or one SGLang derives from it, was taken after ``free_port`` chose it."""
 
 
 PORT_ATTEMPTS = 3
+# What SGLang's wait_port_available raises when a port it derives is held.
+_DERIVED_TAKEN = " is not available in "
 
 
 def start_server(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir: str = "") -> Server:
@@ -84,8 +121,9 @@ def _start_once(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             stop_server(server)  # what is left of its process group
-            if f"address ('127.0.0.1', {port}): address already in use" in server.log():
-                raise PortTaken(f"port {port} was taken before the server bound it")
+            log = server.log()
+            if f"address ('127.0.0.1', {port}): address already in use" in log or _DERIVED_TAKEN in log:
+                raise PortTaken(f"port {port} or one SGLang derives from it was taken before the server bound it")
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
         try:
             if requests.get(server.url + "/health", timeout=2).status_code == 200:
