@@ -49,6 +49,8 @@ def test_openai_endpoints_capture_by_custom_params(llama, endpoint):
     path = os.path.join(llama.capture_dir, f"oai{endpoint.count('chat')}.capture.msgpack")
     data = sglang_capture.load(path)  # complete by the time the response arrived
     assert data["rid"] == r.json()["id"]
+    ref = r.json()["choices"][0]["hidden_states"]  # where an OpenAI response carries hidden states
+    assert ref["status"] == "ok" and ref["path"] == path and ref["rid"] == data["rid"]
     assert data["aux_hidden_states"].shape[0] == len(data["input_ids"]) + len(data["output_ids"]) - 1
 
 

@@ -139,11 +139,10 @@ def test_launcher_publishes_the_drafters_layers_to_the_schedulers_not_the_path(t
     import sglang_capture.server.launch as launch
 
     monkeypatch.setenv(ENV_VAR, "")  # prepare overwrites it; monkeypatch removes it after the test
-    monkeypatch.setattr(launch, "add_route", lambda body: None)
     draft = _draft(tmp_path, {"architectures": ["LlamaForCausalLMEagle3"],
                               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}})
     config = CaptureConfig(capture_dir=str(tmp_path), layers_from_draft=draft)
-    _, returned = launch.prepare(config, ["--model-path", tiny_models["tiny-dsv3"], "--device", "cpu"])
+    _, returned, _ = launch.prepare(config, ["--model-path", tiny_models["tiny-dsv3"], "--device", "cpu"])
     published = CaptureConfig.from_env()
     assert published == returned
     assert published.layers == [2, 3] and published.layers_from_draft is None  # DeepSeek: ids [1, 2] -> 2, 3

@@ -139,6 +139,15 @@ class CaptureConfig:
                                    "(a hung disk or network mount) before its file fails with status error and "
                                    "the process is killed and replaced.", type=float, default=120.0)
 
+    hidden_states_requests: bool = option(
+        "--capture-return-hidden-states/--capture-no-return-hidden-states",
+        "Also capture every request that sets SGLang's return_hidden_states (its file replaces SGLang's JSON "
+        "lists; custom_params.capture=false still gets the lists): the one capture flag the SGLang router "
+        "forwards on /generate and /v1/chat/completions, which drop custom_params.", default=False)
+    fraction: float = option("--capture-fraction", "Capture this share (0-1) of all requests, chosen by a hash "
+                             "of the request id (the same answer on every replica and retry), on every endpoint, "
+                             "without any client asking; files are named by request id.", type=float, default=0.0)
+
     def __post_init__(self) -> None:
         if not os.path.isabs(self.capture_dir):
             object.__setattr__(self, "capture_dir", os.path.abspath(self.capture_dir))
@@ -173,6 +182,8 @@ class CaptureConfig:
         if not self.index_retention_s > self.wait_timeout_s:
             raise ConfigError(f"--capture-index-retention ({self.index_retention_s:g} s) must be longer than "
                               f"--capture-wait-timeout ({self.wait_timeout_s:g} s): a response waits on its record")
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ConfigError(f"--capture-fraction must be between 0 and 1 (a share of requests), got {self.fraction:g}")
         if not self.writer_stall_s > 0:
             raise ConfigError(f"--capture-writer-stall-timeout must be a positive number of seconds, got {self.writer_stall_s}")
         if self.layers_from_draft is not None:

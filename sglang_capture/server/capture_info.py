@@ -1,7 +1,8 @@
 """``GET /capture_info``: how a client tells a capture server from a plain SGLang server.
 
-Clients (``sglang-capture extract``) ask it before sending work: a plain server answers 404,
-and a capture server says where its files go and what they hold.
+Clients (``sglang-capture extract``, ``doctor --server``) ask it before sending work: a plain
+server answers 404, and a capture server says where its files go, what they hold and who makes
+requests capture. It is a route like ``/generate``: with SGLang's ``--api-key`` it needs the key.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from sglang_capture.core.config import CaptureConfig
 ROUTE = "/capture_info"
 
 
-def capture_info_body(config: CaptureConfig, model_path: str, architecture: str, layers: List[int]) -> Dict[str, Any]:
-    """The JSON body of ``/capture_info``."""
+def capture_info_body(config: CaptureConfig, model_path: str, architecture: str, layers: List[int],
+                      who_captures: str = "") -> Dict[str, Any]:
+    """The JSON body of ``/capture_info`` (``who_captures``: what the start-up log said about it)."""
     from sglang_capture import __version__
 
     return {
@@ -24,6 +26,9 @@ def capture_info_body(config: CaptureConfig, model_path: str, architecture: str,
         "layers": layers,
         "keep_last_hidden": config.keep_last_hidden,
         "codec": config.codec,
+        "capture_fraction": config.fraction,
+        "capture_return_hidden_states": config.hidden_states_requests,
+        "who_captures": who_captures,
     }
 
 

@@ -125,6 +125,20 @@ class CaptureInstrumentor:
             self._scheduler = SchedulerCapture(self._config)
         return self._scheduler
 
+    def unbound_copies(self) -> List[str]:
+        """Modules that imported a patched module-level function by name before it was patched, and so
+        still call the original (SGLang's OpenAI modules import ``process_hidden_states_from_ret``)."""
+        import sys
+
+        stale = []
+        for parent, attribute, original in self._originals.values():
+            if not inspect.ismodule(parent):
+                continue
+            for name, module in list(sys.modules.items()):
+                if name.startswith("sglang.") and getattr(module, attribute, None) is original:
+                    stale.append(f"{name}.{attribute}")
+        return stale
+
     def uninstrument(self) -> None:
         """Put every original function back; later imports are not patched either."""
         for parent, attribute, original in self._originals.values():

@@ -11,7 +11,7 @@ import json
 import os
 import tempfile
 from dataclasses import replace
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import click
 
@@ -25,6 +25,7 @@ from sglang_capture.core.config import (
     config_from_options,
 )
 from sglang_capture.core.layers import LayerError, draft_capture_layers, read_draft_eagle3_ids, resolve_layers
+from sglang_capture.core.selection import who_captures
 from sglang_capture.server.capture_info import add_route, capture_info_body
 from sglang_capture.server.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
 from sglang_capture.server.pd_prefill import is_pd_prefill
@@ -123,9 +124,9 @@ def resolve_capture_layers(config: CaptureConfig, num_layers: int, architecture:
         raise ConfigError(str(e)) from None
 
 
-def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, CaptureConfig]:
-    """Validate everything, publish the configuration, and return SGLang's parsed server args with
-    the configuration as published (a drafter's layers resolved)."""
+def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, CaptureConfig, Dict[str, Any]]:
+    """Validate everything, publish the configuration, and return SGLang's parsed server args, the
+    configuration as published (a drafter's layers resolved) and the body of ``/capture_info``."""
     try:
         seams = seams_for_installed()
     except UnsupportedSGLang as e:
@@ -155,9 +156,13 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, Cap
                    f"{','.join(map(str, layers))} of {arch}", err=True)
         # the schedulers resolve config.layers themselves: hand them the drafter's, not the path
         config = replace(config, layers=layers, layers_from_draft=None)
+    said, warning = who_captures(config.fraction, config.hidden_states_requests, str(server_args.host),
+                                 bool(server_args.api_key))
+    click.echo(f"sglang_capture: {said}", err=True)
+    if warning:
+        click.echo(f"sglang_capture: warning: {warning}", err=True)
     os.environ[ENV_VAR] = config.to_env()
-    add_route(capture_info_body(config, str(server_args.model_path), arch, layers))
-    return server_args, config
+    return server_args, config, capture_info_body(config, str(server_args.model_path), arch, layers, said)
 
 
 @click.command(
@@ -177,10 +182,17 @@ def main(sglang_args: Tuple[str, ...], **options: Any) -> None:
         from sglang.srt.plugins import load_plugins
 
         load_plugins()
-        server_args, config = prepare(config, sglang_args)
+        server_args, config, info = prepare(config, sglang_args)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
+    # before SGLang's HTTP server is imported: its OpenAI modules bind the patched
+    # process_hidden_states_from_ret by name when they are imported (add_route imports them)
     INSTRUMENTOR.instrument(config)
+    add_route(info)
+    unbound = INSTRUMENTOR.unbound_copies()
+    if unbound:
+        raise click.ClickException(f"{unbound[0]} was imported before the capture patches were installed (a plugin "
+                                   "loaded first?): OpenAI responses would carry no capture reference")
     from sglang.launch_server import run_server
     from sglang.srt.utils import kill_process_tree
 

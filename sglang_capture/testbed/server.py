@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -51,7 +52,8 @@ def free_port(candidates: Optional[Iterable[int]] = None) -> int:
     if candidates is None:
         rng = random.SystemRandom()
         top = _ephemeral_low() - 1 - max(DERIVED_PORT_OFFSETS)
-        candidates = (rng.randrange(LOWEST_PORT, top) for _ in range(1000))
+        low = LOWEST_PORT if top > LOWEST_PORT + 1000 else 1024  # a host whose ephemeral range starts low
+        candidates = (rng.randrange(low, max(top, low + 1000)) for _ in range(1000))
     for port in candidates:
         if all(_bindable(port + offset) for offset in DERIVED_PORT_OFFSETS):
             return port
@@ -94,7 +96,7 @@ class PortTaken(RuntimeError):
 
 PORT_ATTEMPTS = 3
 # What SGLang's wait_port_available raises when a port it derives is held.
-_DERIVED_TAKEN = " is not available in "
+_DERIVED_TAKEN = re.compile(r"_port at \d+ is not available in \d+ seconds")
 
 
 def start_server(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir: str = "") -> Server:
@@ -122,8 +124,9 @@ def _start_once(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir:
         if proc.poll() is not None:
             stop_server(server)  # what is left of its process group
             log = server.log()
-            if f"address ('127.0.0.1', {port}): address already in use" in log or _DERIVED_TAKEN in log:
-                raise PortTaken(f"port {port} or one SGLang derives from it was taken before the server bound it")
+            if f"address ('127.0.0.1', {port}): address already in use" in log or _DERIVED_TAKEN.search(log):
+                raise PortTaken(f"port {port} or one SGLang derives from it was taken before the server bound it:\n"
+                                f"{log[-2000:]}")
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
         try:
             if requests.get(server.url + "/health", timeout=2).status_code == 200:

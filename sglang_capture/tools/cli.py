@@ -19,6 +19,13 @@ DEBUG_ENV = "SGLANG_CAPTURE_DEBUG"
 DEMO_MODELS = ("smollm2", "tiny-dsv3")  # sglang-capture demo --model (tools/demo.py builds each)
 
 
+# The key is read from the environment rather than typed on the command line where it can be: a
+# command line is visible to every user of the host (ps) and lands in shell history.
+api_key_option = click.option("--api-key", envvar="SGLANG_API_KEY", default=None, show_envvar=True,
+                              help="The servers' SGLang --api-key (or --admin-api-key), sent as a bearer token; "
+                                   "prefer the environment variable.")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="sglang-capture")
 def cli() -> None:
@@ -28,7 +35,8 @@ def cli() -> None:
 @cli.command()
 @click.argument("input_path", metavar="INPUT.jsonl", type=click.Path(dir_okay=False))
 @click.option("--server", "servers", multiple=True, required=True,
-              help="Capture server URL (repeat to spread the work over several servers).")
+              help="Capture server URL (repeat to spread the work over several servers), or an SGLang router's: "
+                   "its capture workers are then used directly.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory for the sample files.")
 @click.option("--tokenizer", default=None, help="Tokenizer with the chat template (default: the server's model).")
 @click.option("--concurrency", type=int, default=8, show_default=True, help="Requests in flight, over all servers.")
@@ -37,14 +45,17 @@ def cli() -> None:
 @click.option("--capture-dtype", type=click.Choice(CAPTURE_DTYPES), default=None,
               help="Storage dtype of these captures (default: each server's --capture-dtype).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@api_key_option
 def extract(input_path: str, servers: Tuple[str, ...], out: str, tokenizer: Optional[str], concurrency: int,
-            retries: int, timeout: float, capture_dtype: Optional[str], no_progress: bool) -> None:
+            retries: int, timeout: float, capture_dtype: Optional[str], no_progress: bool,
+            api_key: Optional[str]) -> None:
     """Capture every conversation of INPUT.jsonl into OUT (resumable; see the README)."""
     from sglang_capture.tools.extract import ExtractError, Extractor
 
     try:
         report = Extractor(input_path, servers, out, tokenizer, concurrency, retries, timeout,
-                           progress=not no_progress, capture_dtype=capture_dtype).run()
+                           progress=not no_progress, capture_dtype=capture_dtype, api_key=api_key,
+                           say=lambda line: click.echo(line, err=True)).run()
     except ExtractError as e:
         raise click.ClickException(str(e)) from None
     for bad in report.bad_lines:
@@ -137,11 +148,17 @@ def export(fmt: str, all_tokens: bool, draft_config: Optional[str], no_progress:
 
 
 @cli.command()
-def doctor() -> None:
+@click.option("--server", default=None, help="Also ask this running capture server (or SGLang router) about itself: "
+                                             "capture dir, layers, who makes requests capture.")
+@api_key_option
+def doctor(server: Optional[str], api_key: Optional[str]) -> None:
     """Installed SGLang, patched-function fingerprints, plugin, effective capture configuration."""
-    from sglang_capture.tools.doctor import diagnose
+    from sglang_capture.tools.doctor import diagnose, server_report
 
     lines, ok = diagnose()
+    if server is not None:
+        more, server_ok = server_report(server, api_key)
+        lines, ok = lines + more, ok and server_ok
     for line in lines:
         click.echo(line)
     if not ok:

@@ -73,3 +73,28 @@ def diagnose(seams: Optional[Sequence] = None) -> Tuple[List[str], bool]:
     for key, value in shown.items():
         lines.append(f"  {key} = {shown_value(key, value)}")
     return lines, ok
+
+
+def server_report(url: str, api_key: Optional[str] = None) -> Tuple[List[str], bool]:
+    """What a running capture server at ``url`` (or each capture worker of an SGLang router there)
+    says about itself: capture dir, model, layers, and who makes its requests capture."""
+    import requests
+
+    from sglang_capture.tools.client import ServerError, auth_headers, discover_servers
+
+    lines: List[str] = []
+    try:
+        servers = discover_servers([url], api_key=api_key, say=lines.append)
+    except ServerError as e:
+        return lines + [f"FAIL {e}"], False
+    for server in servers:
+        try:
+            body = requests.get(server.url + "/capture_info", timeout=10, headers=auth_headers(api_key)).json()
+            if not isinstance(body, dict):
+                raise ValueError("not a JSON object")
+        except (requests.RequestException, ValueError) as e:
+            return lines + [f"FAIL {server.url}: /capture_info gave no usable answer ({type(e).__name__})"], False
+        lines.append(f"ok   {server.url}: capture server (sglang_capture {body.get('sglang_capture')}), model "
+                     f"{body.get('model_path')}, layers {body.get('layers')}, files in {body.get('capture_dir')}")
+        lines.append(f"     {body.get('who_captures') or 'who captures: not said (an older sglang_capture)'}")
+    return lines, True

@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import requests
 
@@ -30,7 +30,7 @@ from sglang_capture.core.loss_mask import spans_from_mask
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.core.reader import load
 from sglang_capture.tools.attempts import RunLocks
-from sglang_capture.tools.client import ServerError, ServerInfo, capture_prefill, discover
+from sglang_capture.tools.client import ServerError, ServerInfo, capture_prefill, discover_servers
 from sglang_capture.tools.conversations import BadLine, Sample, read_samples
 from sglang_capture.tools.manifest import Entry, ManifestWriter, read_manifest, rewrite_manifest
 from sglang_capture.tools.templating import ChatEncoder, Encoded, TemplateError, load_tokenizer
@@ -107,7 +107,8 @@ class Extractor:
 
     def __init__(self, input_path: str, server_urls: Sequence[str], out: str, tokenizer: Optional[str] = None,
                  concurrency: int = 8, retries: int = 3, timeout: float = 600.0, progress: bool = True,
-                 capture_dtype: Optional[str] = None) -> None:
+                 capture_dtype: Optional[str] = None, api_key: Optional[str] = None,
+                 say: Optional[Callable[[str], None]] = None) -> None:
         if concurrency < 1:
             raise ExtractError(f"--concurrency must be at least 1, got {concurrency}")
         if retries < 0:
@@ -120,6 +121,8 @@ class Extractor:
         self.input_path, self.out, self.concurrency = input_path, os.path.abspath(out), concurrency
         self.retries, self.timeout, self.progress = retries, timeout, progress
         self.server_urls = list(server_urls)
+        self.api_key, self.say = api_key, say
+        self._server_count = len(self.server_urls)  # a router URL becomes its workers' (run)
         self.tokenizer_path = tokenizer
         self.report = ExtractReport()
         self._runs = RunLocks()
@@ -192,7 +195,8 @@ class Extractor:
         self.report.bad_lines = read.bad
         self.report.total = len(read.samples)
         try:
-            servers = [discover(u) for u in self.server_urls]
+            servers = discover_servers(self.server_urls, api_key=self.api_key, say=self.say)
+            self._server_count = len(servers)
         except ServerError as e:
             raise ExtractError(str(e)) from None
         self._prepare_out()
@@ -294,7 +298,7 @@ class Extractor:
             session = self._thread.session = requests.Session()
             # a pool per server (requests keeps 10 by default: with more --server URLs each request
             # would evict one and open a new connection), one connection each: this thread's
-            adapter = requests.adapters.HTTPAdapter(pool_connections=max(len(self.server_urls), 1), pool_maxsize=1)
+            adapter = requests.adapters.HTTPAdapter(pool_connections=max(self._server_count, 1), pool_maxsize=1)
             session.mount("http://", adapter)
             session.mount("https://", adapter)
             self._sessions.append(session)  # list.append is atomic: closed when the run ends

@@ -7,8 +7,10 @@ process's ``SchedulerCapture``, or the ``CaptureConfig`` in the HTTP process (``
 
 The order in which SGLang calls the seams, for one batch on one scheduler (0.5.17 and 0.5.23):
 
-0. ``tokenize`` (``TokenizerManager._create_tokenized_object``, HTTP process, PD prefill servers
-   only): a capture request sent without a router gets SGLang's no-decode-server bootstrap.
+0. ``tokenize`` (``TokenizerManager._create_tokenized_object``, HTTP process): the requests the
+   server selects (``--capture-return-hidden-states``, ``--capture-fraction``) are marked like a
+   client's capture request; on a PD prefill server a capture request sent without a router gets
+   SGLang's no-decode-server bootstrap.
 1. ``request`` (``Req.__init__``): a capture request is marked when the scheduler creates it.
 2. ``batch_run`` (``Scheduler.run_batch``): the batch is launched. Its ``BatchRows``
    (``batch_rows.py``) becomes ``SchedulerCapture.launching`` for the duration of the call, and is then
@@ -26,7 +28,9 @@ The order in which SGLang calls the seams, for one batch on one scheduler (0.5.1
    ``process_batch_result_disagg_prefill`` instead, which reads no hidden states: ``pd_prefill_rows``
    takes every chunk's rows before it runs.
 7. ``finish`` (``_stream_output_generation``), inside step 5: finished requests are sealed and
-   handed to the writer; ``response`` (HTTP process) waits for the writer's outcome.
+   handed to the writer; ``response`` (HTTP process) waits for the writer's outcome, and
+   ``openai_reference`` (``process_hidden_states_from_ret``) puts the reference in an OpenAI
+   response's choice.
 
 No per-batch state lives in module globals: a batch's state is reached through its result
 object, so it does not matter which batch runs while another's result is processed.

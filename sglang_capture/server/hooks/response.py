@@ -4,7 +4,9 @@ The scheduler's reference says ``pending`` while a writer process is still at wo
 tokenizer manager's per-request response generator, this waits (asynchronously, without
 blocking other requests) for the writer's outcome record, then moves the completed reference
 from ``meta_info["hidden_states"]`` to ``meta_info["capture"]``. OpenAI endpoints go through
-the same generator, so their responses, too, arrive after the file is complete.
+the same generator, so their responses, too, arrive after the file is complete, and
+``openai_reference`` puts the reference where an OpenAI response carries hidden states: each
+choice's ``hidden_states`` (non-streaming responses).
 """
 from __future__ import annotations
 
@@ -16,12 +18,16 @@ from typing import Any, AsyncIterator, Dict, Optional
 
 from sglang_capture.core.capture_dir import UNRECORDED_SUFFIX
 from sglang_capture.core.config import CaptureConfig
+from sglang_capture.server.hooks.tokenize import CAPTURE_BY, OPERATOR
 
 
-def _wants_capture(obj: Any) -> bool:
+def _capture_mark(obj: Any) -> Optional[str]:
+    """None for a request that does not capture, else who asked: "client" or "operator"."""
     params = getattr(obj, "sampling_params", None)
     custom = params.get("custom_params") if isinstance(params, dict) else None
-    return isinstance(custom, dict) and custom.get("capture") is True
+    if not isinstance(custom, dict) or custom.get("capture") is not True:
+        return None
+    return OPERATOR if custom.get(CAPTURE_BY) == OPERATOR else "client"
 
 
 async def wait_for_outcome(ref: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
@@ -68,9 +74,20 @@ def await_capture_file(config: CaptureConfig, wrapped: Any, instance: Any, args:
     """
     obj = args[0] if args else kwargs.get("obj")
     responses = wrapped(*args, **kwargs)
-    if not _wants_capture(obj):
+    mark = _capture_mark(obj)
+    if mark is None:
         return responses
+    if mark == OPERATOR:
+        return _without_refs(responses)
     return _with_capture_refs(responses, config.wait_timeout_s)
+
+
+async def _without_refs(responses: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """An operator-selected capture's responses as plain SGLang sends them: no reference, no wait."""
+    async for out in responses:
+        if isinstance(out, dict):
+            _take_ref(out)
+        yield out
 
 
 async def _with_capture_refs(responses: AsyncIterator[Any], timeout_s: float) -> AsyncIterator[Any]:
@@ -82,3 +99,13 @@ async def _with_capture_refs(responses: AsyncIterator[Any], timeout_s: float) ->
                     ref = await wait_for_outcome(ref, timeout_s)
                 out["meta_info"]["capture"] = ref
         yield out
+
+
+def openai_reference(config: CaptureConfig, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``process_hidden_states_from_ret`` (SGLang's OpenAI chat and completion responses):
+    a captured choice's ``hidden_states`` is its capture reference, whether or not the request
+    also set ``return_hidden_states``."""
+    ret_item = args[0] if args else kwargs["ret_item"]
+    meta = ret_item.get("meta_info") if isinstance(ret_item, dict) else None
+    ref = meta.get("capture") if isinstance(meta, dict) else None
+    return ref if ref is not None else wrapped(*args, **kwargs)

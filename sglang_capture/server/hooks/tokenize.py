@@ -1,18 +1,70 @@
-"""Tokenize seam (HTTP process): a capture request sent straight to a PD prefill server.
+"""Tokenize seam (HTTP process): which requests capture, decided once, before the scheduler sees them.
 
-pd_prefill.py says why such a request is given SGLang's no-decode-server bootstrap fields; this
-is where the tokenized request, about to go to the scheduler, still has room for them.
+Three things make a request capture, and here each becomes the one flag the rest of the path reads
+(``sampling_params.custom_params.capture``: the scheduler's ``begin``, the response seam, PD):
+
+- the client asks, in ``custom_params`` (sent as is, never changed here);
+- with ``--capture-return-hidden-states``, the client sets SGLang's own ``return_hidden_states``,
+  the one capture flag the SGLang router forwards on every endpoint (custom_params.capture=false
+  still asks for SGLang's JSON lists);
+- the operator's ``--capture-fraction`` selects the request by its rid (core/selection.py). Its
+  response is the plain one, sent without waiting for the file (the client did not ask; the file
+  is named by the rid): ``custom_params.capture_by`` says so to the response seam.
+
+A capture request sent straight to a PD prefill server then gets SGLang's no-decode-server
+bootstrap: pd_prefill.py says why, and the tokenized request is where its fields are.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, Optional
 
 from sglang_capture.core.config import CaptureConfig
+from sglang_capture.core.selection import fraction_selects
 from sglang_capture.server.pd_prefill import is_pd_prefill, prefill_only_without_router
 
+# The mark a request --capture-fraction selected carries in custom_params: no client asked for its
+# file, so the response seam sends SGLang's plain response without waiting for it.
+CAPTURE_BY, OPERATOR = "capture_by", "operator"
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants' (0.5.17-0.5.23), without importing SGLang
 
-def route_direct_capture_requests(config: CaptureConfig, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """After ``TokenizerManager._create_tokenized_object``, on a prefill server only."""
+
+def _capture_flag(params: Any) -> Any:
+    custom = params.get("custom_params") if isinstance(params, dict) else None
+    return custom.get("capture") if isinstance(custom, dict) else None
+
+
+def selects(config: CaptureConfig, obj: Any) -> Optional[str]:
+    """Who, other than ``custom_params``, makes the request ``obj`` capture: "client" (its
+    ``return_hidden_states``, under ``--capture-return-hidden-states``), "operator"
+    (``--capture-fraction``), or None."""
+    if _capture_flag(obj.sampling_params) is not None:
+        return None  # the client said, either way
+    if obj.return_hidden_states:
+        # a client that wants SGLang's JSON lists keeps them unless the server turns them into files
+        return "client" if config.hidden_states_requests else None
+    rid = str(obj.rid)
+    if rid.startswith(HEALTH_CHECK_RID_PREFIX):
+        return None  # /health's own generate request: SGLang lets it through without the API key
+    return OPERATOR if fraction_selects(rid, config.fraction) else None
+
+
+def _with_capture(params: Any, by: str) -> Dict[str, Any]:
+    """A new sampling-params dict asking for capture: a batch's requests can share one dict."""
+    params = dict(params or {})
+    custom = {**(params.get("custom_params") or {}), "capture": True}
+    if by == OPERATOR:
+        custom[CAPTURE_BY] = OPERATOR
+    params["custom_params"] = custom
+    return params
+
+
+def admit_capture_request(config: CaptureConfig, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``TokenizerManager._create_tokenized_object``: mark the requests the server selects,
+    then route a capture request sent straight to a prefill server."""
+    obj = args[0] if args else kwargs["obj"]
+    by = selects(config, obj) if hasattr(obj, "return_hidden_states") else None  # generation requests only
+    if by is not None:
+        obj.sampling_params = _with_capture(obj.sampling_params, by)
     tokenized = wrapped(*args, **kwargs)
     if is_pd_prefill(instance.server_args) and hasattr(tokenized, "bootstrap_room"):
         custom = getattr(tokenized.sampling_params, "custom_params", None)
