@@ -165,7 +165,7 @@ def test_doctor_reports_version_fingerprints_plugin_and_configuration():
     assert "supported SGLang: 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23" in r.stdout
     version = inst.installed_sglang_version()
     assert f"seam table: {table_path(version)}" in r.stdout and table_path(version).endswith(f"sglang_{version.replace('.', '_')}.json")
-    assert r.stdout.count("matches its fingerprint") == len(load_table(version)) == 13 and "FAIL" not in r.stdout
+    assert r.stdout.count("matches its fingerprint") == len(load_table(version)) == 15 and "FAIL" not in r.stdout
     assert "plugin entry point sglang.srt.plugins: sglang_capture" in r.stdout
     assert f"writers = auto ({CaptureConfig(capture_dir='.').writer_processes()} here)" in r.stdout and "max_pending_mb = 8192" in r.stdout
 
@@ -185,7 +185,7 @@ def test_doctor_and_the_launcher_help_label_every_unset_option_with_its_own_mean
     lines, _ = diagnose(seams=[])
     shown = dict(line.strip().split(" = ", 1) for line in lines if line.startswith("  "))
     unset = {f.name: f.metadata["option"]["unset"] for f in dataclasses.fields(CaptureConfig) if f.default is None}
-    assert set(unset) == {"layers", "layers_from_draft", "level", "writer_cpus"}
+    assert set(unset) == {"layers", "layers_from_draft", "level", "writer_cpus", "clients"}
     assert len(set(unset.values())) == len(unset)  # no two options share one meaning
     for f in dataclasses.fields(CaptureConfig):
         if f.name == "capture_dir":

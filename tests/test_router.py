@@ -16,12 +16,13 @@ import requests
 import torch
 
 import sglang_capture
-from sglang_capture.core.selection import fraction_selects, rid_point, who_captures
+from sglang_capture.core.selection import client_refusal, fraction_selects, rid_point, who_captures
 from sglang_capture.testbed.server import Server, capture_cmd, free_port
 from sglang_capture.tools.client import NO_REFERENCE, ServerError, ServerInfo, capture_prefill
 from tests.test_extract_tools import cli, make_conversations
 
 KEY = "test-key-3f9c"  # the operator server's SGLang --api-key
+ADMIN = "admin-key-81d2"  # and its --admin-api-key: by default only its holders may ask for capture
 PROMPT = "The quick brown fox jumps over the lazy dog."
 SAMPLING = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
@@ -54,7 +55,7 @@ def router(replicas, make_server) -> Server:
 def operator_server(tiny_models, make_server, tmp_path_factory) -> Server:
     capture_dir = str(tmp_path_factory.mktemp("operator"))
     return make_server(capture_cmd(tiny_models["tiny-llama"], capture_dir, "--capture-fraction", "0.5",
-                                   "--api-key", KEY), capture_dir)
+                                   "--api-key", KEY, "--admin-api-key", ADMIN), capture_dir)
 
 
 def _replica_of(ref, replicas) -> Server:
@@ -177,32 +178,133 @@ def test_the_operators_fraction_captures_the_requests_its_rid_hash_selects_on_ev
     assert files == {rid + ".capture.msgpack" for rid in chosen}
 
 
+def test_a_client_without_the_admin_key_is_refused_capture_in_one_line_and_the_admin_key_captures(operator_server):
+    body = {"text": PROMPT, "sampling_params": {**SAMPLING, "custom_params": {"capture": True, "capture_name": "asked"}}}
+    r = requests.post(operator_server.url + "/generate", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        "capture refused: on this server only requests with its admin API key may ask for capture or hidden "
+        "states (--capture-clients admin); send Authorization: Bearer <the server's --admin-api-key>")
+    assert not os.path.exists(os.path.join(operator_server.capture_dir, "asked.capture.msgpack"))
+    r = requests.post(operator_server.url + "/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], **_oai(),
+                            "custom_params": {"capture": True}})
+    assert r.status_code == 400 and "capture refused:" in r.text
+    r = requests.post(operator_server.url + "/v1/completions", timeout=120, headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny", "prompt": PROMPT, **_oai(), "custom_params": {"capture": True}})
+    assert r.status_code == 400 and "capture refused:" in r.text
+    # SGLang's JSON lists are hidden states too: refused to the plain key, given to the admin key
+    lists = {"text": PROMPT, "sampling_params": SAMPLING, "return_hidden_states": True}
+    r = requests.post(operator_server.url + "/generate", json=lists, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and "capture refused:" in r.text
+    r = requests.post(operator_server.url + "/generate", json=lists, timeout=120,
+                      headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200 and isinstance(r.json()["meta_info"]["hidden_states"], list)
+    # a streaming /generate gets SGLang's error event, and nothing is captured
+    r = requests.post(operator_server.url + "/generate", json={**body, "stream": True}, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"})
+    assert "capture refused: on this server only requests with its admin API key" in r.text
+    assert not os.path.exists(os.path.join(operator_server.capture_dir, "asked.capture.msgpack"))
+    # the admin key opens /generate too (SGLang alone accepts only --api-key there when both are set)
+    r = requests.post(operator_server.url + "/generate", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200 and r.json()["meta_info"]["capture"]["status"] == "ok"
+    assert requests.post(operator_server.url + "/generate", json=body, timeout=120).status_code == 401
+
+
 def test_a_key_protected_server_needs_the_key_and_extract_and_doctor_take_it_without_showing_it(
         operator_server, env, tmp_path):
     assert requests.get(operator_server.url + "/capture_info", timeout=10).status_code == 401
     inp = tmp_path / "in.jsonl"
-    make_conversations(inp, n=2)
+    make_conversations(inp, n=4)
     r = cli("extract", inp, "--server", operator_server.url, "--out", tmp_path / "o", "--no-progress", env=env)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert f"{operator_server.url} needs an API key (HTTP 401); pass --api-key or set $SGLANG_API_KEY" in r.stderr
-    keyed = {**env, "SGLANG_API_KEY": KEY}
+    # the plain key reaches the server, which refuses capture to it: the run stops at once, in one line
+    r = cli("extract", inp, "--server", operator_server.url, "--out", tmp_path / "o", "--no-progress", "--retries", "5",
+            env={**env, "SGLANG_API_KEY": KEY})
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "capture refused: on this server only requests with its admin API key" in r.stderr
+    assert "samples not captured; re-run once that is fixed" in r.stderr and KEY not in r.stdout + r.stderr
+    keyed = {**env, "SGLANG_API_KEY": ADMIN}
     r = cli("extract", inp, "--server", operator_server.url, "--out", tmp_path / "o", "--no-progress", env=keyed)
     assert r.returncode == 0, r.stderr
-    assert "2 samples: 2 written" in r.stdout and KEY not in r.stdout + r.stderr
+    assert "4 samples: 4 written" in r.stdout and ADMIN not in r.stdout + r.stderr
     r = cli("doctor", "--server", operator_server.url, env=keyed)
-    assert ("who captures: clients holding the server's --api-key (custom_params.capture); the operator: "
+    assert ("who captures: clients holding the server's --admin-api-key (custom_params.capture); the operator: "
             "0.5 of all requests, by request id") in r.stdout
-    assert KEY not in r.stdout + r.stderr
-    assert "sglang_capture: who captures: clients holding the server's --api-key" in operator_server.log()
+    assert ADMIN not in r.stdout + r.stderr
+    assert "sglang_capture: who captures: clients holding the server's --admin-api-key" in operator_server.log()
 
 
-def test_who_captures_warns_when_a_server_beyond_loopback_has_no_api_key():
+def test_who_captures_warns_when_a_server_beyond_loopback_lets_any_client_capture_without_a_key():
     said, warning = who_captures(0.0, True, "0.0.0.0", api_key=False)
     assert said == "who captures: any client that reaches the server (custom_params.capture or return_hidden_states)"
-    assert warning == ("the server listens on 0.0.0.0 without --api-key: any client that reaches it can ask for "
-                       "capture and fill the capture dir; set SGLang's --api-key")
-    assert who_captures(0.25, False, "127.0.0.1", api_key=False)[1] is None
+    assert warning.startswith("the server listens on 0.0.0.0 without --api-key: any client that reaches it can ask "
+                              "for capture and fill the capture dir")
+    assert who_captures(0.25, False, "127.0.0.2", api_key=False)[1] is None
     assert who_captures(0.25, False, "10.0.0.5", api_key=True)[1] is None
+    assert who_captures(0.25, False, "10.0.0.5", api_key=False, clients="none") == (
+        "who captures: no client (--capture-clients none); the operator: 0.25 of all requests, by request id", None)
+
+
+def test_client_policies_refuse_by_the_bearer_token_alone():
+    assert client_refusal("any", None, None) is None
+    assert client_refusal("admin", "Bearer adm", "adm") is None and client_refusal("admin", "bearer adm", "adm") is None
+    for header in (None, "Bearer other", "adm", "Basic adm", "Bearer "):
+        assert client_refusal("admin", header, "adm").startswith("capture refused: on this server only requests")
+    assert client_refusal("none", "Bearer adm", "adm").startswith("capture refused: this server gives clients no hidden")
+    assert client_refusal("admin", "Bearer \u00e9t\u00e9", "adm").startswith("capture refused:")  # not a TypeError
+
+
+def test_a_request_asks_for_hidden_states_by_capture_or_return_hidden_states_alone_or_in_a_batch():
+    from types import SimpleNamespace as NS
+
+    from sglang_capture.server.hooks.admission import asks_hidden_states
+
+    def req(params, rhs=False):
+        return NS(sampling_params=params, return_hidden_states=rhs)
+
+    assert not asks_hidden_states(req(None)) and not asks_hidden_states(req({"max_new_tokens": 1}))
+    assert asks_hidden_states(req({"custom_params": {"capture": True}}))
+    assert asks_hidden_states(req({"custom_params": {"capture": 1}}))  # refused, not captured, by the scheduler
+    assert not asks_hidden_states(req({"custom_params": {"capture": False}}))
+    assert asks_hidden_states(req({"custom_params": {"capture": False}}, rhs=True))  # SGLang's lists
+    assert asks_hidden_states(req({}, rhs="last"))
+    assert asks_hidden_states(req([{}, {"custom_params": {"capture": True}}]))
+    assert asks_hidden_states(req([{}, {}], rhs=[False, True])) and not asks_hidden_states(req([{}, {}], [False, False]))
+
+
+@pytest.mark.parametrize("level", ["normal", "admin_optional", "admin_force"])
+def test_under_admin_the_admin_key_opens_normal_routes_and_nothing_else_changes(level):
+    from functools import partial
+
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    from sglang_capture.core.config import CaptureConfig
+    from sglang_capture.server.hooks.admission import admit_admin_key
+
+    for clients in ("admin", "any", None):
+        hook = partial(admit_admin_key, CaptureConfig(capture_dir="/tmp", clients=clients))
+        for header in ("Bearer adm", "Bearer key", "Bearer nope", None, "Basic adm"):
+            kw = dict(method="POST", path="/generate", authorization_header=header, api_key="key",
+                      admin_api_key="adm", auth_level=AuthLevel(level))
+            plain, ours = decide_request_auth(**kw), hook(decide_request_auth, None, (), kw)
+            opened = clients in ("admin", None) and level == "normal" and header == "Bearer adm"
+            assert ours.allowed == (plain.allowed or opened), (clients, header)
+
+
+def test_capture_clients_admin_without_an_admin_key_is_refused_at_start_in_one_line(tiny_models, tmp_path):
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", str(tmp_path),
+                        "--capture-clients", "admin", "--model-path", tiny_models["tiny-llama"], "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert ("--capture-clients admin lets only requests with SGLang's admin API key ask for capture, and none is "
+            "set: add --admin-api-key KEY") in r.stderr
 
 
 def test_fraction_selection_is_a_fixed_share_of_rids():

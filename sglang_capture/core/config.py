@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from sglang_capture.core.checksum import CHECKSUMS, DEFAULT_CHECKSUM
 from sglang_capture.core.format import CODECS, Codec
 from sglang_capture.core.fp8 import CAPTURE_DTYPES
+from sglang_capture.core.selection import CLIENT_POLICIES
 
 ENV_VAR = "SGLANG_CAPTURE_CONFIG"
 DURABILITY_MODES = ("file", "none")
@@ -144,6 +145,11 @@ class CaptureConfig:
         "Also capture every request that sets SGLang's return_hidden_states (its file replaces SGLang's JSON "
         "lists; custom_params.capture=false still gets the lists): the one capture flag the SGLang router "
         "forwards on /generate and /v1/chat/completions, which drop custom_params.", default=False)
+    clients: Optional[str] = option(
+        "--capture-clients", "Which clients may ask for capture (custom_params.capture, or return_hidden_states with "
+        "--capture-return-hidden-states): any that may send the request, admin (only requests carrying SGLang's "
+        "--admin-api-key as their bearer token), none (only --capture-fraction captures). Others get HTTP 400.",
+        choices=CLIENT_POLICIES, default=None, unset="admin when SGLang's --admin-api-key is set, else any")
     fraction: float = option("--capture-fraction", "Capture this share (0-1) of all requests, chosen by a hash "
                              "of the request id (the same answer on every replica and retry), on every endpoint, "
                              "without any client asking; files are named by request id.", type=float, default=0.0)
@@ -182,6 +188,8 @@ class CaptureConfig:
         if not self.index_retention_s > self.wait_timeout_s:
             raise ConfigError(f"--capture-index-retention ({self.index_retention_s:g} s) must be longer than "
                               f"--capture-wait-timeout ({self.wait_timeout_s:g} s): a response waits on its record")
+        if self.clients is not None and self.clients not in CLIENT_POLICIES:
+            raise ConfigError(f"--capture-clients must be one of {', '.join(CLIENT_POLICIES)}, got {self.clients!r}")
         if not 0.0 <= self.fraction <= 1.0:
             raise ConfigError(f"--capture-fraction must be between 0 and 1 (a share of requests), got {self.fraction:g}")
         if not self.writer_stall_s > 0:

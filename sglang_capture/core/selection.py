@@ -1,4 +1,5 @@
-"""Which requests the operator's ``--capture-fraction`` captures: a pure function of the request id.
+"""Who makes a request capture: the operator's ``--capture-fraction`` (a pure function of the
+request id) and ``--capture-clients`` (which clients may ask), and what the log says about both.
 
 Deciding by a hash of the rid, not by a random draw, gives the same answer in every process and on
 every replica that sees the request (the HTTP process that waits for the file and the scheduler
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import secrets
 from typing import Optional, Tuple
 
 _SPAN = float(1 << 64)
@@ -35,15 +37,51 @@ def _loopback(host: str) -> bool:
         return False  # a host name: it may resolve beyond this machine
 
 
-def who_captures(fraction: float, hidden_states_requests: bool, host: str, api_key: bool) -> Tuple[str, Optional[str]]:
+CLIENT_POLICIES = ("any", "admin", "none")
+CAPTURE_REFUSED = "capture refused:"  # how every refusal starts: clients (tools/client.py) stop on it
+
+
+def bearer_token(authorization: Optional[str]) -> Optional[str]:
+    """The token of an ``Authorization: Bearer <token>`` header, as SGLang's auth reads it."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def effective_policy(clients: Optional[str], admin_key: Optional[str]) -> str:
+    """``--capture-clients`` as applied: unset means admin when SGLang has an admin key, else any."""
+    return clients if clients is not None else ("admin" if admin_key else "any")
+
+
+def client_refusal(policy: str, authorization: Optional[str], admin_key: Optional[str]) -> Optional[str]:
+    """Why ``--capture-clients policy`` refuses a client's request for hidden states (a capture, or
+    SGLang's JSON lists) sent with this ``Authorization`` header (one line, naming no key), or None."""
+    if policy == "none":
+        return (f"{CAPTURE_REFUSED} this server gives clients no hidden states, as files or as lists "
+                "(--capture-clients none); its operator chooses what is captured (--capture-fraction)")
+    if policy == "admin":
+        token = bearer_token(authorization)
+        if admin_key and token is not None and secrets.compare_digest(token.encode(), admin_key.encode()):
+            return None
+        return (f"{CAPTURE_REFUSED} on this server only requests with its admin API key may ask for capture or "
+                "hidden states (--capture-clients admin); send Authorization: Bearer <the server's --admin-api-key>")
+    return None
+
+
+def who_captures(fraction: float, hidden_states_requests: bool, host: str, api_key: bool,
+                 clients: str = "any") -> Tuple[str, Optional[str]]:
     """What the start-up log and ``doctor`` say about who makes requests capture, and a warning when
     any client that can reach a server listening beyond loopback can fill its capture dir."""
     asks = "custom_params.capture" + (" or return_hidden_states" if hidden_states_requests else "")
-    clients = "clients holding the server's --api-key" if api_key else "any client that reaches the server"
-    said = f"who captures: {clients} ({asks})"
+    if clients == "none":
+        said = "who captures: no client (--capture-clients none)"
+    else:
+        who = ("clients holding the server's --admin-api-key" if clients == "admin" else
+               "clients holding the server's --api-key" if api_key else "any client that reaches the server")
+        said = f"who captures: {who} ({asks})"
     said += f"; the operator: {fraction:.4g} of all requests, by request id" if fraction > 0 else ""
     warning = None
-    if not api_key and not _loopback(host):
+    if clients == "any" and not api_key and not _loopback(host):
         warning = (f"the server listens on {host} without --api-key: any client that reaches it can ask for capture "
-                   f"and fill the capture dir; set SGLang's --api-key")
+                   f"and fill the capture dir; set SGLang's --api-key, or --admin-api-key (then only its holders "
+                   f"may ask for capture)")
     return said, warning

@@ -11,7 +11,7 @@ import json
 import os
 import tempfile
 from dataclasses import replace
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
@@ -25,7 +25,7 @@ from sglang_capture.core.config import (
     config_from_options,
 )
 from sglang_capture.core.layers import LayerError, draft_capture_layers, read_draft_eagle3_ids, resolve_layers
-from sglang_capture.core.selection import who_captures
+from sglang_capture.core.selection import effective_policy, who_captures
 from sglang_capture.server.capture_info import add_route, capture_info_body
 from sglang_capture.server.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
 from sglang_capture.server.pd_prefill import is_pd_prefill
@@ -124,6 +124,15 @@ def resolve_capture_layers(config: CaptureConfig, num_layers: int, architecture:
         raise ConfigError(str(e)) from None
 
 
+def resolve_clients(clients: Optional[str], server_args: Any) -> str:
+    """``--capture-clients`` as the server applies it: unset means admin when SGLang has an admin key."""
+    admin_key = getattr(server_args, "admin_api_key", None)
+    if clients == "admin" and not admin_key:
+        raise ConfigError("--capture-clients admin lets only requests with SGLang's admin API key ask for capture, "
+                          "and none is set: add --admin-api-key KEY")
+    return effective_policy(clients, admin_key)
+
+
 def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, CaptureConfig, Dict[str, Any]]:
     """Validate everything, publish the configuration, and return SGLang's parsed server args, the
     configuration as published (a drafter's layers resolved) and the body of ``/capture_info``."""
@@ -156,8 +165,9 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, Cap
                    f"{','.join(map(str, layers))} of {arch}", err=True)
         # the schedulers resolve config.layers themselves: hand them the drafter's, not the path
         config = replace(config, layers=layers, layers_from_draft=None)
+    config = replace(config, clients=resolve_clients(config.clients, server_args))
     said, warning = who_captures(config.fraction, config.hidden_states_requests, str(server_args.host),
-                                 bool(server_args.api_key))
+                                 bool(server_args.api_key), config.clients)
     click.echo(f"sglang_capture: {said}", err=True)
     if warning:
         click.echo(f"sglang_capture: warning: {warning}", err=True)

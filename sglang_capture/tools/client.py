@@ -10,15 +10,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import requests
 
+from sglang_capture.core.selection import CAPTURE_REFUSED
 from sglang_capture.server.capture_info import ROUTE
 
 
 class ServerError(RuntimeError):
     """A server that cannot take capture work; ``retryable`` says whether trying again may help."""
 
-    def __init__(self, message: str, retryable: bool = True) -> None:
+    def __init__(self, message: str, retryable: bool = True, fatal: bool = False) -> None:
         super().__init__(message)
-        self.retryable = retryable
+        self.retryable = retryable and not fatal
+        self.fatal = fatal  # every request to this server would fail alike: a missing key, a refused client
 
 
 API_KEY_ENV = "SGLANG_API_KEY"  # where the tools' --api-key is read from when not given
@@ -51,9 +53,9 @@ def _refused(url: str, r: requests.Response, api_key: Optional[str]) -> Optional
         return None
     if api_key:
         return ServerError(f"{url} refused the API key given (HTTP {r.status_code}); check --api-key or "
-                           f"${API_KEY_ENV}", retryable=False)
+                           f"${API_KEY_ENV}", fatal=True)
     return ServerError(f"{url} needs an API key (HTTP {r.status_code}); pass --api-key or set ${API_KEY_ENV}",
-                       retryable=False)
+                       fatal=True)
 
 
 def _url(url: str) -> str:
@@ -166,7 +168,8 @@ def capture_prefill(server: ServerInfo, input_ids: Sequence[int], name: str,
         raise refused
     if r.status_code != 200:
         detail = _error_text(r)
-        raise ServerError(f"{server.url} answered HTTP {r.status_code}: {detail}", retryable=r.status_code >= 500)
+        raise ServerError(f"{server.url} answered HTTP {r.status_code}: {detail}", retryable=r.status_code >= 500,
+                          fatal=CAPTURE_REFUSED in detail)
     try:
         ref: Optional[Dict[str, Any]] = r.json()["meta_info"].get("capture")
     except (ValueError, KeyError, TypeError, AttributeError):

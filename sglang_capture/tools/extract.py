@@ -246,7 +246,11 @@ class Extractor:
         order = itertools.count()
         bar = tqdm(total=len(todo), unit="sample", disable=None if self.progress else True, dynamic_ncols=True)
 
+        stop: List[str] = []  # set once: a server refuses every request alike (tools/client.py: fatal)
+
         def one(sample: Sample) -> Union[Entry, Failure]:
+            if stop:
+                return Failure(sample.id, sample.line, f"not sent: {stop[0]}")
             first = next(order) % len(servers)  # spread samples over servers, fail over in turn
             try:
                 enc = encoder.encode(sample)
@@ -256,11 +260,16 @@ class Extractor:
                 return Failure(sample.id, sample.line, "the sample tokenizes to no tokens")
             reason = ""
             for attempt in range(self.retries + 1):
+                if stop:
+                    reason = reason or f"not sent: {stop[0]}"
+                    break
                 server = servers[(first + attempt) % len(servers)]
                 try:
                     entry = self._capture(sample, enc, server)
                 except ServerError as e:
                     reason = str(e)
+                    if e.fatal:
+                        stop.append(reason)
                     if not e.retryable:
                         break
                 except OSError as e:
@@ -290,6 +299,9 @@ class Extractor:
                 session.close()
             self._sessions.clear()
         self.report.failures.sort(key=lambda x: x.line)
+        if stop:
+            raise ExtractError(f"{stop[0]} (stopped: {len(self.report.failures)} samples not captured; "
+                               "re-run once that is fixed)")
 
     def _session(self) -> requests.Session:
         """This worker thread's session: one kept-alive connection per thread and server."""

@@ -2,12 +2,15 @@
 
 ``patches/`` says which SGLang functions are wrapped and by which function here. Every hook
 takes its process's state as its first argument, bound by the instrumentor: the scheduler
-process's ``SchedulerCapture``, or the ``CaptureConfig`` in the HTTP process (``tokenize``,
-``response``).
+process's ``SchedulerCapture``, or the ``CaptureConfig`` in the HTTP process (``admission``,
+``tokenize``, ``response``).
 
 The order in which SGLang calls the seams, for one batch on one scheduler (0.5.17 and 0.5.23):
 
-0. ``tokenize`` (``TokenizerManager._create_tokenized_object``, HTTP process): the requests the
+0. ``auth`` and ``generate`` (``decide_request_auth``, ``TokenizerManager.generate_request``, HTTP
+   process, admission.py): a client's capture request ``--capture-clients`` does not allow is
+   refused before anything else happens.
+   ``tokenize`` (``TokenizerManager._create_tokenized_object``, HTTP process): the requests the
    server selects (``--capture-return-hidden-states``, ``--capture-fraction``) are marked like a
    client's capture request; on a PD prefill server a capture request sent without a router gets
    SGLang's no-decode-server bootstrap.
