@@ -146,9 +146,10 @@ class CaptureConfig:
         "lists; custom_params.capture=false still gets the lists): the one capture flag the SGLang router "
         "forwards on /generate and /v1/chat/completions, which drop custom_params.", default=False)
     clients: Optional[str] = option(
-        "--capture-clients", "Which clients may ask for capture (custom_params.capture, or return_hidden_states with "
-        "--capture-return-hidden-states): any that may send the request, admin (only requests carrying SGLang's "
-        "--admin-api-key as their bearer token), none (only --capture-fraction captures). Others get HTTP 400.",
+        "--capture-clients", "Which clients may ask for hidden states, as a capture (custom_params.capture, or "
+        "return_hidden_states with --capture-return-hidden-states) or as SGLang's JSON lists (return_hidden_states): "
+        "any that may send the request, admin (only requests carrying SGLang's --admin-api-key as their bearer "
+        "token), none (only --capture-fraction captures). Others get HTTP 400.",
         choices=CLIENT_POLICIES, default=None, unset="admin when SGLang's --admin-api-key is set, else any")
     fraction: float = option("--capture-fraction", "Capture this share (0-1) of all requests, chosen by a hash "
                              "of the request id (the same answer on every replica and retry), on every endpoint, "

@@ -27,7 +27,6 @@ def fraction_selects(rid: str, fraction: float) -> bool:
     return fraction > 0 and rid_point(rid) < fraction
 
 
-
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True

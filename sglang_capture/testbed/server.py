@@ -127,7 +127,7 @@ def _start_once(cmd: List[str], env: Dict[str, str], log_path: str, capture_dir:
             if f"address ('127.0.0.1', {port}): address already in use" in log or _DERIVED_TAKEN.search(log):
                 raise PortTaken(f"port {port} or one SGLang derives from it was taken before the server bound it:\n"
                                 f"{log[-2000:]}")
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log[-4000:]}")
         try:
             if requests.get(server.url + "/health", timeout=2).status_code == 200:
                 return server

@@ -37,6 +37,7 @@ class ServerInfo:
     model_path: str
     layers: List[int]
     api_key: Optional[str] = field(default=None, repr=False)  # sent as a bearer token, never shown
+    info: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # its whole /capture_info
 
     def headers(self) -> Dict[str, str]:
         return auth_headers(self.api_key)
@@ -72,12 +73,12 @@ def discover(url: str, timeout: float = 10.0, api_key: Optional[str] = None) -> 
         raise refused
     if r.status_code == 404:
         raise NotCaptureServer(f"{url} is not a capture server (no {ROUTE}); start it with "
-                          "python -m sglang_capture.launch --capture-dir DIR ...", retryable=False)
+                               "python -m sglang_capture.launch --capture-dir DIR ...", retryable=False)
     try:
         r.raise_for_status()
         body = r.json()
         return ServerInfo(url, str(body["capture_dir"]), str(body["model_path"]), [int(i) for i in body["layers"]],
-                          api_key)
+                          api_key, body)
     except (requests.HTTPError, ValueError, KeyError, TypeError) as e:
         raise ServerError(f"{url}{ROUTE} gave an unexpected answer (HTTP {r.status_code}: {e})", retryable=False) from None
 

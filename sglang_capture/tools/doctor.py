@@ -78,9 +78,7 @@ def diagnose(seams: Optional[Sequence] = None) -> Tuple[List[str], bool]:
 def server_report(url: str, api_key: Optional[str] = None) -> Tuple[List[str], bool]:
     """What a running capture server at ``url`` (or each capture worker of an SGLang router there)
     says about itself: capture dir, model, layers, and who makes its requests capture."""
-    import requests
-
-    from sglang_capture.tools.client import ServerError, auth_headers, discover_servers
+    from sglang_capture.tools.client import ServerError, discover_servers
 
     lines: List[str] = []
     try:
@@ -88,12 +86,7 @@ def server_report(url: str, api_key: Optional[str] = None) -> Tuple[List[str], b
     except ServerError as e:
         return lines + [f"FAIL {e}"], False
     for server in servers:
-        try:
-            body = requests.get(server.url + "/capture_info", timeout=10, headers=auth_headers(api_key)).json()
-            if not isinstance(body, dict):
-                raise ValueError("not a JSON object")
-        except (requests.RequestException, ValueError) as e:
-            return lines + [f"FAIL {server.url}: /capture_info gave no usable answer ({type(e).__name__})"], False
+        body = server.info
         lines.append(f"ok   {server.url}: capture server (sglang_capture {body.get('sglang_capture')}), model "
                      f"{body.get('model_path')}, layers {body.get('layers')}, files in {body.get('capture_dir')}")
         lines.append(f"     {body.get('who_captures') or 'who captures: not said (an older sglang_capture)'}")

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, List
 
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.selection import bearer_token, client_refusal, effective_policy
+from sglang_capture.server.hooks.tokenize import custom_params
 
 
 def _as_list(value: Any) -> List[Any]:
@@ -27,11 +28,8 @@ def asks_hidden_states(obj: Any) -> bool:
     """Whether the generation request ``obj`` (one, or a batch) asks for hidden states: a capture
     (``custom_params.capture``, or ``return_hidden_states`` under ``--capture-return-hidden-states``)
     or SGLang's JSON lists (``return_hidden_states``), which the launcher always enables."""
-    for params in _as_list(obj.sampling_params):
-        custom = params.get("custom_params") if isinstance(params, dict) else None
-        if isinstance(custom, dict) and custom.get("capture") not in (None, False):
-            return True
-    return any(_as_list(obj.return_hidden_states))
+    return (any(custom_params(params).get("capture") not in (None, False) for params in _as_list(obj.sampling_params))
+            or any(_as_list(obj.return_hidden_states)))
 
 
 async def _refused(obj: Any, message: str) -> AsyncIterator[Any]:

@@ -18,14 +18,13 @@ from typing import Any, AsyncIterator, Dict, Optional
 
 from sglang_capture.core.capture_dir import UNRECORDED_SUFFIX
 from sglang_capture.core.config import CaptureConfig
-from sglang_capture.server.hooks.tokenize import CAPTURE_BY, OPERATOR
+from sglang_capture.server.hooks.tokenize import CAPTURE_BY, OPERATOR, custom_params
 
 
 def _capture_mark(obj: Any) -> Optional[str]:
     """None for a request that does not capture, else who asked: "client" or "operator"."""
-    params = getattr(obj, "sampling_params", None)
-    custom = params.get("custom_params") if isinstance(params, dict) else None
-    if not isinstance(custom, dict) or custom.get("capture") is not True:
+    custom = custom_params(getattr(obj, "sampling_params", None))
+    if custom.get("capture") is not True:
         return None
     return OPERATOR if custom.get(CAPTURE_BY) == OPERATOR else "client"
 

@@ -28,23 +28,24 @@ CAPTURE_BY, OPERATOR = "capture_by", "operator"
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants' (0.5.17-0.5.23), without importing SGLang
 
 
-def _capture_flag(params: Any) -> Any:
+def custom_params(params: Any) -> Dict[str, Any]:
+    """A request's ``custom_params`` from its sampling-params dict ({} when it has none)."""
     custom = params.get("custom_params") if isinstance(params, dict) else None
-    return custom.get("capture") if isinstance(custom, dict) else None
+    return custom if isinstance(custom, dict) else {}
 
 
 def selects(config: CaptureConfig, obj: Any) -> Optional[str]:
     """Who, other than ``custom_params``, makes the request ``obj`` capture: "client" (its
     ``return_hidden_states``, under ``--capture-return-hidden-states``), "operator"
     (``--capture-fraction``), or None."""
-    if _capture_flag(obj.sampling_params) is not None:
+    if custom_params(obj.sampling_params).get("capture") is not None:
         return None  # the client said, either way
     if obj.return_hidden_states:
         # a client that wants SGLang's JSON lists keeps them unless the server turns them into files
         return "client" if config.hidden_states_requests else None
     rid = str(obj.rid)
-    if rid.startswith(HEALTH_CHECK_RID_PREFIX):
-        return None  # /health's own generate request: SGLang lets it through without the API key
+    if not config.fraction or rid.startswith(HEALTH_CHECK_RID_PREFIX):
+        return None  # no fraction; or /health's own generate request, which needs no API key
     return OPERATOR if fraction_selects(rid, config.fraction) else None
 
 
