@@ -1,8 +1,9 @@
-# Sourced by the device scripts (bench/h200_*.sh) after `source .devkit/env.sh` (the device kit:
-# ../shared/device/README.md): checks OUT, makes the work dir W, installs the package from its wheel,
-# puts it on PYTHONPATH and builds models with the package's own test bed (`tiny_model OUT ARGS...`); R is
-# the repo root. SGLANG_GPU_ARGS: the server settings every mixed-load run uses (each script adds
-# its memory fraction), so that runs of different scripts load the same server.
+# Sourced by the device entry points (bench/e2e.sh, writer.sh, gpu_deploy.sh, drafter.sh, vs_specforge.sh)
+# after `source .devkit/env.sh` (the device kit: ../shared/device/README.md), as `source
+# bench/device_setup.sh OUT` with W (the work dir) set: checks OUT, makes W, installs the package from
+# its wheel, puts it on PYTHONPATH and builds models with the package's own test bed (`tiny_model OUT
+# ARGS...`); R is the repo root. SGLANG_GPU_ARGS: the server settings every mixed-load run uses (each
+# phase adds its memory fraction), so that runs of different phases load the same server.
 set -u
 OUT=${1:?usage: $0 OUT_DIR}
 R=$PWD

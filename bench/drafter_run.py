@@ -2,7 +2,7 @@
 
     python bench/drafter_run.py STAGE WORK [options]      (stages in order; each resumes)
 
-Stages (bench/h200_drafter.sh chains them over device calls; WORK keeps every stage's output):
+Stages (bench/drafter.sh chains them over device calls; WORK keeps every stage's output):
 
 ``regen``     serve the target (plain SGLang) and regenerate an answer for each training prompt,
               greedily, as EAGLE-3 data is made: WORK/conversations.jsonl (ShareGPT lines).

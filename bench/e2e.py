@@ -28,8 +28,6 @@ closed loop (``--concurrency`` clients sending back to back for ``--seconds``) o
   capture server's non-capture path (identical to plain SGLang's), ``--json-requests`` requests
 - (b-mixed, ``--idle-mixed``): the mixed load on the capture server with nothing capturing, each
   round after (a): the capture server's own baseline on that load
-- ``--profile-steps N``: after the mixed windows, N forward steps of each server profiled under
-  the mixed load (SGLang's ``/start_profile``), summarized by ``trace_summary.py``
 
 On capture servers each window also records the scheduler thread's time per patched seam, for
 batches that capture and batches that do not (the writer stats' ``scheduler_thread``).
@@ -43,21 +41,17 @@ in each window (e2e_probes.py) and the report (e2e_report.py) live beside this f
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shlex
 import signal
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 import e2e_load
 import e2e_probes
-import requests
-import trace_summary
 from e2e_load import Load, Prompts
 from e2e_report import _clock_delta, finish, load_tok_per_s, merge, save
 
@@ -132,10 +126,6 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    "shared-prefix prompts have in common")
     p.add_argument("--idle-mixed", action="store_true", help="also run the mixed load on the capture server with "
                    "nothing capturing (b_mixed), each round after (a)")
-    p.add_argument("--profile-steps", type=_at_least(0), default=0, help="after the mixed windows, profile this many forward "
-                   "steps of each server under the mixed load (torch profiler via /start_profile; summaries in the results)")
-    p.add_argument("--profile-activities", default="GPU", help="torch-profiler activities for --profile-steps: GPU "
-                   "(kernels, copies, CUDA calls) or CPU,GPU (also the operators the scheduler thread runs; slows it)")
     p.add_argument("--py-spy-seconds", type=float, default=0.0, help="sample each server's scheduler process with "
                    "py-spy for this long in its first mixed window (py-spy on PATH or beside the package; summaries in "
                    "the results): where its main thread's wall time goes, on CPU or waiting")
@@ -338,40 +328,6 @@ class Run:
         keep("a_mixed" + tag, self.measure(self.plain, "a_mixed" + tag, self.others, a.seconds,
                                            open_spec=plain_stream, rate=rate))
 
-    def profile_window(self, server: Server, name: str, load) -> Dict:
-        """``load()`` with ``--profile-steps`` forward steps profiled 2 s into it; the trace's summary."""
-        a = self.a
-        pdir = os.path.join(a.out, "profile", name)
-        body = {"output_dir": pdir, "num_steps": a.profile_steps, "activities": a.profile_activities.split(","),
-                "with_stack": False, "record_shapes": False, "profile_id": name}
-        starter = threading.Timer(2.0, lambda: requests.post(server.url + "/start_profile", json=body, timeout=120))
-        starter.start()
-        load()
-        starter.join()
-        deadline = time.monotonic() + 120  # the scheduler exports the trace after the last profiled step
-        while not (traces := glob.glob(os.path.join(pdir, "*.trace.json.gz"))) and time.monotonic() < deadline:
-            time.sleep(1)
-        if not traces:
-            return {"error": f"no trace in {pdir}"}
-        summary = trace_summary.summarize(trace_summary.load(traces[0]), a.profile_steps)
-        print(f"profile {name}: " + json.dumps({k: v for k, v in summary.items() if not k.endswith("_top")}),
-              file=sys.stderr, flush=True)
-        return summary
-
-    def phase_profile(self) -> None:
-        self.res["profile"] = {}
-        idle = [(self.capture, self.capture_dir, "b_mixed", False)] if self.a.idle_mixed else []
-        variants = [(s, d, f"d_mixed_v{i}", True) for i, (s, d) in enumerate(zip(self.variant_servers, self.variant_dirs, strict=False))]
-        for srv, d, name, capturing in [(self.plain, None, "a_mixed", False), *idle,
-                                        (self.capture, self.capture_dir, "d_mixed", True), *variants]:
-            stream = self.spec("mixed-capture", capture=capturing)
-            self.res["profile"][name] = self.profile_window(srv, name, lambda srv=srv, stream=stream: Load(srv.url, self.prompts).run(
-                self.others, self.a.seconds, procs=self.a.client_procs, open_spec=stream, rate=self.rates[0]))
-            if d:
-                self.res["profile"][name]["writer_device_allocator"] = self.fresh_stats(srv, d).get("device_allocator")
-                _clean(d)
-            save(self.res, self.a.out)
-
     def phase_json(self) -> None:
         """(c) SGLang's own return_hidden_states path, a few requests (they are slow)."""
         json_clients = [self.spec("json", json_hs=True)] * min(self.a.concurrency, self.a.json_requests)
@@ -399,8 +355,6 @@ class Run:
                 self.warm_mixed()
                 for rate in self.rates:
                     self.phase_mixed(rate)
-                if self.a.profile_steps > 0:
-                    self.phase_profile()
             if "json" in self.phases:
                 self.phase_json()
         finally:

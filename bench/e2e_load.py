@@ -92,7 +92,7 @@ class Load:
     The closed-loop clients run in ``procs`` processes: at 900 K tok/s plain SGLang answers ~440
     requests/s, which leaves one interpreter little headroom. Spread over 4 processes the client
     used 0.3 cores on the H200 (r17) while windows of the same server still differed by up to
-    20%, so that spread does not come from the client (bench/RESULTS.md, "Throughput and cost on one H200")."""
+    20%, so that spread does not come from the client (bench/results/e2e-h200-2026-11-30-r14-headline.md)."""
 
     def __init__(self, url: str, prompts: Prompts) -> None:
         self.url = url

@@ -232,7 +232,7 @@ def report(res: Dict) -> str:
     """The markdown table of every mode, then the verdicts against the targets, then the attributions."""
     modes = _modes(res)
     return "\n".join(_table_rows(res, modes) + [""] + _capacity_checks(res) + _cache_checks(res) + _mixed_checks(res, modes)
-                     + _writer_checks(res) + _clock_rows(res, modes) + _profile_rows(res.get("profile") or {})
+                     + _writer_checks(res) + _clock_rows(res, modes)
                      + pyspy_summary.rows(res.get("pyspy") or {}))
 
 
@@ -272,8 +272,9 @@ def mixed_bottleneck(a: Dict, d: Dict, spy: Optional[Dict] = None) -> str:
     if own:
         text += f"; the package's own code took {own['wall_pct']}% of the scheduler thread's wall time (py-spy)"
     if stage != "the GPU":
-        text += (". Busy cores elsewhere slow that thread on a shared host (bench/interference.py measures it); what "
-                 "lifts it is fewer of them: a host with cores to spare, or fewer writer cycles per byte (--capture-codec none)")
+        text += (". Busy cores elsewhere slow that thread on a shared host (bench/RESULTS.md, r27: plain SGLang beside "
+                 "five busy processes); what lifts it is fewer of them: a host with cores to spare, or fewer writer cycles "
+                 "per byte (--capture-codec none)")
     return text
 
 
@@ -287,21 +288,4 @@ def _clock_rows(res: Dict, modes: List[str]) -> List[str]:
     for m in clocked:
         c = res[m]["_scheduler_thread"]
         rows.append(f"| {m} | " + " | ".join(f"{c[k]['us_per_call']:,.0f} ({c[k]['calls']})" if k in c else "—" for k in seams) + " |")
-    return rows
-
-
-def _profile_rows(profiles: Dict) -> List[str]:
-    """One line per profiled server: is the GPU kept busy, and what fills or empties it."""
-    if not profiles:
-        return []
-    rows = ["", "| profiled (mixed load) | GPU busy % | ms/step | kernel ms/step | GPU gaps > 1 ms | top kernels (ms) |",
-            "|---|---|---|---|---|---|"]
-    for name, p in profiles.items():
-        if "span_ms" not in p:
-            rows.append(f"| {name} | {p.get('error', 'no GPU events')} | | | | |")
-            continue
-        gaps = p["gaps_over_1ms"]
-        top = "; ".join(f"{k['name'][:40]} {k['total_ms']:.0f}" for k in p["kernels_top"][:4])
-        rows.append(f"| {name} | {p['gpu_busy_pct']} | {p.get('span_ms_per_step', '')} | {p.get('kernel_ms_per_step', '')} | "
-                    f"{gaps['count']} ({gaps['total_ms']} ms, max {gaps['max_ms']}) | {top} |")
     return rows

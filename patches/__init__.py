@@ -33,7 +33,7 @@ class Seam:
     """One patched SGLang function."""
 
     seam: str
-    process: str  # "scheduler" or "main"
+    process: str  # "scheduler" or "http"
     module: str
     target: str  # qualified name inside ``module``, e.g. "Req.__init__"
     hook: str  # "sglang_capture.server.hooks.<module>:<function>"

@@ -24,12 +24,12 @@ from sglang_capture.patches import BASE_RELEASES, Seam, Watched, key, load_table
 
 
 def _from_installed(path: str) -> None:
-    from sglang_capture.server.instrumentor import _resolve, fingerprint
+    from sglang_capture.patches.version_gate import fingerprint, resolve
 
     with open(path) as f:
         doc = json.load(f)
     for entry in doc["seams"] + doc.get("watched", []):
-        _, _, original = _resolve(Seam(**entry) if "seam" in entry else Watched(**entry))
+        _, _, original = resolve(Seam(**entry) if "seam" in entry else Watched(**entry))
         found = fingerprint(original)
         if found != entry["fingerprint"]:
             entry["differs"] = ""  # a note about other source: read the hook again

@@ -1,7 +1,7 @@
 """The patched functions of an SGLang release, read from its wheel without installing it.
 
 A seam's fingerprint is the sha256 of its function's dedented source, decorators included, as
-``inspect.getsource`` gives it for the installed function (server/instrumentor.fingerprint). The
+``inspect.getsource`` gives it for the installed function (version_gate.fingerprint). The
 same lines can be found statically: the wheel is a zip, the module's source is in it, and
 ``ast`` gives the function's first decorator line and its last line. So every release can be
 checked against its table in CI from a download of a few tens of MB, without its dependencies
@@ -19,7 +19,7 @@ import textwrap
 import zipfile
 from typing import Dict, List, Optional
 
-from sglang_capture.core.durable import checksum_tag
+from sglang_capture.patches.version_gate import checksum_tag
 
 
 class WheelUnavailable(RuntimeError):

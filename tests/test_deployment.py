@@ -21,7 +21,7 @@ import torch
 
 import sglang_capture
 from sglang_capture.core.capture_dir import writer_stats
-from sglang_capture.server.instrumentor import installed_sglang_version
+from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd, start_server, stop_server
 from tests.reference import max_abs_diff, min_block_cosines, min_row_cosine, reference_states
 

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 import sglang_capture
 from sglang_capture.core.capture_dir import read_stats
-from sglang_capture.server.instrumentor import installed_sglang_version
+from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.testbed.server import capture_cmd
 from tests.reference import max_abs_diff, reference_states
 
@@ -159,7 +159,7 @@ def test_a_capture_of_one_new_token_sends_no_decode_batch_through_the_capture_pa
     assert calls(after, "run_batch/decode/capture") == calls(before, "run_batch/decode/capture")
     # 0.5.17's and 0.5.20's overlap schedulers do launch that decode batch (it took the capture path
     # before this change); 0.5.23 launches none for a request that ends in its prefill; the releases
-    # between were not run (README, "Supported SGLang")
+    # between were not run (patches/README.md)
     decode_batches = calls(after, "run_batch/decode/plain") - calls(before, "run_batch/decode/plain")
     launches = {"0.5.17": True, "0.5.20": True, "0.5.23": False}.get(installed_sglang_version())
     if launches is not None:

@@ -11,6 +11,7 @@ import pytest
 import wrapt
 from click.testing import CliRunner
 
+import sglang_capture.patches.version_gate as gate
 import sglang_capture.server.instrumentor as inst
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.patches import load_table, supported_versions, table_path
@@ -107,7 +108,7 @@ def test_gpu_codec_left_out_after_measurement_is_refused_naming_the_codecs_there
 
 
 def test_unsupported_sglang_version_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(inst, "installed_sglang_version", lambda: "0.4.9")
+    monkeypatch.setattr(gate, "installed_sglang_version", lambda: "0.4.9")
     result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", "x")
     assert result.exit_code != 0
     assert lines == [f"Error: sglang_capture supports SGLang {', '.join(supported_versions())}; found 0.4.9. "
@@ -115,18 +116,19 @@ def test_unsupported_sglang_version_is_refused(tmp_path, monkeypatch):
 
 
 def test_seam_table_fingerprints_match_installed_sglang():
-    seams = inst.seams_for_installed()
-    assert {s.seam for s in seams} >= {"model_layers", "final_hidden", "request", "prefill_rows", "decode_rows",
-                                         "finish", "response"}
-    assert [inst.check_seam(s) for s in seams] == [None] * len(seams)
+    seams = gate.seams_for_installed()
+    assert {s.seam for s in seams} >= {"set_capture_layers", "append_final_hidden", "mark_capture_request",
+                                         "take_prefill_rows", "take_decode_rows", "seal_finished",
+                                         "await_capture_file"}
+    assert [gate.check_seam(s) for s in seams] == [None] * len(seams)
 
 
 def test_changed_sglang_function_fails_loudly():
-    seam = replace(load_table(inst.installed_sglang_version())[0], fingerprint="sha256:" + "0" * 64)
-    assert "changed (fingerprint" in inst.check_seam(seam)
+    seam = replace(load_table(gate.installed_sglang_version())[0], fingerprint="sha256:" + "0" * 64)
+    assert "changed (fingerprint" in gate.check_seam(seam)
     probe = inst.CaptureInstrumentor()
     probe._instrumented = True
-    with pytest.raises(inst.UnsupportedSGLang, match="refusing to patch"):
+    with pytest.raises(gate.UnsupportedSGLang, match="refusing to patch"):
         probe._patch(seam)
 
 
@@ -161,9 +163,9 @@ def test_doctor_reports_version_fingerprints_plugin_and_configuration():
 
     r = subprocess.run([sys.executable, "-m", "sglang_capture", "doctor"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"installed SGLang: {inst.installed_sglang_version()}" in r.stdout
+    assert f"installed SGLang: {gate.installed_sglang_version()}" in r.stdout
     assert "supported SGLang: 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23" in r.stdout
-    version = inst.installed_sglang_version()
+    version = gate.installed_sglang_version()
     assert f"seam table: {table_path(version)}" in r.stdout and table_path(version).endswith(f"sglang_{version.replace('.', '_')}.json")
     assert r.stdout.count("matches its fingerprint") == len(load_table(version)) == 15 and "FAIL" not in r.stdout
     assert "plugin entry point sglang.srt.plugins: sglang_capture" in r.stdout
@@ -202,7 +204,7 @@ def test_doctor_and_the_launcher_help_label_every_unset_option_with_its_own_mean
 def test_doctor_fails_on_a_changed_sglang_function():
     import dataclasses
 
-    from sglang_capture.server.instrumentor import seams_for_installed
+    from sglang_capture.patches.version_gate import seams_for_installed
     from sglang_capture.tools.doctor import diagnose
 
     seams = seams_for_installed()

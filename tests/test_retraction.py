@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import sglang_capture
-from sglang_capture.server.instrumentor import installed_sglang_version
+from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.testbed.server import capture_cmd
 from tests.test_e2e_deepseek import LAYERS, check_against_transformers
 

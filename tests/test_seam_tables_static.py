@@ -80,12 +80,12 @@ def test_every_supported_models_layer_setter_and_decoder_loop_is_watched_in_both
 
 
 def test_the_fingerprint_read_from_a_wheel_is_the_one_the_instrumentor_computes_installed():
-    from sglang_capture.server.instrumentor import _resolve, fingerprint, installed_sglang_version
+    from sglang_capture.patches.version_gate import fingerprint, installed_sglang_version, resolve
 
     version = installed_sglang_version()
     source = WheelSource(fetch_wheel(version))
     for seam in load_table(version):
-        _, _, original = _resolve(seam)
+        _, _, original = resolve(seam)
         assert source.fingerprint(seam.module, seam.target) == fingerprint(original), seam.seam
     with pytest.raises(LookupError, match=r"^sglang.srt.managers.scheduler.Scheduler.no_such_method is not in sglang-"):
         source.fingerprint("sglang.srt.managers.scheduler", "Scheduler.no_such_method")
@@ -113,10 +113,10 @@ def test_one_function_has_one_note_in_every_table_that_has_it():
 
 def test_a_changed_function_without_its_note_is_refused_with_one_line_naming_it():
     seam = load_table("0.5.20")[3]
-    assert seam.seam == "batch_run" and seam.differs
+    assert seam.seam == "run_batch" and seam.differs
     bare = Seam(**{**seam.__dict__, "differs": ""})
     assert unexplained([bare]) == [
-        "batch_run: sglang.srt.managers.scheduler.Scheduler.run_batch differs from SGLang 0.5.17 and 0.5.23's and its "
+        "run_batch: sglang.srt.managers.scheduler.Scheduler.run_batch differs from SGLang 0.5.17 and 0.5.23's and its "
         "record does not say how; read hook sglang_capture.server.hooks.batch:run_batch against it and write its differs"]
 
 
@@ -126,7 +126,7 @@ def test_a_note_that_does_not_name_the_code_it_read_is_refused():
     assert seam.differs.startswith("read server.hooks.batch:run_batch: ")
     vague = Seam(**{**seam.__dict__, "differs": "vs 0.5.17: bookkeeping only"})
     assert unexplained([vague]) == [
-        "batch_run: sglang.srt.managers.scheduler.Scheduler.run_batch differs from SGLang 0.5.17 and 0.5.23's and its "
+        "run_batch: sglang.srt.managers.scheduler.Scheduler.run_batch differs from SGLang 0.5.17 and 0.5.23's and its "
         "note does not name the code read against it; start it with 'read server.hooks.batch:run_batch: '"]
 
 
@@ -144,8 +144,8 @@ def test_refresh_writes_a_releases_table_and_names_each_hook_to_read_again(tmp_p
     capsys.readouterr()
     assert main(["--from-wheel", "0.5.20", "--against", "0.5.17,0.5.23", "--out", str(out)]) == 3
     lines = capsys.readouterr().out.splitlines()
-    assert "result_copy: same as 0.5.23" in lines and "final_hidden: same as 0.5.17, 0.5.23" in lines
-    assert ("batch_run: CHANGED in sglang.srt.managers.scheduler.Scheduler.run_batch; read hook "
+    assert "copy_hidden_to_pool: same as 0.5.23" in lines and "append_final_hidden: same as 0.5.17, 0.5.23" in lines
+    assert ("run_batch: CHANGED in sglang.srt.managers.scheduler.Scheduler.run_batch; read hook "
             "sglang_capture.server.hooks.batch:run_batch against it, then say in its differs what changed and why "
             "the hook holds") in lines
     written = [Seam(**s) for s in json.load(open(out))["seams"]]

@@ -45,8 +45,7 @@ def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
 
 
 def test_captured_rows_are_gathered_in_the_forward_beside_their_final_hidden_state():
-    from sglang_capture.server.batch_rows import BatchRows
-    from sglang_capture.server.hooks.transfer import gather_in_forward
+    from sglang_capture.server.batch_rows import BatchRows, gather_in_forward
 
     req, batch = _fake_req, _fake_batch
     state = types.SimpleNamespace(launching=None)  # the scheduler's state, as the instrumentor binds it
@@ -54,15 +53,15 @@ def test_captured_rows_are_gathered_in_the_forward_beside_their_final_hidden_sta
     final = -torch.arange(15 * 2, dtype=torch.float32).view(15, 2)
     state.launching = rows = BatchRows(batch("extend", [req(), req(True), req(True), req(), req(True)], [5, 3, 2, 4, 1]),
                                        captures=True)
-    assert gather_in_forward(state, aux[:14], final) is None  # aux and final disagree: keep the whole batch
-    out = gather_in_forward(state, aux, final)
+    assert gather_in_forward(state.launching, aux[:14], final) is None  # aux and final disagree: keep the whole batch
+    out = gather_in_forward(state.launching, aux, final)
     kept = [5, 6, 7, 8, 9, 14]
     assert torch.equal(out, torch.cat([aux[kept], final[kept]], dim=-1))
     assert (rows.row_map, rows.kept_rows, rows.batch_rows, rows.gathered_in_forward) == ({5: 0, 8: 3, 14: 5}, 6, 15, True)
     state.launching = None
-    assert gather_in_forward(state, aux, final) is None  # no batch running (CUDA graph capture, warm-up)
+    assert gather_in_forward(state.launching, aux, final) is None  # no batch running (CUDA graph capture, warm-up)
     state.launching = BatchRows(batch("extend", [req(True), req(json_hidden=True)], [5, 10]), captures=True)
-    assert gather_in_forward(state, aux, final) is None  # SGLang's JSON request needs every row
+    assert gather_in_forward(state.launching, aux, final) is None  # SGLang's JSON request needs every row
 
 
 def test_the_row_seams_find_kept_rows_through_the_batch_state_whatever_tensor_object_arrives():
@@ -133,13 +132,14 @@ def test_fp8_rows_are_packed_before_the_copy_whole_when_every_reader_is_an_fp8_c
     them: then the copy hook packs a second copy for the FP8 captures (never the row seams on the
     host); rows that still arrive unpacked (the pool was full) are packed by the request, and counted."""
     from sglang_capture.core.fp8 import pack
-    from sglang_capture.server.hooks.transfer import _fp8_readers
+    from sglang_capture.server.batch_rows import fp8_readers as _fp8_readers
+    from sglang_capture.server.copy_counts import CopyCounts
     from sglang_capture.server.ledger import HostMemoryLedger
     from sglang_capture.server.request_capture import RequestCapture
     from sglang_capture.server.scheduler_capture import CAPTURE_ATTR
 
     ledger = HostMemoryLedger(1 << 20)
-    counts = {"fp8_packed_per_request_rows": 0}
+    counts = CopyCounts()
 
     def req(reads: bool, fp8=None):
         r = types.SimpleNamespace(return_hidden_states=reads)
@@ -162,5 +162,5 @@ def test_fp8_rows_are_packed_before_the_copy_whole_when_every_reader_is_an_fp8_c
     capture.add(8, pack(rows, 4))  # arrived packed: kept as it is
     assert [c.rows.dtype for c in capture.chunks] == [torch.uint8, torch.uint8]
     assert torch.equal(capture.chunks[0].rows, capture.chunks[1].rows) and capture.chunks[0].start == 5
-    assert counts["fp8_packed_per_request_rows"] == 3
+    assert counts.fp8_packed_per_request_rows == 3
     capture.release()

@@ -35,6 +35,7 @@ def test_pool_blocks_freed_out_of_order_coalesce_and_a_full_pool_says_so():
     assert pool.free_segments() == [(6 * ALIGN, 7 * ALIGN)]
     del a, c
     assert pool.free_segments() == [(5 * ALIGN, 8 * ALIGN)]
+    assert (pool.stats()["free_segments"], pool.stats()["largest_free_bytes"]) == (1, 3 * ALIGN)  # in the stats file
     assert pool.take(torch.zeros(3 * ALIGN // 4)) is not None  # the three freed pages join into one
     assert pool.take(torch.zeros(0)) is None  # nothing to copy: left to SGLang
 

@@ -271,7 +271,7 @@ def test_a_writer_process_gone_before_it_took_the_job_is_replaced_and_the_job_wr
     deadline = time.monotonic() + 30
     try:
         # the process dies between the hand-off thread's liveness check and its send
-        monkeypatch.setattr(writer_module._Child, "alive", lambda self: True)
+        monkeypatch.setattr(writer_module.WriterChild, "alive", lambda self: True)
         os.kill(pid, signal.SIGKILL)
         while open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z":
             assert time.monotonic() < deadline
@@ -385,7 +385,8 @@ def test_a_writer_still_stuck_in_the_kernel_gets_an_error_outcome_and_its_file_g
     import threading
     import types
 
-    from sglang_capture.server.writer_pool import WriterPool, WriterStalled
+    from sglang_capture.server.writer_child import WriterStalled
+    from sglang_capture.server.writer_pool import WriterPool
 
     cfg = CaptureConfig(capture_dir=str(tmp_path), writers=1)
     pool = WriterPool(cfg, HostMemoryLedger(1 << 20))

@@ -131,6 +131,7 @@ def test_a_pool_block_filled_from_the_device_is_not_reused_before_its_copy_is_do
 def test_device_rows_a_request_takes_itself_are_recorded_on_its_stream_before_it_reads_them(tmp_path, streams):
     """The row seams may hand a request rows still on the device (a PD prefill server's): the
     request packs and copies them on the current stream, so it records them there first."""
+    from sglang_capture.server.copy_counts import CopyCounts
     from sglang_capture.server.host_pool import HostPool
     from sglang_capture.server.ledger import HostMemoryLedger
     from sglang_capture.server.request_capture import RequestCapture
@@ -138,7 +139,7 @@ def test_device_rows_a_request_takes_itself_are_recorded_on_its_stream_before_it
     pool = HostPool(1 << 20, pin=False)
     for fp8 in (H, None):
         capture = RequestCapture(rid="r", name="r", ledger=HostMemoryLedger(1 << 20), pool=pool, fp8_block=fp8,
-                                 counts={"fp8_packed_per_request_rows": 0})
+                                 counts=CopyCounts())
         rows = _forward_tensor(40, 2 * H)  # more than a run: kept as a block of its own
         with torch._C.DisableTorchFunctionSubclass():
             ptr = rows.untyped_storage().data_ptr()

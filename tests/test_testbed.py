@@ -140,7 +140,7 @@ def test_servers_starting_together_on_a_fresh_machine_share_one_working_cuda_stu
 
 
 def test_the_kimi_compute_config_serves_with_dummy_weights_and_captures(make_test_server, tmp_path):
-    """bench/h200_kimi.sh's model (Kimi-K2.5's head dims, dense layer 0 of 18,432, top-8 of 2,048-wide
+    """bench/e2e.sh kimi's model (Kimi-K2.5's head dims, dense layer 0 of 18,432, top-8 of 2,048-wide
     experts), shrunk to 4 layers of width 512 so a CPU serves it: the config loads with
     ``--load-format dummy`` and a capture request is written at the default layers."""
     import sglang_capture

@@ -50,10 +50,23 @@ _LEGACY_STATS = re.compile(r"writer-h[0-9a-f]{8}\.\d+\.[0-9a-f]{8}$")
 # locks stay on each machine does not prove its server gone (two machines may share a host name).
 STATS_REFRESH_S = 60.0
 STATS_STALE_S = 600.0
-# counters of a stats file that add up over processes, and those that are peaks
-_SUMMED = ("written", "failed", "bytes", "raw_bytes", "inline_bytes", "restarts", "stalled", "back_pressure_waits",
-           "records_swept", "published_by_handoff", "temp_files_removed", "queue_wait_s", "assemble_s", "encode_write_s", "fsync_publish_s")
-_PEAKS = ("max_queue", "peak_held_bytes")
+# The counters of a stats file, declared once: how the history combines each over processes ("sum"
+# or "peak"). The writer pool counts the first table itself (server/writer_pool.py, ``stats``) and
+# adds the second from the host-memory ledger; times end in "_s".
+WRITER_COUNTERS = {
+    "written": "sum", "failed": "sum", "bytes": "sum", "raw_bytes": "sum", "inline_bytes": "sum",
+    "restarts": "sum", "stalled": "sum", "records_swept": "sum", "published_by_handoff": "sum",
+    "temp_files_removed": "sum", "queue_wait_s": "sum", "assemble_s": "sum", "encode_write_s": "sum",
+    "fsync_publish_s": "sum", "max_queue": "peak",
+}
+LEDGER_COUNTERS = {"back_pressure_waits": "sum", "peak_held_bytes": "peak"}
+_SUMMED = tuple(k for k, how in {**WRITER_COUNTERS, **LEDGER_COUNTERS}.items() if how == "sum")
+_PEAKS = tuple(k for k, how in {**WRITER_COUNTERS, **LEDGER_COUNTERS}.items() if how == "peak")
+
+
+def new_writer_counters() -> Dict[str, Any]:
+    """The writer pool's counters at start: every one of ``WRITER_COUNTERS`` at zero."""
+    return {k: 0.0 if k.endswith("_s") else 0 for k in WRITER_COUNTERS}
 
 
 def index_path(capture_dir: str, rid: str) -> str:

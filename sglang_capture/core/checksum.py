@@ -9,7 +9,7 @@ a reader verifies each file with the algorithm it was written with, whichever th
 - ``sha256``: a cryptographic digest, about 1.4 GB/s, where a file's identity must hold against
   tampering (``--capture-checksum sha256``). Files written before the default changed carry it.
 
-The seam table's fingerprints of SGLang's functions stay sha256 (core/durable.checksum_tag).
+The seam table's fingerprints of SGLang's functions stay sha256 (patches/version_gate.checksum_tag).
 """
 from __future__ import annotations
 

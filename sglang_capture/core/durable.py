@@ -10,7 +10,7 @@ partial file:
   samples, outcome records, stats), with ``os.replace`` and, unless told not to, a flush of the
   file and of its directory.
 
-Also here: the ``sha256:<hex>`` tag of the seam table's fingerprints, and temp files whose
+Also here: temp files whose
 ownership can be proven. Each temp file is locked (``flock``) by the process writing it from the
 moment it exists until its final name does, and the kernel drops the lock when that process dies,
 however it dies: a temp file whose lock can be taken is an orphan. Process ids cannot prove that:
@@ -34,12 +34,6 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 TEMP_SUFFIX = ".part"
-
-
-def checksum_tag(digest: hashlib._Hash) -> str:
-    """``<name>:<hex>`` of a hashlib digest: how the seam table writes a fingerprint (file checksums:
-    core/checksum.py)."""
-    return f"{digest.name}:{digest.hexdigest()}"
 
 
 def host_tag() -> str:

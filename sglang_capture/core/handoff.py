@@ -141,8 +141,8 @@ def describe_chunks(chunks: Sequence[Chunk], pool: Optional[Pool]) -> Tuple[List
 
 
 def chunk_arrays(wire: List[list], pool: Optional[mmap.mmap]) -> List[Tuple[int, HostTensor]]:
-    """``(start, rows)`` pieces for ``assemble_rows``: views of the mapped pool, or inline bytes."""
-    pieces = []
+    """``(start, rows)`` chunks for ``assemble_rows``: views of the mapped pool, or inline bytes."""
+    chunks = []
     for start, dtype, np_dtype, shape, offset, data in wire:
         if offset is None:
             array = numpy.frombuffer(data, dtype=np_dtype).reshape(shape)
@@ -150,8 +150,8 @@ def chunk_arrays(wire: List[list], pool: Optional[mmap.mmap]) -> List[Tuple[int,
             if pool is None:
                 raise RuntimeError("rows in the host pool were handed to a writer process without the pool")
             array = numpy.ndarray(shape, dtype=np_dtype, buffer=pool, offset=offset)
-        pieces.append((start, HostTensor(dtype, array)))
-    return pieces
+        chunks.append((start, HostTensor(dtype, array)))
+    return chunks
 
 
 def ids_bytes(ids: List[int]) -> bytes:

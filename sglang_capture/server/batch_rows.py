@@ -1,24 +1,27 @@
-"""Per-batch capture state, carried explicitly from a batch's launch to its result processing.
+"""Row selection: which rows of a batch's hidden states are captured, and where each request's lie.
 
-Which rows of a batch's hidden states a capture request owns depends on what the capture path
-did to that tensor: in a shared batch only the capture requests' rows are kept (gathered in the
-forward, or before the copy to the host), so a request's rows no longer start at its batch
-offset. The map from batch offsets to rows in the kept tensor used to travel as an attribute on
-the tensor itself. SGLang does not keep tensor objects: under DP attention
-``ForwardBatch.post_forward_mlp_sync_batch`` un-pads the result with
-``logits_output.hidden_states = logits_output.hidden_states[:n]``, a new tensor object without the
-attribute, and the row seams then indexed the kept rows by batch offset: rows missing past the
-end, other requests' rows inside it (the DP-attention defect of issue 16).
+In a shared batch only the capture requests' rows are kept, so a request's rows no longer start
+at its batch offset. Everything that decides or reads that lives here:
 
-So the map lives in a ``BatchRows`` object: created when ``Scheduler.run_batch`` launches the
-batch, filled by the forward or the copy, attached to the batch's result object (which SGLang
-passes unchanged from ``run_batch`` to ``process_batch_result``), and read by the row seams
-through the ``ResultRows`` that the result seam builds for the batch being processed. Which rows
-are kept (``capture_rows``) is decided here too: the hooks call this module, never the reverse.
+- ``capture_rows``: the kept row runs of a batch and each capture request's offset among them;
+- ``gather_in_forward``: in an eager forward, the kept rows with the final hidden state beside
+  them (called by the final-hidden seam, on the forward stream);
+- ``BatchRows.keep_for_copy``: the same selection before the copy to the host, when the forward
+  did not make it (CUDA graphs); ``fp8_readers``: whether that copy is packed as FP8;
+- ``ResultRows``: where the row seams find a request's rows while the batch's result is processed.
+
+The map from batch offsets to kept rows lives in a ``BatchRows`` object, never on the tensor:
+SGLang does not keep tensor objects (under DP attention it re-slices the result into a new one).
+A ``BatchRows`` is created when ``Scheduler.run_batch`` launches the batch, filled by the forward
+or the copy, attached to the batch's result object (which SGLang passes unchanged from
+``run_batch`` to ``process_batch_result``), and read through the ``ResultRows`` that the result
+seam builds for the batch being processed.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 from sglang_capture.server.request_capture import CAPTURE_ATTR
 
@@ -55,6 +58,20 @@ class BatchRows:
         self.batch_rows = batch_rows
         self.gathered_in_forward = in_forward
 
+    def keep_for_copy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of ``hidden`` the copy to the host takes: only the capture rows when the forward
+        did not select them already and that is safe, else ``hidden`` as it is."""
+        if self.row_map is not None:
+            return hidden
+        n_rows = hidden.shape[0]
+        selected = self.selection(n_rows)
+        if selected is None:
+            return hidden
+        runs, _ = selected
+        parts = [hidden[a:b] for a, b in runs]
+        self.keep(selected, n_rows, in_forward=False)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def attach(self, result: Any) -> None:
         """Hang this on the batch's result object, where the result seam finds it."""
         if result is not None:
@@ -85,7 +102,7 @@ class ResultRows:
 
     def source(self, hidden: Any, capture: Any) -> Any:
         """The host rows ``capture`` takes: the packed copy for an FP8 capture where there is one."""
-        if capture.fp8_block is not None and self.rows is not None and self.rows.packed is not None:
+        if capture.is_fp8 and self.rows is not None and self.rows.packed is not None:
             return self.rows.packed
         return hidden
 
@@ -142,3 +159,40 @@ def _extend_lens(batch: Any) -> List[int]:
     if batch.reqs and hasattr(batch.reqs[0], "extend_range"):
         return [r.extend_range.length if r.extend_range is not None else 0 for r in batch.reqs]
     return list(batch.extend_lens)
+
+
+def gather_in_forward(rows: Optional[BatchRows], aux: torch.Tensor, final: torch.Tensor) -> Optional[torch.Tensor]:
+    """The captured rows of ``aux`` (aux columns) and ``final`` side by side, or None when the whole
+    batch must be kept (CUDA graph capture, no running batch, no compaction possible).
+
+    Runs inside the forward, on the forward stream, so the result is ready when SGLang's copy
+    stream (which waits for the forward) reads it: only the captured rows are ever concatenated,
+    instead of a [batch tokens, (layers + 1) x hidden] tensor (940 MB for a 16,384-token batch at
+    Kimi width) built and gathered from afterwards. What was kept is recorded in ``rows``."""
+    n_rows = final.shape[0]
+    if rows is None or aux.shape[0] != n_rows or (final.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    selected = rows.selection(n_rows)
+    if selected is None:
+        return None
+    runs, _ = selected
+    width = aux.shape[-1]
+    out = aux.new_empty((sum(b - a for a, b in runs), width + final.shape[-1]))
+    at = 0
+    for a, b in runs:
+        out[at:at + b - a, :width].copy_(aux[a:b])
+        out[at:at + b - a, width:].copy_(final[a:b])
+        at += b - a
+    rows.keep(selected, n_rows, in_forward=True)
+    return out
+
+
+def fp8_readers(batch: Any) -> Tuple[bool, bool]:
+    """(any FP8 capture reads this batch's hidden states, every reader is one). When all are, the
+    whole copy is packed; when some are, a packed copy goes beside the model-dtype one (an SGLang
+    JSON request or a capture in the model's dtype needs the rows as they are)."""
+    if batch is None:
+        return False, False
+    readers = [getattr(req, CAPTURE_ATTR, None) if req.return_hidden_states else False for req in batch.reqs]
+    fp8 = [c is not None and c is not False and c.is_fp8 for c in readers]
+    return any(fp8), any(fp8) and all(f or c is False for f, c in zip(fp8, readers, strict=True))

@@ -160,10 +160,13 @@ class HostPool:
         return storage.nbytes()
 
     def stats(self) -> Dict[str, Any]:
-        """Counters for the writer's stats file."""
+        """Counters for the writer's stats file; the free list's length and largest segment show
+        fragmentation (a pool with room in total that cannot fit a batch falls back to SGLang's copy)."""
+        free = self.free_segments()
         return {"size_bytes": self.size_bytes, "pinned": self.pinned, "setup_s": round(self.setup_s, 3),
                 "used_bytes": self.used_bytes, "peak_used_bytes": self.peak_used_bytes,
-                "blocks": self.blocks, "fallbacks": self.fallbacks}
+                "blocks": self.blocks, "fallbacks": self.fallbacks, "free_segments": len(free),
+                "largest_free_bytes": max((b - a for a, b in free), default=0)}
 
     def _reclaim_locked(self) -> None:
         while self._returned:
@@ -209,7 +212,7 @@ class HostPool:
             self._free[i][1] = self._free.pop(i + 1)[1]
 
     def free_segments(self) -> List[Tuple[int, int]]:
-        """The free list after folding in returned blocks (tests, diagnostics)."""
+        """The free list, as (start, end) byte offsets, after folding in returned blocks."""
         with self._lock:
             self._reclaim_locked()
             return [tuple(seg) for seg in self._free]

@@ -25,9 +25,11 @@ from sglang_capture.core.config import (
     config_from_options,
 )
 from sglang_capture.core.layers import LayerError, draft_capture_layers, read_draft_eagle3_ids, resolve_layers
+from sglang_capture.core.protocol import capture_info_body
 from sglang_capture.core.selection import effective_policy, who_captures
-from sglang_capture.server.capture_info import add_route, capture_info_body
-from sglang_capture.server.instrumentor import INSTRUMENTOR, UnsupportedSGLang, check_seam, seams_for_installed
+from sglang_capture.patches.version_gate import UnsupportedSGLang, check_seam, seams_for_installed
+from sglang_capture.server.capture_info import add_route
+from sglang_capture.server.instrumentor import INSTRUMENTOR
 from sglang_capture.server.pd_prefill import is_pd_prefill
 from sglang_capture.server.peers import needs_shared_dir
 

@@ -16,7 +16,7 @@ every step it lived through, far beyond ``--capture-max-pending-mb``. A run is a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from sglang_capture.core.fp8 import pack
 from sglang_capture.server.host_pool import read_on_current_stream
@@ -24,6 +24,7 @@ from sglang_capture.server.host_pool import read_on_current_stream
 if TYPE_CHECKING:
     import torch
 
+    from sglang_capture.server.copy_counts import CopyCounts
     from sglang_capture.server.host_pool import HostPool
     from sglang_capture.server.ledger import HostMemoryLedger
 
@@ -88,7 +89,12 @@ class RequestCapture:
     failure: Optional[str] = None  # why rows could not be taken; the request then gets status error
     fp8_block: Optional[int] = None  # --capture-dtype fp8: rows not yet packed are packed here (core/fp8.py)
     _run: Optional[_Run] = field(default=None, init=False, repr=False)  # the run being filled
-    counts: Optional[Dict[str, int]] = None  # the scheduler's copy counters (FP8 rows packed here)
+    counts: Optional[CopyCounts] = None  # the scheduler's copy counters (FP8 rows packed here)
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether this request's rows are stored as FP8 (``--capture-dtype fp8``, or its request's)."""
+        return self.fp8_block is not None
 
     def fail(self, why: str) -> None:
         """Rows of this request could not be placed: no file will be written (the first reason is kept)."""
@@ -131,10 +137,10 @@ class RequestCapture:
     def _packed(self, rows: torch.Tensor) -> torch.Tensor:
         """FP8 rows the copy hook did not pack on the device (its pool was full, or they came
         another way) are packed here, and counted: on the host this costs the scheduler thread."""
-        if self.fp8_block is None or rows.element_size() == 1:
+        if not self.is_fp8 or rows.element_size() == 1:
             return rows
         if self.counts is not None:
-            self.counts["fp8_packed_per_request_rows"] += rows.shape[0]
+            self.counts.fp8_packed_per_request_rows += rows.shape[0]
         return pack(rows, self.fp8_block)
 
     def seal(self) -> None:

@@ -13,15 +13,18 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from sglang_capture import __version__
+from sglang_capture.core import protocol
 from sglang_capture.core.capture_dir import index_path
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.format import SCHEMA, SCHEMA_FP8, row_count
-from sglang_capture.core.fp8 import CAPTURE_DTYPES, FP8_DTYPE, packed_splits
+from sglang_capture.core.fp8 import FP8_DTYPE, packed_splits
 from sglang_capture.core.layers import LAYER_CONVENTION, resolve_layers
-from sglang_capture.core.loss_mask import BadLossMask, parse_spans
-from sglang_capture.core.names import FILE_SUFFIX, BadCaptureName, check_capture_name, name_for_rid
+from sglang_capture.core.names import FILE_SUFFIX
+from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.server.aux_capture import AUX_ATTR, AuxCapture
 from sglang_capture.server.batch_rows import BatchRows, ResultRows
+from sglang_capture.server.copy_counts import CopyCounts
 from sglang_capture.server.host_pool import HostPool
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.node_budget import NodeBudget
@@ -68,10 +71,7 @@ class SchedulerCapture:
         self.ledger = HostMemoryLedger(config.max_pending_bytes)
         self.writer = WriterPool(config, self.ledger)
         self.pool: Optional[HostPool] = None  # set up with the model, on the writer rank
-        # result copies of capture batches: rows of the batch, rows copied (capture requests' only),
-        # batches whose rows were gathered inside the forward (hooks/transfer.py)
-        self.copies = {"batches": 0, "batch_rows": 0, "copied_rows": 0, "gathered_in_forward": 0,
-                       "fp8_packed_before_copy_rows": 0, "fp8_packed_per_request_rows": 0}
+        self.copies = CopyCounts()
         self.clock = SeamClock()
         self.model: Optional[ModelInfo] = None
         self.aux: Optional[AuxCapture] = None  # set up with the model
@@ -81,9 +81,6 @@ class SchedulerCapture:
         self.processing: Optional[ResultRows] = None
         self._is_writer: Optional[bool] = None
         self.pd_prefill = False  # a PD prefill server (pd_prefill.py), known once the model is loaded
-        from sglang_capture import __version__
-        from sglang_capture.server.instrumentor import installed_sglang_version
-
         self._versions = {"sglang": installed_sglang_version(), "sglang_capture": __version__}
 
     @property
@@ -138,43 +135,21 @@ class SchedulerCapture:
 
     def stats(self) -> Dict[str, Any]:
         """This process's counters for the writer's stats file (core/capture_dir.py: StatsFile)."""
-        return {"host_pool": self.pool.stats() if self.pool else None, "result_copy": dict(self.copies),
+        return {"host_pool": self.pool.stats() if self.pool else None, "result_copy": self.copies.as_dict(),
                 "aux_capture": self.aux.stats() if self.aux else None, "scheduler_thread": self.clock.stats()}
-
-    def count_copy(self, batch_rows: int, copied_rows: int, in_forward: bool = False) -> None:
-        """Account one capture batch's copy to the host (scheduler thread)."""
-        self.copies["batches"] += 1
-        self.copies["batch_rows"] += batch_rows
-        self.copies["copied_rows"] += copied_rows
-        self.copies["gathered_in_forward"] += int(in_forward)
 
     def begin(self, req: Any) -> None:
         """Mark a new request for capture when its custom_params ask for it (all ranks alike)."""
-        params = req.sampling_params.custom_params
-        if not isinstance(params, dict) or params.get("capture", False) is False:
-            return
-        if params["capture"] is not True:
-            req.set_finish_with_abort(f"custom_params.capture must be true or false, got {params['capture']!r}")
-            return
         samples = getattr(req.sampling_params, "n", 1) or 1
-        if samples > 1 and "capture_name" in params:
-            req.set_finish_with_abort("custom_params.capture_name names one file but n > 1 asks for several samples; "
-                                      "leave capture_name out and each sample's file is named by its request id")
-            return
-        if samples > 1 and req.sampling_params.max_new_tokens == 0:
-            return  # SGLang's prefix-caching pass before parallel samples: not a sample, no file
-        dtype = params.get("capture_dtype", self.config.capture_dtype)
-        if dtype not in CAPTURE_DTYPES:
-            req.set_finish_with_abort(f"custom_params.capture_dtype must be one of {', '.join(CAPTURE_DTYPES)}, "
-                                      f"got {dtype!r}")
-            return
         try:
-            name = check_capture_name(params["capture_name"]) if "capture_name" in params else name_for_rid(req.rid)
-            spans = (parse_spans(params["capture_loss_mask"], len(req.origin_input_ids))
-                     if "capture_loss_mask" in params else None)
-        except (BadCaptureName, BadLossMask) as e:
+            asked = protocol.parse_request(protocol.custom_params(req.sampling_params), rid=req.rid,
+                                           prompt_len=len(req.origin_input_ids), samples=samples,
+                                           default_dtype=self.config.capture_dtype)
+        except protocol.BadCaptureRequest as e:
             req.set_finish_with_abort(str(e))
             return
+        if asked is None or (samples > 1 and req.sampling_params.max_new_tokens == 0):
+            return  # no capture; or SGLang's prefix-caching pass before parallel samples: not a sample, no file
         # A private radix-cache namespace: a prefix hit would leave the cached positions without rows.
         req.extra_key = (req.extra_key or "") + EXTRA_KEY_TAG + req.rid
         setattr(req, AUX_ATTR, True)
@@ -187,30 +162,32 @@ class SchedulerCapture:
 
         req.return_hidden_states = True
         req.return_hidden_states_mode = CaptureHiddenMode.FULL
-        capture = RequestCapture(rid=req.rid, name=name, ledger=self.ledger, loss_spans=spans, pool=self.pool,
-                                 fp8_block=self.model.hidden_size if dtype == "fp8" else None, counts=self.copies)
+        capture = RequestCapture(rid=req.rid, name=asked.name, ledger=self.ledger, loss_spans=asked.loss_spans,
+                                 pool=self.pool, fp8_block=self.model.hidden_size if asked.dtype == "fp8" else None,
+                                 counts=self.copies)
         setattr(req, CAPTURE_ATTR, capture)
         capture.finalizer = weakref.finalize(req, capture.release)  # dropped unfinished: free the rows
         why = decode_rows_error(req) if self.pd_prefill else None
         if why is not None:
             capture.fail(why)
 
-    def splits(self) -> Dict[str, Tuple[int, int]]:
-        """Column ranges of the captured rows: aux layers first, then the final hidden state."""
+    def columns(self) -> Dict[str, Tuple[int, int]]:
+        """Column ranges of each tensor in a captured row, in the model's dtype: aux layers first,
+        then the final hidden state (``stored_layout``: where they lie in the rows as stored)."""
         m = self.model
         out = {"aux_hidden_states": (0, m.aux_width)}
         if self.config.keep_last_hidden:
             out["last_hidden_states"] = (m.aux_width, m.aux_width + m.hidden_size)
         return out
 
-    def stored_layout(self, splits: Dict[str, Tuple[int, int]], fp8: bool
+    def stored_layout(self, columns: Dict[str, Tuple[int, int]], fp8: bool
                       ) -> Tuple[Dict[str, Tuple[int, int]], Dict[str, str]]:
-        """Where the writer finds each stored tensor of ``splits`` in a captured row, and the dtype
+        """Where the writer finds each stored tensor of ``columns`` in a captured row, and the dtype
         it stores it as when that is not the rows' own ({} unless the capture is FP8: packed rows)."""
         if not fp8:
-            return splits, {}
+            return columns, {}
         m = self.model
-        return packed_splits(splits, m.hidden_size, m.aux_width + m.hidden_size)
+        return packed_splits(columns, m.hidden_size, m.aux_width + m.hidden_size)
 
     def finish(self, req: Any, capture: RequestCapture) -> Dict[str, Any]:
         """Seal a finished request: hand its rows to the writer and return the response reference."""
@@ -218,21 +195,12 @@ class SchedulerCapture:
         output_ids = list(req.output_ids[:n_out])
         input_ids = list(req.origin_input_ids)
         n_rows = row_count(len(input_ids), len(output_ids))
-        splits = self.splits()
+        columns = self.columns()
         path = os.path.join(self.config.capture_dir, capture.name + FILE_SUFFIX)
-        ref: Dict[str, Any] = {
-            "sglang_capture": 1,
-            "rid": req.rid,
-            "path": path,
-            "index": index_path(self.config.capture_dir, req.rid),
-            "rows": n_rows,
-            "layers": list(self.model.layers),
-            "dtype": self.model.dtype,
-            "shapes": {k: [n_rows, hi - lo] for k, (lo, hi) in splits.items()},
-        }
-        fp8 = capture.fp8_block is not None
-        if fp8:
-            ref["storage_dtype"] = FP8_DTYPE
+        fp8 = capture.is_fp8
+        ref = protocol.reference(rid=req.rid, path=path, index=index_path(self.config.capture_dir, req.rid),
+                                 rows=n_rows, layers=self.model.layers, dtype=self.model.dtype,
+                                 shapes={k: (n_rows, hi - lo) for k, (lo, hi) in columns.items()}, fp8=fp8)
         reason = req.finished_reason.to_json() if req.finished_reason is not None else {}
         if reason.get("type") == "abort" or capture.failure is not None:
             capture.release()
@@ -266,7 +234,7 @@ class SchedulerCapture:
         capture.seal()
         if fp8:
             meta.update(storage_dtype=FP8_DTYPE, scale_block=self.model.hidden_size)
-        stored, dtypes = self.stored_layout(splits, fp8)
+        stored, dtypes = self.stored_layout(columns, fp8)
         self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, output_ids, meta, dtypes=dtypes))
         ref["status"] = "pending"
         return ref

@@ -1,7 +1,7 @@
 """Scheduler-thread time spent in the patched seams, per seam, for batches that capture or not.
 
 SGLang's scheduler thread is the one thread whose time every request pays for: on a model whose
-forward is short it is the server's bottleneck (bench/RESULTS.md, "Throughput and cost on one H200": the GPU was
+forward is short it is the server's bottleneck (bench/RESULTS.md, "Writer ceiling and serialization", r14-r26: the GPU was
 under 60% busy). These counters say how much of that thread a capture batch takes compared with
 a batch that captures nothing, in the writer stats (``scheduler_thread``). Two clock reads a call.
 """

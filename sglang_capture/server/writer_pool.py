@@ -7,14 +7,14 @@ process has read them, and records the request's outcome in ``.index/<rid>.json`
 file is published (core/capture_dir.py). In this process a job costs a few small messages; the
 compression, hashing and file I/O run in the writer processes' own interpreters.
 
-A writer process that dies fails only the job in hand (status ``error``) and is restarted.
+A writer process that dies fails only the job in hand (status ``error``) and is restarted (the
+process handle and its errors: writer_child.py).
 """
 from __future__ import annotations
 
 import logging
 import os
 import queue
-import subprocess
 import sys
 import threading
 import time
@@ -26,16 +26,18 @@ from sglang_capture.core.capture_dir import (
     DirFds,
     StatsFile,
     error_text,
+    new_writer_counters,
     record_outcome,
     remove_orphans,
     retire_stale_stats,
 )
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.durable import remove_unowned, unlink_if_same
-from sglang_capture.core.handoff import Stalled, describe_chunks, ids_bytes, recv_reply, send
+from sglang_capture.core.handoff import describe_chunks, ids_bytes
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.request_capture import RequestCapture
+from sglang_capture.server.writer_child import NotTaken, WriterChild, WriterProcessDied, WriterStalled
 from sglang_capture.writer.durability import durability_for
 
 if TYPE_CHECKING:
@@ -50,7 +52,7 @@ class CaptureJob:
 
     capture: RequestCapture
     n_rows: int
-    splits: Dict[str, Tuple[int, int]]
+    stored: Dict[str, Tuple[int, int]]  # where each stored tensor lies in a row as the pool holds it
     input_ids: List[int]
     output_ids: List[int]
     meta: Dict[str, Any]
@@ -80,94 +82,6 @@ class SweepJob:
 
 # The first sweep waits a minute after start-up; then one every quarter of the retention.
 FIRST_SWEEP_S = 60.0
-
-
-class WriterProcessDied(RuntimeError):
-    """The writer process exited before answering (killed, out of memory)."""
-
-
-class NotTaken(WriterProcessDied):
-    """The writer process was gone before it could take the job: another one may write it."""
-
-
-class WriterStalled(WriterProcessDied):
-    """The writer process sent nothing for ``--capture-writer-stall-timeout`` (a hung mount)."""
-
-
-class _Child:
-    """One writer process and the pipes to it."""
-
-    def __init__(self, config: CaptureConfig, pool: Optional[HostPool]) -> None:
-        self.stall_s = config.writer_stall_s
-        self.temp: Optional[str] = None  # the temp file (under .tmp/) of the job in hand, once created
-        # a file published by the job in hand, to remove once the process is gone: it died or stalled
-        # while stuck in the kernel, and its outcome, recorded meanwhile, says error
-        self.unlink_on_exit: Optional[Tuple[str, int, int]] = None
-        self.exit_lock = threading.Lock()
-        pass_fds = (pool.fd,) if pool is not None else ()  # the pool's memfd, mapped read-only there
-        self.proc = subprocess.Popen([sys.executable, "-m", "sglang_capture.writer.process"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, pass_fds=pass_fds)
-        try:
-            self.send({"op": "hello", "config": config.to_env(), "pool_fd": pool.fd if pool is not None else None,
-                       "pool_size": pool.size_bytes if pool is not None else 0})
-        except WriterProcessDied:
-            self.stop(1.0)
-            raise
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def send(self, message: Dict[str, Any]) -> None:
-        try:
-            send(self.proc.stdin.fileno(), message)
-        except OSError:
-            raise NotTaken(str(self._died())) from None
-
-    def recv(self) -> Dict[str, Any]:
-        try:
-            reply = recv_reply(self.proc.stdout.fileno(), self.stall_s)
-        except Stalled:
-            raise WriterStalled(f"writer process {self.pid} made no progress for {self.stall_s:g} s (a hung disk "
-                                "or network mount?); it was killed and replaced") from None
-        if reply is None:
-            raise self._died()
-        return reply
-
-    def _died(self) -> WriterProcessDied:
-        try:
-            code = self.proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            code = None
-        return WriterProcessDied(f"writer process {self.pid} exited (code {code}) before finishing the file")
-
-    def stop(self, timeout: float, exited: Callable[[_Child], None] = lambda child: None) -> None:
-        """EOF tells the process to finish and exit; kill it if it does not in time. Closes the
-        pipes either way (a server replacing writers for days must not leak descriptors), and
-        calls ``exited(self)`` once the process is gone (from a reaper thread if it is stuck in the
-        kernel)."""
-        try:
-            self.proc.stdin.close()
-        except OSError:  # a dead reader: the close flushes nothing
-            pass
-        try:
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5.0)
-            exited(self)
-        except subprocess.TimeoutExpired:  # stuck in the kernel (a hung mount): reaped when it returns
-            def reap() -> None:
-                self.proc.wait()
-                exited(self)
-
-            threading.Thread(target=reap, name=f"sglang-capture-reap-{self.pid}", daemon=True).start()
-        finally:
-            self.proc.stdout.close()
 
 
 def _flush_names_within(durability: Any, dir_fd: int, name: str, st: os.stat_result, timeout: float) -> Optional[str]:
@@ -240,7 +154,7 @@ class WriterPool:
         ledger.draining = lambda: self.pending() > 0
         self._queue: queue.Queue[Union[CaptureJob, OutcomeOnly, SweepJob, None]] = queue.Queue()
         self._threads: List[threading.Thread] = []
-        self._children: Dict[int, _Child] = {}
+        self._children: Dict[int, WriterChild] = {}
         self._lock = threading.Lock()
         self._busy = 0
         self._dirs: Optional[DirFds] = None
@@ -250,10 +164,7 @@ class WriterPool:
         self._next_sweep = 0.0  # of old outcome records: set by ``start``
         self._sweeping = False  # a sweep is queued or running: the next waits for it
         self._extra_stats: Callable[[], Dict[str, Any]] = dict
-        self.stats: Dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "raw_bytes": 0, "max_queue": 0,
-                                      "queue_wait_s": 0.0, "assemble_s": 0.0, "encode_write_s": 0.0,
-                                      "fsync_publish_s": 0.0, "inline_bytes": 0, "restarts": 0, "stalled": 0,
-                                      "records_swept": 0, "published_by_handoff": 0, "temp_files_removed": 0}
+        self.stats: Dict[str, Any] = new_writer_counters()
 
     def dirs(self) -> DirFds:
         """The capture dir's descriptors, opened on first use (raises OSError if unusable)."""
@@ -404,14 +315,14 @@ class WriterPool:
                 self._drop(slot, stalled=True)
             return self._outcome_after_failure(job, e, child)
 
-    def _replace(self, slot: int, stop_timeout: float = 1.0) -> _Child:
+    def _replace(self, slot: int, stop_timeout: float = 1.0) -> WriterChild:
         """Start the slot's writer process, stopping the one it replaces (raises WriterProcessDied)."""
         with self._lock:
             old = self._children.pop(slot, None)
         if old is not None:
             old.stop(stop_timeout, self._child_exited)
         try:
-            child = _Child(self.config, self.pool)
+            child = WriterChild(self.config, self.pool)
         except OSError as e:
             raise WriterProcessDied(f"cannot start a writer process: {e}") from None
         with self._lock:
@@ -433,12 +344,12 @@ class WriterPool:
         except WriterProcessDied as e:  # each job will retry, and fail with this reason
             logger.error("sglang_capture: %s", e)
 
-    def _hand_off(self, child: _Child, job: CaptureJob) -> Dict[str, Any]:
+    def _hand_off(self, child: WriterChild, job: CaptureJob) -> Dict[str, Any]:
         """Have ``child`` write ``job``; returns its outcome (raises WriterProcessDied)."""
         chunks, inline = describe_chunks(job.capture.chunks, self.pool)
         spans = job.capture.loss_spans
         child.send({"op": "write", "name": job.capture.name, "meta": job.meta, "chunks": chunks, "n_rows": job.n_rows,
-                    "splits": {k: list(v) for k, v in job.splits.items()}, "dtypes": job.dtypes,
+                    "stored": {k: list(v) for k, v in job.stored.items()}, "dtypes": job.dtypes,
                     "input_ids": ids_bytes(job.input_ids),
                     "output_ids": ids_bytes(job.output_ids),
                     "loss_spans": [list(s) for s in spans] if spans is not None else None})
@@ -468,7 +379,7 @@ class WriterPool:
             outcome["write_s"] = round(time.monotonic() - job.enqueued, 6)
         return outcome
 
-    def _outcome_after_failure(self, job: CaptureJob, e: WriterProcessDied, child: _Child) -> Dict[str, Any]:
+    def _outcome_after_failure(self, job: CaptureJob, e: WriterProcessDied, child: WriterChild) -> Dict[str, Any]:
         """The outcome of a job whose writer process died or stalled, matching what is under the
         file's name. A process gone after ``publishing`` (in the directory's flush, say) left its
         whole, flushed file under the name: the name's flush is done here, within the stall
@@ -508,7 +419,7 @@ class WriterPool:
                 "bytes": announced["bytes"], "checksum": announced["checksum"],
                 "write_s": round(time.monotonic() - job.enqueued, 6)}
 
-    def _child_exited(self, child: _Child) -> None:
+    def _child_exited(self, child: WriterChild) -> None:
         """A writer process is gone: remove the temp file of the job it had in hand (cut short by a
         kill or a stall), and a file it published after its job's outcome said error."""
         with child.exit_lock:

@@ -6,7 +6,7 @@ requests that capture in FP8 or the model's dtype or not at all, the batch's ``B
 ``run_batch`` launched it, and a result whose hidden states are the forward's tensor. Used by the
 CPU test that every tensor handed from the forward stream to the copy stream is recorded on it
 (tests/test_stream_ordering.py) and by the GPU check that runs the real hook under a busy forward
-stream (bench/gpu_fp8_repeat.py, ``race``).
+stream (r54 in bench/RESULTS.md; its script, bench/gpu_fp8_repeat.py, is at 95d42fb).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The FP8 packing formula applied to a whole batch at once, as ``core/fp8.pack`` did before it
-worked in row chunks: the reference that the tests (bytes) and bench/gpu_fp8_repeat.py (device
-memory) compare ``pack`` against."""
+worked in row chunks: the reference that the tests (bytes) and the GPU check of r47 (device memory;
+bench/RESULTS.md) compare ``pack`` against."""
 from __future__ import annotations
 
 import torch

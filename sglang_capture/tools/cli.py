@@ -14,9 +14,9 @@ import click
 
 from sglang_capture.core.format import CaptureFileError
 from sglang_capture.core.fp8 import CAPTURE_DTYPES
+from sglang_capture.testbed import DEMO_MODELS
 
 DEBUG_ENV = "SGLANG_CAPTURE_DEBUG"
-DEMO_MODELS = ("smollm2", "tiny-dsv3")  # sglang-capture demo --model (tools/demo.py builds each)
 
 
 # The key is read from the environment rather than typed on the command line where it can be: a

@@ -10,8 +10,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import requests
 
+from sglang_capture.core import protocol
+from sglang_capture.core.protocol import ROUTE
 from sglang_capture.core.selection import CAPTURE_REFUSED
-from sglang_capture.server.capture_info import ROUTE
 
 
 class ServerError(RuntimeError):
@@ -109,7 +110,7 @@ def discover_servers(urls: Sequence[str], timeout: float = 10.0, api_key: Option
                      say: Optional[Callable[[str], None]] = None) -> List[ServerInfo]:
     """The capture servers behind ``urls``: each URL is a capture server, or an SGLang router whose
     capture workers (its ``/workers``) are then used directly. A router forwards neither
-    ``/capture_info`` nor ``custom_params`` on ``/generate`` (README: behind the SGLang router), and
+    ``/capture_info`` nor ``custom_params`` on ``/generate`` (docs/deployment.md: behind the SGLang router), and
     a capture request shares no radix cache with others, so the router's cache-aware routing would
     gain it nothing; going to the workers also keeps each retry in extract's hands, not the router's,
     where a retried request could leave a second file."""
@@ -154,12 +155,9 @@ def capture_prefill(server: ServerInfo, input_ids: Sequence[int], name: str,
         "input_ids": list(input_ids),
         "sampling_params": {
             "max_new_tokens": 1, "temperature": 0.0,
-            "custom_params": {"capture": True, "capture_name": name,
-                              "capture_loss_mask": [list(s) for s in loss_spans]},
+            "custom_params": protocol.request_fields(name, loss_spans, capture_dtype),
         },
     }
-    if capture_dtype is not None:
-        body["sampling_params"]["custom_params"]["capture_dtype"] = capture_dtype
     try:
         r = (session or requests).post(server.url + "/generate", json=body, timeout=timeout, headers=server.headers())
     except requests.RequestException as e:
@@ -172,7 +170,7 @@ def capture_prefill(server: ServerInfo, input_ids: Sequence[int], name: str,
         raise ServerError(f"{server.url} answered HTTP {r.status_code}: {detail}", retryable=r.status_code >= 500,
                           fatal=CAPTURE_REFUSED in detail)
     try:
-        ref: Optional[Dict[str, Any]] = r.json()["meta_info"].get("capture")
+        ref = protocol.reference_in(r.json()["meta_info"])
     except (ValueError, KeyError, TypeError, AttributeError):
         raise ServerError(f"{server.url}: the response is not SGLang's /generate JSON") from None
     if ref is None:

@@ -13,12 +13,13 @@ import os
 
 import click
 
+from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.core.reader import load
+from sglang_capture.testbed import DEMO_MODELS
 from sglang_capture.testbed.cpu import server_env
 from sglang_capture.testbed.real_model import RealModelError, cached_dir, materialize_smollm2
 from sglang_capture.testbed.server import capture_cmd, start_server, stop_server
 from sglang_capture.testbed.tiny_models import build_all
-from sglang_capture.tools.cli import DEMO_MODELS
 from sglang_capture.tools.extract import ExtractError, Extractor
 from sglang_capture.tools.verify import verify_dir
 
@@ -67,7 +68,7 @@ def run_demo(out: str, model_name: str = "smollm2") -> int:
     check = verify_dir(samples, progress=False)
     for p in check.problems:
         click.echo(f"  problem: {p}")
-    for name in sorted(f for f in os.listdir(samples) if f.endswith(".capture.msgpack")):
+    for name in sorted(f for f in os.listdir(samples) if f.endswith(FILE_SUFFIX)):
         d = load(os.path.join(samples, name))
         click.echo(f"  {name}: {d['input_ids'].numel()} tokens ({int(d['loss_mask'].sum())} trained), "
                    f"aux {list(d['aux_hidden_states'].shape)} + last {list(d['last_hidden_states'].shape)} "

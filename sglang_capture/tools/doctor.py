@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 from typing import List, Optional, Sequence, Tuple
 
 from sglang_capture.core.config import ENV_VAR, CaptureConfig, ConfigError, shown_value
-from sglang_capture.server.instrumentor import (
+from sglang_capture.patches.version_gate import (
     UnsupportedSGLang,
     check_seam,
     installed_sglang_version,

@@ -61,10 +61,6 @@ class ExtractReport:
     bad_lines: List[BadLine] = field(default_factory=list)
     failures: List[Failure] = field(default_factory=list)
 
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
 
 def sample_path(out: str, sample_id: str) -> str:
     return os.path.join(out, sample_id + FILE_SUFFIX)

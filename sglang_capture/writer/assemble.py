@@ -1,6 +1,6 @@
-"""Assembly in a writer process: a request's ``(position, rows)`` pieces into one array per tensor.
+"""Assembly in a writer process: a request's ``(position, rows)`` chunks into one array per tensor.
 
-The scheduler only hands over the pieces as they arrived (server/request_capture.py); ordering,
+The scheduler only hands over the chunks as they arrived (server/request_capture.py); ordering,
 overlap resolution and the completeness check happen here, with numpy only.
 """
 from __future__ import annotations
@@ -29,31 +29,31 @@ def _gaps(spans: List[Tuple[int, int]], n_rows: int) -> List[Tuple[int, int]]:
     return gaps
 
 
-def assemble_rows(pieces: List[Tuple[int, HostTensor]], n_rows: int,
-                  splits: Dict[str, Tuple[int, int]]) -> Dict[str, HostTensor]:
-    """Place every ``(start, rows)`` piece by position into fresh arrays, one per column range
-    in ``splits``.
+def assemble_rows(chunks: List[Tuple[int, HostTensor]], n_rows: int,
+                  stored: Dict[str, Tuple[int, int]]) -> Dict[str, HostTensor]:
+    """Place every ``(start, rows)`` chunk by position into fresh arrays, one per column range
+    in ``stored``.
 
-    Later pieces overwrite earlier ones (re-prefill after retraction), rows past ``n_rows`` are
+    Later chunks overwrite earlier ones (re-prefill after retraction), rows past ``n_rows`` are
     dropped (the step that sampled the last token also computed rows nobody fed back), and a
-    position left uncovered raises IncompleteCapture. One copy per piece and column range; once
-    this returns, nothing reads the pieces' memory any more.
+    position left uncovered raises IncompleteCapture. One copy per chunk and column range; once
+    this returns, nothing reads the chunks' memory any more.
     """
-    if not pieces:
+    if not chunks:
         if n_rows:
             raise IncompleteCapture(f"no rows were captured for {n_rows} positions")
         return {name: HostTensor("float32", numpy.empty((0, hi - lo), dtype=numpy.float32))
-                for name, (lo, hi) in splits.items()}
-    dtype = pieces[0][1].dtype
-    out = {name: numpy.empty((n_rows, hi - lo), dtype=pieces[0][1].array.dtype) for name, (lo, hi) in splits.items()}
+                for name, (lo, hi) in stored.items()}
+    dtype = chunks[0][1].dtype
+    out = {name: numpy.empty((n_rows, hi - lo), dtype=chunks[0][1].array.dtype) for name, (lo, hi) in stored.items()}
     spans: List[Tuple[int, int]] = []
-    for start, src in pieces:
-        end = min(start + src.array.shape[0], n_rows)
+    for start, rows in chunks:
+        end = min(start + rows.array.shape[0], n_rows)
         if end <= start:
             continue
-        part = src.array[: end - start]
-        for name, (lo, hi) in splits.items():
-            out[name][start:end] = part[:, lo:hi]
+        taken = rows.array[: end - start]
+        for name, (lo, hi) in stored.items():
+            out[name][start:end] = taken[:, lo:hi]
         spans.append((start, end))
     gaps = _gaps(spans, n_rows)
     if gaps:

@@ -2,9 +2,8 @@
 
 It turns jobs into published capture files: reads the request's rows out of the shared host pool
 (mapped read-only), places them by position, then compresses, hashes, writes, flushes and
-publishes the file. All of that used to run on threads inside the scheduler process, where it
-competed with SGLang's scheduler thread for the GIL and slowed requests that capture nothing
-(bench/RESULTS.md, "Design choices"); here it has an interpreter of its own. It never imports torch.
+publishes the file. It has an interpreter of its own so that none of that competes with SGLang's
+scheduler thread for the GIL and slows requests that capture nothing. It never imports torch.
 
 Talks to its hand-off thread over stdin/stdout (core/handoff.py). EOF on stdin means the server is
 gone or stopping: it finishes the job in hand and exits.
@@ -72,7 +71,7 @@ class WriterProcess:
         try:
             try:
                 tensors = assemble_rows(chunk_arrays(msg["chunks"], self.pool), msg["n_rows"],
-                                        {k: tuple(v) for k, v in msg["splits"].items()})
+                                        {k: tuple(v) for k, v in msg["stored"].items()})
             finally:
                 send(out_fd, {"op": "copied"})
                 copied = True

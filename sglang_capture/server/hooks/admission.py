@@ -1,11 +1,11 @@
 """Admission seams (HTTP process): who may ask for capture (``--capture-clients``).
 
-``generate`` (``TokenizerManager.generate_request``, the entry of every generation request, with
+``refuse_unallowed_capture`` (``TokenizerManager.generate_request``, the entry of every generation request, with
 the HTTP request beside it) refuses a client's request for hidden states (a capture, or SGLang's
 JSON lists) the policy does not allow, before anything is tokenized or scheduled: SGLang answers
 its ValueError with HTTP 400 and the message (a streaming ``/generate`` with its error event).
 
-``auth`` (``sglang.srt.utils.auth.decide_request_auth``): SGLang accepts only ``--api-key`` on
+``admit_admin_key`` (``sglang.srt.utils.auth.decide_request_auth``): SGLang accepts only ``--api-key`` on
 routes like ``/generate`` when both keys are set, so under ``--capture-clients admin`` no request
 could carry the admin key to them; the admin key is let through those routes as well (it already
 opens every admin route, which the plain key does not).
@@ -15,9 +15,9 @@ from __future__ import annotations
 import secrets
 from typing import Any, AsyncIterator, List
 
+from sglang_capture.core import protocol
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.selection import bearer_token, client_refusal, effective_policy
-from sglang_capture.server.hooks.tokenize import custom_params
 
 
 def _as_list(value: Any) -> List[Any]:
@@ -28,7 +28,7 @@ def asks_hidden_states(obj: Any) -> bool:
     """Whether the generation request ``obj`` (one, or a batch) asks for hidden states: a capture
     (``custom_params.capture``, or ``return_hidden_states`` under ``--capture-return-hidden-states``)
     or SGLang's JSON lists (``return_hidden_states``), which the launcher always enables."""
-    return (any(custom_params(params).get("capture") not in (None, False) for params in _as_list(obj.sampling_params))
+    return (any(protocol.says_capture(protocol.custom_params(params)) for params in _as_list(obj.sampling_params))
             or any(_as_list(obj.return_hidden_states)))
 
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from sglang_capture.server.hooks.transfer import gather_in_forward
+from sglang_capture.server.batch_rows import gather_in_forward
 from sglang_capture.server.peers import announce_and_check, needs_shared_dir
 from sglang_capture.server.scheduler_capture import SchedulerCapture
 
@@ -27,13 +27,13 @@ def _bind(hidden_states, hidden_states_before_norm, aux_hidden_states, pruned_st
 def append_final_hidden(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Around ``LogitsProcessor._get_hidden_states_to_store``: in full mode with aux capture, SGLang
     returns only the aux concat; append the post-norm final hidden state as the last H columns.
-    In an eager forward only the capture requests' rows are kept (transfer.gather_in_forward).
+    In an eager forward only the capture requests' rows are kept (batch_rows.gather_in_forward).
     (Also runs while CUDA graphs are captured, so that path must stay a pure tensor op.)"""
-    stored = wrapped(*args, **kwargs)
-    hidden, before_norm, aux, meta = _bind(*args, **kwargs)
-    if stored is None or aux is None or before_norm is not None or not meta.capture_hidden_mode.is_full():
-        return stored
-    gathered = gather_in_forward(state, stored, hidden)
+    aux = wrapped(*args, **kwargs)  # the aux layers' columns, concatenated
+    final, before_norm, aux_per_layer, meta = _bind(*args, **kwargs)
+    if aux is None or aux_per_layer is None or before_norm is not None or not meta.capture_hidden_mode.is_full():
+        return aux
+    gathered = gather_in_forward(state.launching, aux, final)
     if gathered is not None:
         return gathered
-    return torch.cat([stored, hidden], dim=-1)
+    return torch.cat([aux, final], dim=-1)

@@ -16,17 +16,9 @@ import os
 import time
 from typing import Any, AsyncIterator, Dict, Optional
 
+from sglang_capture.core import protocol
 from sglang_capture.core.capture_dir import UNRECORDED_SUFFIX
 from sglang_capture.core.config import CaptureConfig
-from sglang_capture.server.hooks.tokenize import CAPTURE_BY, OPERATOR, custom_params
-
-
-def _capture_mark(obj: Any) -> Optional[str]:
-    """None for a request that does not capture, else who asked: "client" or "operator"."""
-    custom = custom_params(getattr(obj, "sampling_params", None))
-    if custom.get("capture") is not True:
-        return None
-    return OPERATOR if custom.get(CAPTURE_BY) == OPERATOR else "client"
 
 
 async def wait_for_outcome(ref: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
@@ -47,11 +39,7 @@ async def wait_for_outcome(ref: Dict[str, Any], timeout_s: float) -> Dict[str, A
                         "error": f"not written after {timeout_s:g} s; the file appears at 'path' when done"}
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
-    done = {**ref, "status": outcome.get("status", "error")}
-    for key in ("bytes", "checksum", "error"):
-        if key in outcome:
-            done[key] = outcome[key]
-    return done
+    return protocol.with_outcome(ref, outcome)
 
 
 def _take_ref(out: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -59,7 +47,7 @@ def _take_ref(out: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     if not isinstance(meta, dict):
         return None
     hidden = meta.pop("hidden_states", None)
-    if isinstance(hidden, list) and hidden and isinstance(hidden[0], dict) and hidden[0].get("sglang_capture"):
+    if isinstance(hidden, list) and hidden and protocol.is_reference(hidden[0]):
         return hidden[0]
     return None
 
@@ -73,10 +61,10 @@ def await_capture_file(config: CaptureConfig, wrapped: Any, instance: Any, args:
     """
     obj = args[0] if args else kwargs.get("obj")
     responses = wrapped(*args, **kwargs)
-    mark = _capture_mark(obj)
+    mark = protocol.capture_mark(protocol.custom_params(getattr(obj, "sampling_params", None)))
     if mark is None:
         return responses
-    if mark == OPERATOR:
+    if mark == protocol.OPERATOR:
         return _without_refs(responses)
     return _with_capture_refs(responses, config.wait_timeout_s)
 
@@ -96,7 +84,7 @@ async def _with_capture_refs(responses: AsyncIterator[Any], timeout_s: float) ->
             if ref is not None:
                 if ref.get("status") == "pending":
                     ref = await wait_for_outcome(ref, timeout_s)
-                out["meta_info"]["capture"] = ref
+                out["meta_info"][protocol.RESPONSE_KEY] = ref
         yield out
 
 
@@ -105,6 +93,5 @@ def openai_reference(config: CaptureConfig, wrapped: Any, instance: Any, args: t
     a captured choice's ``hidden_states`` is its capture reference, whether or not the request
     also set ``return_hidden_states``."""
     ret_item = args[0] if args else kwargs["ret_item"]
-    meta = ret_item.get("meta_info") if isinstance(ret_item, dict) else None
-    ref = meta.get("capture") if isinstance(meta, dict) else None
+    ref = protocol.reference_in(ret_item.get("meta_info") if isinstance(ret_item, dict) else None)
     return ref if ref is not None else wrapped(*args, **kwargs)

@@ -18,45 +18,32 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from sglang_capture.core import protocol
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.selection import fraction_selects
 from sglang_capture.server.pd_prefill import is_pd_prefill, prefill_only_without_router
 
-# The mark a request --capture-fraction selected carries in custom_params: no client asked for its
-# file, so the response seam sends SGLang's plain response without waiting for it.
-CAPTURE_BY, OPERATOR = "capture_by", "operator"
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants' (0.5.17-0.5.23), without importing SGLang
 
 
-def custom_params(params: Any) -> Dict[str, Any]:
-    """A request's ``custom_params`` from its sampling-params dict ({} when it has none)."""
-    custom = params.get("custom_params") if isinstance(params, dict) else None
-    return custom if isinstance(custom, dict) else {}
-
-
 def selects(config: CaptureConfig, obj: Any) -> Optional[str]:
-    """Who, other than ``custom_params``, makes the request ``obj`` capture: "client" (its
-    ``return_hidden_states``, under ``--capture-return-hidden-states``), "operator"
+    """Who, other than ``custom_params``, makes the request ``obj`` capture: ``protocol.CLIENT`` (its
+    ``return_hidden_states``, under ``--capture-return-hidden-states``), ``protocol.OPERATOR``
     (``--capture-fraction``), or None."""
-    if custom_params(obj.sampling_params).get("capture") is not None:
+    if protocol.says_capture(protocol.custom_params(obj.sampling_params)) is not None:
         return None  # the client said, either way
     if obj.return_hidden_states:
         # a client that wants SGLang's JSON lists keeps them unless the server turns them into files
-        return "client" if config.hidden_states_requests else None
+        return protocol.CLIENT if config.hidden_states_requests else None
     rid = str(obj.rid)
     if not config.fraction or rid.startswith(HEALTH_CHECK_RID_PREFIX):
         return None  # no fraction; or /health's own generate request, which needs no API key
-    return OPERATOR if fraction_selects(rid, config.fraction) else None
+    return protocol.OPERATOR if fraction_selects(rid, config.fraction) else None
 
 
 def _with_capture(params: Any, by: str) -> Dict[str, Any]:
     """A new sampling-params dict asking for capture: a batch's requests can share one dict."""
-    params = dict(params or {})
-    custom = {**(params.get("custom_params") or {}), "capture": True}
-    if by == OPERATOR:
-        custom[CAPTURE_BY] = OPERATOR
-    params["custom_params"] = custom
-    return params
+    return {**(params or {}), "custom_params": protocol.marked(protocol.custom_params(params), by)}
 
 
 def admit_capture_request(config: CaptureConfig, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -68,7 +55,6 @@ def admit_capture_request(config: CaptureConfig, wrapped: Any, instance: Any, ar
         obj.sampling_params = _with_capture(obj.sampling_params, by)
     tokenized = wrapped(*args, **kwargs)
     if is_pd_prefill(instance.server_args) and hasattr(tokenized, "bootstrap_room"):
-        custom = getattr(tokenized.sampling_params, "custom_params", None)
-        if isinstance(custom, dict) and custom.get("capture") is True:
+        if protocol.capture_mark(protocol.custom_params(tokenized.sampling_params)) is not None:
             prefill_only_without_router(tokenized)
     return tokenized

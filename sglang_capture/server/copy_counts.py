@@ -1,0 +1,33 @@
+"""Counters of the copies of captured rows to the host, declared once.
+
+The copy hook (hooks/transfer.py) and a request's capture (request_capture.py) count into one
+``CopyCounts`` per scheduler process; the writer's stats file shows them as ``result_copy``
+(core/capture_dir.py: StatsFile), where they say whether the row selection and the FP8 packing
+on the device are doing their job under real traffic.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict
+
+
+@dataclass
+class CopyCounts:
+    """Result copies of capture batches (scheduler thread only, so plain ints)."""
+
+    batches: int = 0  # capture batches whose rows went to the host through the package's pool
+    batch_rows: int = 0  # rows those batches had
+    copied_rows: int = 0  # rows copied: the capture requests' only, where the batch was shared
+    gathered_in_forward: int = 0  # batches whose rows were selected inside the forward
+    fp8_packed_before_copy_rows: int = 0  # FP8 rows packed on the device, before the copy
+    fp8_packed_per_request_rows: int = 0  # FP8 rows packed on the host, on the scheduler thread
+
+    def count_copy(self, batch_rows: int, copied_rows: int, in_forward: bool) -> None:
+        """Account one capture batch's copy to the host."""
+        self.batches += 1
+        self.batch_rows += batch_rows
+        self.copied_rows += copied_rows
+        self.gathered_in_forward += int(in_forward)
+
+    def as_dict(self) -> Dict[str, int]:
+        return asdict(self)

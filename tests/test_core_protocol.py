@@ -1,0 +1,55 @@
+"""The HTTP capture contract (core/protocol.py): one parser of a request's capture fields, and the
+reference built by the scheduler, completed from the writer's outcome and found by clients."""
+from __future__ import annotations
+
+import pytest
+
+from sglang_capture.core import protocol
+from sglang_capture.core.protocol import BadCaptureRequest, CaptureRequest, parse_request
+
+
+def _parse(custom, samples=1, prompt_len=10):
+    return parse_request(custom, rid="rid-1", prompt_len=prompt_len, samples=samples, default_dtype="model")
+
+
+def test_a_request_without_capture_is_none_and_a_capture_request_gets_its_defaults():
+    assert _parse({}) is None and _parse({"capture": False}) is None
+    assert _parse({"capture": True}) == CaptureRequest(name="rid-1", dtype="model", loss_spans=None)
+    assert _parse({"capture": True, "capture_name": "s1", "capture_dtype": "fp8", "capture_loss_mask": [[2, 5]]}) \
+        == CaptureRequest(name="s1", dtype="fp8", loss_spans=[(2, 5)])
+
+
+@pytest.mark.parametrize("custom, samples, message", [
+    ({"capture": "yes"}, 1, "custom_params.capture must be true or false, got 'yes'"),
+    ({"capture": True, "capture_name": "a"}, 2, "custom_params.capture_name names one file but n > 1"),
+    ({"capture": True, "capture_dtype": "int4"}, 1, "custom_params.capture_dtype must be one of"),
+    ({"capture": True, "capture_name": "../x"}, 1, "capture_name may only use letters"),
+    ({"capture": True, "capture_loss_mask": [[5, 50]]}, 1, "custom_params.capture_loss_mask span [5, 50)"),
+])
+def test_each_bad_field_is_refused_in_one_line_naming_it(custom, samples, message):
+    with pytest.raises(BadCaptureRequest) as e:
+        _parse(custom, samples=samples)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_what_the_server_reads_from_a_request_it_marked_and_what_a_client_said():
+    marked = protocol.marked({"other": 1}, protocol.OPERATOR)
+    assert marked == {"other": 1, "capture": True, "capture_by": "operator"}
+    assert protocol.capture_mark(marked) == protocol.OPERATOR
+    assert protocol.capture_mark(protocol.marked({}, protocol.CLIENT)) == protocol.CLIENT
+    assert protocol.capture_mark({"capture": 1}) is None  # only true captures; 1 is refused by parse_request
+    assert [protocol.says_capture(c) for c in ({}, {"capture": False}, {"capture": True}, {"capture": "x"})] \
+        == [None, False, True, True]
+    assert protocol.custom_params({"custom_params": {"capture": True}}) == {"capture": True}
+    assert protocol.custom_params(None) == {} and protocol.custom_params({"custom_params": [1]}) == {}
+
+
+def test_the_reference_is_built_completed_and_found_by_the_same_keys():
+    ref = protocol.reference(rid="r", path="/d/r.capture.msgpack", index="/d/.index/r.json", rows=3, layers=(1, 2),
+                             dtype="bfloat16", shapes={"aux_hidden_states": (3, 8)}, fp8=True)
+    assert protocol.is_reference(ref) and not protocol.is_reference([[0.1]]) and ref["storage_dtype"] == "float8_e4m3fn"
+    done = protocol.with_outcome(ref, {"status": "ok", "bytes": 10, "checksum": "xxh3:ab", "other": 1})
+    assert done == {**ref, "status": "ok", "bytes": 10, "checksum": "xxh3:ab"}
+    assert protocol.reference_in({protocol.RESPONSE_KEY: done}) == done and protocol.reference_in({}) is None
+    assert protocol.request_fields("s", [(1, 2)], "fp8") == {"capture": True, "capture_name": "s",
+                                                             "capture_loss_mask": [[1, 2]], "capture_dtype": "fp8"}
