@@ -93,25 +93,25 @@ class HostPool:
         self.blocks = 0
         self.fallbacks = 0
 
-    def take(self, src: torch.Tensor) -> Optional[torch.Tensor]:
-        """A copy of ``src`` in a block of the pool, or None when no block fits.
+    def take(self, rows: torch.Tensor) -> Optional[torch.Tensor]:
+        """A copy of ``rows`` in a block of the pool, or None when no block fits.
 
         A device tensor is copied asynchronously on the current stream, as SGLang's own
         ``_async_d2h`` does (the caller waits on its copy-done event before reading), and the
-        source is kept alive for that stream.
+        rows are kept alive for that stream.
         """
-        found = self._block(tuple(src.shape), src.dtype)
+        found = self._block(tuple(rows.shape), rows.dtype)
         if found is None:
             return None
         out, view, start, size = found
         event = None
-        if src.is_cuda:
-            out.copy_(src, non_blocking=True)
-            read_on_current_stream(src)
+        if rows.is_cuda:
+            out.copy_(rows, non_blocking=True)
+            read_on_current_stream(rows)
             event = torch.cuda.Event()
             event.record()
         else:
-            out.copy_(src)
+            out.copy_(rows)
         weakref.finalize(view, self._returned.append, (start, size, event)).atexit = False
         return out
 
