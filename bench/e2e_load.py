@@ -34,8 +34,9 @@ class Prompts:
     fastest: any ``vocab - 4`` consecutive prompts differ in their first token, so the radix cache
     never matches one (a server caches far fewer prompts than the test bed's 1,020). A prompt
     matching one cached token would not be a harmless detail: on SGLang's MLA models it moves its
-    whole prefill batch to another attention path (bench/RESULTS.md, "The radix cache and
-    capture"). ``shared_prefix`` puts that many fixed tokens first instead, to measure exactly that.
+    whole prefill batch to another attention path (bench/results/e2e-kimi-radix-on-h200-2026-12-02-r51.md:
+    why shared prefixes moved the windows). ``shared_prefix`` puts that many fixed tokens first
+    instead, to measure exactly that.
     The rest of a prompt is one of 64 random tails.
     """
 

@@ -40,7 +40,7 @@ from sglang_capture.core import format as capture_format
 from sglang_capture.core.capture_dir import prepare_capture_dir
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.format import Codec, byte_planes, compressor_for, host_tensor
-from sglang_capture.core.fp8 import pack, packed_splits
+from sglang_capture.core.fp8 import pack, packed_layout
 from sglang_capture.server.host_pool import HostPool
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.request_capture import RequestCapture
@@ -134,7 +134,7 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
     writer.start(pool)
     splits, dtypes = {"aux_hidden_states": (0, 3 * hidden), "last_hidden_states": (3 * hidden, 4 * hidden)}, {}
     if dtype == "fp8":
-        splits, dtypes = packed_splits(splits, hidden, 4 * hidden)
+        splits, dtypes = packed_layout(splits, hidden, 4 * hidden)
         sources = [pack(src, hidden) for src in sources]
     stop = threading.Event()
     hog_thread = threading.Thread(target=gil_hog, args=(stop,), daemon=True) if hog else None

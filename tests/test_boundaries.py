@@ -53,10 +53,11 @@ def test_a_writer_process_imports_neither_torch_nor_sglang():
 def test_the_architecture_map_names_every_module_and_only_existing_ones():
     doc = open(os.path.join(ROOT, "docs", "architecture.md")).read()
     table = doc[doc.index("## What exactly happens"):doc.index("Choices worth knowing:")]
-    named = set(re.findall(r"`(sglang_capture/[\w/]+\.py|patches/[\w.]+\.json)`", table))
+    named = set(re.findall(r"`(sglang_capture/[\w/]+\.py|patches/[\w.]+\.(?:json|py))`", table))
     assert all(os.path.exists(os.path.join(ROOT, p)) for p in named), sorted(p for p in named if not os.path.exists(p))
     modules = {os.path.relpath(os.path.join(d, f), ROOT)
-               for d, _, files in os.walk(PACKAGE) if "testbed" not in d and "__pycache__" not in d
+               for base in (PACKAGE, os.path.join(ROOT, "patches"))
+               for d, _, files in os.walk(base) if "testbed" not in d and "__pycache__" not in d
                for f in files if f.endswith(".py") and f not in ("__init__.py", "__main__.py")}
     assert modules - named == set()
 
@@ -194,10 +195,20 @@ def test_no_module_of_the_package_imports_itself_around_a_circle():
     assert import_circles(graph) == []
 
 
-def test_the_offline_tools_never_import_the_server_side():
+def _reached(graph: dict, start: str) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_offline_tools_never_import_the_server_side_directly_or_through_another_module():
     graph = import_graph()
-    crossing = {m: sorted(d for d in deps if d.startswith("sglang_capture.server"))
-                for m, deps in graph.items() if m.startswith("sglang_capture.tools")}
+    crossing = {m: sorted(d for d in _reached(graph, m) if d.startswith("sglang_capture.server"))
+                for m in graph if m.startswith("sglang_capture.tools")}
     assert {m: d for m, d in crossing.items() if d} == {}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from sglang_capture.core import format as fmt
 from sglang_capture.core.config import CaptureConfig, ConfigError
-from sglang_capture.core.fp8 import dequantize, pack, packed_splits, quantize
+from sglang_capture.core.fp8 import dequantize, pack, packed_layout, quantize
 from sglang_capture.core.reader import loads
 from sglang_capture.testbed.fp8_reference import whole_batch_pack
 from sglang_capture.writer.assemble import assemble_rows, relabel
@@ -48,7 +48,7 @@ def test_packed_rows_are_assembled_by_the_writer_into_e4m3_tensors_and_their_sca
     packed = pack(x, H)
     assert packed.dtype == torch.uint8 and packed.shape == (10, (layers + 1) * H + 4 * (layers + 1))
     splits = {"aux_hidden_states": (0, layers * H), "last_hidden_states": (layers * H, (layers + 1) * H)}
-    stored, dtypes = packed_splits(splits, H, (layers + 1) * H)
+    stored, dtypes = packed_layout(splits, H, (layers + 1) * H)
     # rows arrive in two chunks, out of order, as chunked prefill delivers them
     pieces = [(6, fmt.host_tensor(packed[6:])), (0, fmt.host_tensor(packed[:6]))]
     out = relabel(assemble_rows(pieces, 10, stored), dtypes)

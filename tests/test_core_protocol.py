@@ -19,6 +19,15 @@ def test_a_request_without_capture_is_none_and_a_capture_request_gets_its_defaul
         == CaptureRequest(name="s1", dtype="fp8", loss_spans=[(2, 5)])
 
 
+def test_the_prefix_caching_pass_before_n_samples_gets_no_file_and_leaves_field_checks_to_its_samples():
+    def parse(custom):
+        return parse_request(custom, rid="r", prompt_len=10, samples=2, default_dtype="model", prefix_pass=True)
+
+    assert parse({"capture": True, "capture_dtype": "int4"}) is None
+    with pytest.raises(BadCaptureRequest, match="capture_name names one file"):
+        parse({"capture": True, "capture_name": "a"})
+
+
 @pytest.mark.parametrize("custom, samples, message", [
     ({"capture": "yes"}, 1, "custom_params.capture must be true or false, got 'yes'"),
     ({"capture": True, "capture_name": "a"}, 2, "custom_params.capture_name names one file but n > 1"),
@@ -38,8 +47,11 @@ def test_what_the_server_reads_from_a_request_it_marked_and_what_a_client_said()
     assert protocol.capture_mark(marked) == protocol.OPERATOR
     assert protocol.capture_mark(protocol.marked({}, protocol.CLIENT)) == protocol.CLIENT
     assert protocol.capture_mark({"capture": 1}) is None  # only true captures; 1 is refused by parse_request
-    assert [protocol.says_capture(c) for c in ({}, {"capture": False}, {"capture": True}, {"capture": "x"})] \
-        == [None, False, True, True]
+    assert [protocol.says_capture(c) for c in ({}, {"capture": False}, {"capture": 0}, {"capture": True},
+                                              {"capture": "x"})] \
+        == [None, False, False, True, True]
+    # the scheduler refuses 0 in one line rather than ignoring it
+    assert [protocol.asks_capture(c) for c in ({}, {"capture": False}, {"capture": 0})] == [False, False, True]
     assert protocol.custom_params({"custom_params": {"capture": True}}) == {"capture": True}
     assert protocol.custom_params(None) == {} and protocol.custom_params({"custom_params": [1]}) == {}
 

@@ -149,7 +149,7 @@ def test_instrument_is_idempotent_binds_each_hook_to_its_process_state_and_unins
         assert isinstance(state, SchedulerCapture) and state.config is config
         assert P.__dict__["_append_decode_hidden_states"]._self_wrapper.args[0] is state  # one per process
         assert not isinstance(Req.__dict__["__init__"].__wrapped__, wrapt.FunctionWrapper)  # wrapped once
-        from sglang.srt.managers.tokenizer_manager import TokenizerManager  # a main-process seam: left alone
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager  # an http-process seam: left alone
         assert not isinstance(TokenizerManager.__dict__["_wait_one_response"], wrapt.FunctionWrapper)
     finally:
         probe.uninstrument()

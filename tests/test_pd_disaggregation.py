@@ -49,7 +49,7 @@ class PD:
 
 # How the prefill server is parallel: one scheduler, or DP attention over two ranks (how DeepSeek-V3
 # and Kimi-K2.5 prefill servers are deployed), where SGLang sends each request to the rank its
-# bootstrap room names: the tokenize seam's random room for direct requests, the router's otherwise.
+# bootstrap room names: ``admit_capture_request``'s random room for direct requests, the router's otherwise.
 PREFILL_PARALLEL = {"tp1": (1, [], None),
                     "dp2-attention": (2, ["--tp", "2", "--dp", "2", "--enable-dp-attention"],
                                       {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"})}
@@ -115,7 +115,7 @@ def test_capture_requests_sent_straight_to_a_prefill_server_store_every_prompt_r
 
 def test_direct_capture_requests_are_captured_on_whichever_dp_rank_serves_them(pd):
     """Each DP rank of a prefill server captures the direct requests SGLang sends it (here routed
-    to each rank by ``routed_dp_rank``; without it, by the tokenize seam's random bootstrap room)."""
+    to each rank by ``routed_dp_rank``; without it, by ``admit_capture_request``'s random bootstrap room)."""
     bodies = [{"input_ids": _prompt(500 + k, 40 + 70 * k), "routed_dp_rank": k % pd.dp_ranks,
                "sampling_params": {"max_new_tokens": 1, "temperature": 0, "custom_params": {
                    "capture": True, "capture_name": f"pd-rank-{k}"}}} for k in range(2 * pd.dp_ranks)]

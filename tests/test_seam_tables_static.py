@@ -195,3 +195,10 @@ def test_the_code_each_record_names_exists_in_the_package():
             obj = importlib.import_module(module)
             for part in path.split("."):
                 obj = getattr(obj, part)
+
+
+def test_every_seam_is_named_after_its_hook_function_and_runs_in_the_http_or_a_scheduler_process():
+    for version in supported_versions():
+        for seam in load_table(version):
+            assert seam.seam == seam.hook.rpartition(":")[2], (version, seam.seam, seam.hook)
+            assert seam.process in ("http", "scheduler"), (version, seam.seam, seam.process)

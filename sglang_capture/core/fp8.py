@@ -10,7 +10,7 @@ On the server the rows are quantized on the device before they are copied to the
 device-to-host bytes halve too. They then travel *packed*: one uint8 row per token holding the
 e4m3 bytes of every block followed by the blocks' float32 scales, so that a batch's captured rows
 remain one tensor whose rows are tokens (the pool, the row seams and the writer's assembly handle
-it like any other). ``packed_splits`` says where each stored tensor lies in such a row.
+it like any other). ``packed_layout`` says where each stored tensor lies in such a row.
 torch is imported only where a tensor is quantized or restored: the writer processes never load it.
 """
 from __future__ import annotations
@@ -78,14 +78,14 @@ def pack(x: "torch.Tensor", block: int, chunk_bytes: int = PACK_CHUNK_BYTES) -> 
     return out
 
 
-def packed_splits(splits: Dict[str, Tuple[int, int]], block: int, width: int
+def packed_layout(columns: Dict[str, Tuple[int, int]], block: int, width: int
                   ) -> Tuple[Dict[str, Tuple[int, int]], Dict[str, str]]:
     """Where each stored tensor lies in a packed row of a ``width``-element row, and the dtype the
-    file stores it as. ``splits`` are element column ranges of the unpacked row (multiples of
+    file stores it as. ``columns`` are element column ranges of the unpacked row (multiples of
     ``block``); each becomes its e4m3 byte range plus a ``<name>_scale`` range of float32 bytes."""
     out: Dict[str, Tuple[int, int]] = {}
     dtypes: Dict[str, str] = {}
-    for name, (lo, hi) in splits.items():
+    for name, (lo, hi) in columns.items():
         out[name] = (lo, hi)
         out[name + SCALE_SUFFIX] = (width + 4 * (lo // block), width + 4 * (hi // block))
         dtypes[name], dtypes[name + SCALE_SUFFIX] = FP8_DTYPE, "float32"

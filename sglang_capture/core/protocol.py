@@ -68,10 +68,10 @@ def capture_mark(custom: Mapping[str, Any]) -> Optional[str]:
 
 
 def says_capture(custom: Mapping[str, Any]) -> Optional[bool]:
-    """What the client said about capture: True, False, or None when it did not say (any other
-    value is a capture request that ``parse_request`` refuses, so it counts as asking)."""
+    """What the client said about capture: True, False (also for a false-equal value such as 0),
+    or None when it did not say. Any other value counts as asking: ``parse_request`` refuses it."""
     value = custom.get(CAPTURE)
-    return None if value is None else value is not False
+    return None if value is None else value not in (False,)
 
 
 def marked(custom: Mapping[str, Any], by: str) -> Dict[str, Any]:
@@ -82,17 +82,26 @@ def marked(custom: Mapping[str, Any], by: str) -> Dict[str, Any]:
     return out
 
 
+def asks_capture(custom: Mapping[str, Any]) -> bool:
+    """Whether the scheduler treats the request as a capture request (then ``parse_request`` either
+    accepts its fields or refuses them): any ``capture`` value but absent or ``false``."""
+    return custom.get(CAPTURE, False) is not False
+
+
 def parse_request(custom: Mapping[str, Any], *, rid: str, prompt_len: int, samples: int,
-                  default_dtype: str) -> Optional[CaptureRequest]:
+                  default_dtype: str, prefix_pass: bool = False) -> Optional[CaptureRequest]:
     """The checked capture fields of a request, None when it does not capture, or a one-line
-    BadCaptureRequest naming the field and what to send instead."""
-    if custom.get(CAPTURE, False) is False:
+    BadCaptureRequest naming the field and what to send instead. ``prefix_pass``: SGLang's
+    prefix-caching request before n > 1 samples, which gets no file (its samples are checked)."""
+    if not asks_capture(custom):
         return None
     if custom[CAPTURE] is not True:
         raise BadCaptureRequest(f"custom_params.capture must be true or false, got {custom[CAPTURE]!r}")
     if samples > 1 and CAPTURE_NAME in custom:
         raise BadCaptureRequest("custom_params.capture_name names one file but n > 1 asks for several samples; "
                                 "leave capture_name out and each sample's file is named by its request id")
+    if prefix_pass:
+        return None
     dtype = custom.get(CAPTURE_DTYPE, default_dtype)
     if dtype not in CAPTURE_DTYPES:
         raise BadCaptureRequest(f"custom_params.capture_dtype must be one of {', '.join(CAPTURE_DTYPES)}, got {dtype!r}")

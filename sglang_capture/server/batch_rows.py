@@ -5,7 +5,7 @@ at its batch offset. Everything that decides or reads that lives here:
 
 - ``capture_rows``: the kept row runs of a batch and each capture request's offset among them;
 - ``gather_in_forward``: in an eager forward, the kept rows with the final hidden state beside
-  them (called by the final-hidden seam, on the forward stream);
+  them (called by ``append_final_hidden``, on the forward stream);
 - ``BatchRows.keep_for_copy``: the same selection before the copy to the host, when the forward
   did not make it (CUDA graphs); ``fp8_readers``: whether that copy is packed as FP8;
 - ``ResultRows``: where the row seams find a request's rows while the batch's result is processed.
@@ -73,7 +73,7 @@ class BatchRows:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def attach(self, result: Any) -> None:
-        """Hang this on the batch's result object, where the result seam finds it."""
+        """Hang this on the batch's result object, where ``batch_result_context`` finds it."""
         if result is not None:
             setattr(result, RESULT_ATTR, self)
 

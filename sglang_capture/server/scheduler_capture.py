@@ -18,7 +18,7 @@ from sglang_capture.core import protocol
 from sglang_capture.core.capture_dir import index_path
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.format import SCHEMA, SCHEMA_FP8, row_count
-from sglang_capture.core.fp8 import FP8_DTYPE, packed_splits
+from sglang_capture.core.fp8 import FP8_DTYPE, packed_layout
 from sglang_capture.core.layers import LAYER_CONVENTION, resolve_layers
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.patches.version_gate import installed_sglang_version
@@ -140,16 +140,19 @@ class SchedulerCapture:
 
     def begin(self, req: Any) -> None:
         """Mark a new request for capture when its custom_params ask for it (all ranks alike)."""
+        custom = protocol.custom_params(req.sampling_params)
+        if not protocol.asks_capture(custom):
+            return
         samples = getattr(req.sampling_params, "n", 1) or 1
         try:
-            asked = protocol.parse_request(protocol.custom_params(req.sampling_params), rid=req.rid,
-                                           prompt_len=len(req.origin_input_ids), samples=samples,
-                                           default_dtype=self.config.capture_dtype)
+            asked = protocol.parse_request(custom, rid=req.rid, prompt_len=len(req.origin_input_ids), samples=samples,
+                                           default_dtype=self.config.capture_dtype,
+                                           prefix_pass=samples > 1 and req.sampling_params.max_new_tokens == 0)
         except protocol.BadCaptureRequest as e:
             req.set_finish_with_abort(str(e))
             return
-        if asked is None or (samples > 1 and req.sampling_params.max_new_tokens == 0):
-            return  # no capture; or SGLang's prefix-caching pass before parallel samples: not a sample, no file
+        if asked is None:
+            return  # SGLang's prefix-caching pass before parallel samples: not a sample, no file
         # A private radix-cache namespace: a prefix hit would leave the cached positions without rows.
         req.extra_key = (req.extra_key or "") + EXTRA_KEY_TAG + req.rid
         setattr(req, AUX_ATTR, True)
@@ -187,7 +190,7 @@ class SchedulerCapture:
         if not fp8:
             return columns, {}
         m = self.model
-        return packed_splits(columns, m.hidden_size, m.aux_width + m.hidden_size)
+        return packed_layout(columns, m.hidden_size, m.aux_width + m.hidden_size)
 
     def finish(self, req: Any, capture: RequestCapture) -> Dict[str, Any]:
         """Seal a finished request: hand its rows to the writer and return the response reference."""

@@ -170,7 +170,10 @@ def capture_prefill(server: ServerInfo, input_ids: Sequence[int], name: str,
         raise ServerError(f"{server.url} answered HTTP {r.status_code}: {detail}", retryable=r.status_code >= 500,
                           fatal=CAPTURE_REFUSED in detail)
     try:
-        ref = protocol.reference_in(r.json()["meta_info"])
+        meta_info = r.json()["meta_info"]
+        if not isinstance(meta_info, dict):
+            raise TypeError
+        ref = protocol.reference_in(meta_info)
     except (ValueError, KeyError, TypeError, AttributeError):
         raise ServerError(f"{server.url}: the response is not SGLang's /generate JSON") from None
     if ref is None:

@@ -1,4 +1,4 @@
-"""A writer process (``python -m sglang_capture.writer.process``, started by server/writer_pool.py).
+"""A writer process (``python -m sglang_capture.writer.process``, started by server/writer_child.py for the writer pool).
 
 It turns jobs into published capture files: reads the request's rows out of the shared host pool
 (mapped read-only), places them by position, then compresses, hashes, writes, flushes and

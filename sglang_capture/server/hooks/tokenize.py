@@ -1,7 +1,7 @@
-"""Tokenize seam (HTTP process): which requests capture, decided once, before the scheduler sees them.
+"""``admit_capture_request`` (HTTP process): which requests capture, decided once, before the scheduler sees them.
 
 Three things make a request capture, and here each becomes the one flag the rest of the path reads
-(``sampling_params.custom_params.capture``: the scheduler's ``begin``, the response seam, PD):
+(``sampling_params.custom_params.capture``: the scheduler's ``begin``, ``await_capture_file``, PD):
 
 - the client asks, in ``custom_params`` (sent as is, never changed here);
 - with ``--capture-return-hidden-states``, the client sets SGLang's own ``return_hidden_states``,
@@ -9,7 +9,7 @@ Three things make a request capture, and here each becomes the one flag the rest
   still asks for SGLang's JSON lists);
 - the operator's ``--capture-fraction`` selects the request by its rid (core/selection.py). Its
   response is the plain one, sent without waiting for the file (the client did not ask; the file
-  is named by the rid): ``custom_params.capture_by`` says so to the response seam.
+  is named by the rid): ``custom_params.capture_by`` says so to ``await_capture_file``.
 
 A capture request sent straight to a PD prefill server then gets SGLang's no-decode-server
 bootstrap: pd_prefill.py says why, and the tokenized request is where its fields are.

@@ -1,4 +1,4 @@
-"""Result-copy seam: only capture requests' rows go to the host, into the package's host pool.
+"""``copy_hidden_to_pool``: only capture requests' rows go to the host, into the package's host pool.
 
 SGLang's ``copy_to_cpu`` copies a batch's hidden states whole into a fresh pinned buffer
 (``host_pool`` says why that stalls the scheduler under capture). In full-capture mode that is
