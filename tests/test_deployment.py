@@ -14,7 +14,7 @@ import random
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import pytest
 import torch
@@ -46,10 +46,12 @@ def _requests() -> List[Dict]:
     return out
 
 
-def _send(server, r: Dict) -> Dict:
+def _send(server, r: Dict, prefix: str = "", dtype: Optional[str] = None) -> Dict:
     params = {"max_new_tokens": r["new"], "temperature": 0, "ignore_eos": True}
     if r["capture"]:
-        params["custom_params"] = {"capture": True, "capture_name": f"req-{r['i']}"}
+        params["custom_params"] = {"capture": True, "capture_name": f"{prefix}req-{r['i']}"}
+        if dtype is not None:
+            params["custom_params"]["capture_dtype"] = dtype
     resp = server.generate({"input_ids": r["ids"], "sampling_params": params}, timeout=600)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -57,16 +59,18 @@ def _send(server, r: Dict) -> Dict:
 
 def _check_load(server, model: str, fp8: bool = False) -> List[Dict]:
     """Send the load concurrently; every capture ok, one file each, rows equal to transformers
-    (``fp8``: every row of every hidden-state vector within cos 0.999 of them)."""
+    (``fp8``: each request asks for FP8 storage, and every row of every hidden-state vector is
+    within cos 0.999 of them)."""
     reqs = _requests()
+    prefix = "fp8-" if fp8 else ""
     with ThreadPoolExecutor(12) as pool:
-        outs = list(pool.map(lambda r: _send(server, r), reqs))
+        outs = list(pool.map(lambda r: _send(server, r, prefix, "fp8" if fp8 else None), reqs))
     captured = [(r, o) for r, o in zip(reqs, outs, strict=False) if r["capture"]]
     assert all("capture" not in o["meta_info"] for r, o in zip(reqs, outs, strict=False) if not r["capture"])
     bad = [(r["i"], o["meta_info"]["capture"].get("error")) for r, o in captured if o["meta_info"]["capture"]["status"] != "ok"]
     assert bad == []
-    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(server.capture_dir, "*.capture.msgpack")))
-    assert files == sorted(f"req-{r['i']}.capture.msgpack" for r, _ in captured)
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(server.capture_dir, f"{prefix}req-*.capture.msgpack")))
+    assert files == sorted(f"{prefix}req-{r['i']}.capture.msgpack" for r, _ in captured)
     assert not os.listdir(os.path.join(server.capture_dir, ".tmp"))
     for r, o in captured:
         data = sglang_capture.load(o["meta_info"]["capture"]["path"])
@@ -105,13 +109,16 @@ def _dsv3_server(make_test_server, tiny_models, tmp_path, *parallel: str, env=No
     return make_test_server(cmd, capture_dir, extra_env=env)
 
 
-def test_dp_attention_captures_every_request_once_on_its_own_rank_equal_to_transformers(
+def test_dp_attention_captures_every_request_once_on_its_own_rank_equal_to_transformers_in_bf16_and_fp8(
         make_test_server, tiny_models, tmp_path):
     """The issue-16 defect: under DP attention SGLang re-slices the result tensor, which once lost the
-    kept-rows map (IncompleteCapture, and other requests' rows in a file)."""
+    kept-rows map (IncompleteCapture, and other requests' rows in a file). FP8 rows go through the
+    re-sliced results, chunked prefill and radix hits as bf16 rows do: the same load again, each
+    request asking for FP8, every vector within cos 0.999."""
     server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--tp", "2", "--dp", "2", "--enable-dp-attention",
                           env=TWO_RANKS)
     captured = _check_load(server, tiny_models["tiny-dsv3"])
+    captured += _check_load(server, tiny_models["tiny-dsv3"], fp8=True)
     _check_two_writer_ranks(server, captured)
     log = server.log()
     assert "chunked prefill size is adjusted from 128 to 64" in log
@@ -129,14 +136,6 @@ def test_capture_is_exact_without_overlap_scheduling(make_test_server, tiny_mode
     and the row seams must still find them through the batch's state."""
     server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--disable-overlap-schedule")
     _check_load(server, tiny_models["tiny-dsv3"])
-
-
-def test_fp8_capture_under_dp_attention_is_within_cos_0_999_on_every_row(make_test_server, tiny_models, tmp_path):
-    """FP8 rows go through DP attention's re-sliced results, chunked prefill and radix hits as bf16
-    rows do: every capture ok, one file each on its own rank, every vector within cos 0.999."""
-    server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--tp", "2", "--dp", "2", "--enable-dp-attention",
-                          "--capture-dtype", "fp8", env=TWO_RANKS)
-    _check_two_writer_ranks(server, _check_load(server, tiny_models["tiny-dsv3"], fp8=True))
 
 
 def _node_args(addr: str, rank: int) -> List[str]:
