@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import pkgutil
 import re
 import subprocess
 import sys
@@ -19,8 +18,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.dirname(sglang_capture.__file__)
 
 
+def _module_files() -> dict:
+    """Every module of the installed package (``patches/`` as ``sglang_capture.patches``) and its file."""
+    files = {}
+    for base, prefix in ((PACKAGE, "sglang_capture"), (os.path.join(ROOT, "patches"), "sglang_capture.patches")):
+        for d, _, names in os.walk(base):
+            if "__pycache__" in d or (base == PACKAGE and os.path.join("testbed", "site") in d):
+                continue
+            for f in names:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(d, f), base)[:-3].replace(os.sep, ".")
+                    name = prefix if rel == "__init__" else prefix + "." + rel.removesuffix(".__init__")
+                    files[name] = os.path.join(d, f)
+    return files
+
+
 def _modules(subpackage: str):
-    return [m.name for m in pkgutil.walk_packages([os.path.join(PACKAGE, subpackage)], f"sglang_capture.{subpackage}.")]
+    return sorted(m for m in _module_files() if m.startswith(f"sglang_capture.{subpackage}."))
 
 
 def _imported_after(modules) -> set:
@@ -55,10 +69,8 @@ def test_the_architecture_map_names_every_module_and_only_existing_ones():
     table = doc[doc.index("## What exactly happens"):doc.index("Choices worth knowing:")]
     named = set(re.findall(r"`(sglang_capture/[\w/]+\.py|patches/[\w.]+\.(?:json|py))`", table))
     assert all(os.path.exists(os.path.join(ROOT, p)) for p in named), sorted(p for p in named if not os.path.exists(p))
-    modules = {os.path.relpath(os.path.join(d, f), ROOT)
-               for base in (PACKAGE, os.path.join(ROOT, "patches"))
-               for d, _, files in os.walk(base) if "testbed" not in d and "__pycache__" not in d
-               for f in files if f.endswith(".py") and f not in ("__init__.py", "__main__.py")}
+    modules = {os.path.relpath(path, ROOT) for name, path in _module_files().items()
+               if ".testbed" not in name and os.path.basename(path) not in ("__init__.py", "__main__.py")}
     assert modules - named == set()
 
 
@@ -102,21 +114,6 @@ def test_the_readme_stays_short_and_every_relative_link_of_the_docs_names_an_exi
             if not os.path.exists(os.path.join(os.path.dirname(doc), path)):
                 broken.append(f"{os.path.relpath(doc, ROOT)}: {target}")
     assert broken == []
-
-
-def _module_files() -> dict:
-    """Every module of the installed package (``patches/`` as ``sglang_capture.patches``) and its file."""
-    files = {}
-    for base, prefix in ((PACKAGE, "sglang_capture"), (os.path.join(ROOT, "patches"), "sglang_capture.patches")):
-        for d, _, names in os.walk(base):
-            if "__pycache__" in d or (base == PACKAGE and os.path.join("testbed", "site") in d):
-                continue
-            for f in names:
-                if f.endswith(".py"):
-                    rel = os.path.relpath(os.path.join(d, f), base)[:-3].replace(os.sep, ".")
-                    name = prefix if rel == "__init__" else prefix + "." + rel.removesuffix(".__init__")
-                    files[name] = os.path.join(d, f)
-    return files
 
 
 def _runtime_imports(path: str, name: str, modules) -> set:

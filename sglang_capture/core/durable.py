@@ -10,13 +10,13 @@ partial file:
   samples, outcome records, stats), with ``os.replace`` and, unless told not to, a flush of the
   file and of its directory.
 
-Also here: temp files whose
-ownership can be proven. Each temp file is locked (``flock``) by the process writing it from the
-moment it exists until its final name does, and the kernel drops the lock when that process dies,
-however it dies: a temp file whose lock can be taken is an orphan. Process ids cannot prove that:
-two servers in containers of one host share its host name, not their pid namespace. Temp names
-still say their host (a capture dir may be shared by several hosts, whose locks may not reach each
-other on a network filesystem mounted without them), and, for people, the writing process.
+Also here: temp files whose ownership can be proven. Each temp file is locked (``flock``) by the
+process writing it from the moment it exists until its final name does, and the kernel drops the
+lock when that process dies, however it dies: a temp file whose lock can be taken is an orphan.
+Process ids cannot prove that: two servers in containers of one host share its host name, not
+their pid namespace. Temp names still say their host (a capture dir may be shared by several
+hosts, whose locks may not reach each other on a network filesystem mounted without them), and,
+for people, the writing process.
 """
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import requests
 
 from sglang_capture.core import protocol
-from sglang_capture.core.protocol import ROUTE
 from sglang_capture.core.selection import CAPTURE_REFUSED
 
 
@@ -68,12 +67,12 @@ def _url(url: str) -> str:
 def discover(url: str, timeout: float = 10.0, api_key: Optional[str] = None) -> ServerInfo:
     """Ask ``url`` whether it is a capture server; raises ServerError with the reason if not."""
     url = _url(url)
-    r = _get(url, ROUTE, timeout, api_key)
+    r = _get(url, protocol.ROUTE, timeout, api_key)
     refused = _refused(url, r, api_key)
     if refused is not None:
         raise refused
     if r.status_code == 404:
-        raise NotCaptureServer(f"{url} is not a capture server (no {ROUTE}); start it with "
+        raise NotCaptureServer(f"{url} is not a capture server (no {protocol.ROUTE}); start it with "
                                "python -m sglang_capture.launch --capture-dir DIR ...", retryable=False)
     try:
         r.raise_for_status()
@@ -81,7 +80,7 @@ def discover(url: str, timeout: float = 10.0, api_key: Optional[str] = None) -> 
         return ServerInfo(url, str(body["capture_dir"]), str(body["model_path"]), [int(i) for i in body["layers"]],
                           api_key, body)
     except (requests.HTTPError, ValueError, KeyError, TypeError) as e:
-        raise ServerError(f"{url}{ROUTE} gave an unexpected answer (HTTP {r.status_code}: {e})", retryable=False) from None
+        raise ServerError(f"{url}{protocol.ROUTE} gave an unexpected answer (HTTP {r.status_code}: {e})", retryable=False) from None
 
 
 def _get(url: str, route: str, timeout: float, api_key: Optional[str]) -> requests.Response:
@@ -171,11 +170,11 @@ def capture_prefill(server: ServerInfo, input_ids: Sequence[int], name: str,
                           fatal=CAPTURE_REFUSED in detail)
     try:
         meta_info = r.json()["meta_info"]
-        if not isinstance(meta_info, dict):
-            raise TypeError
-        ref = protocol.reference_in(meta_info)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ServerError(f"{server.url}: the response is not SGLang's /generate JSON") from None
+    except (ValueError, KeyError, TypeError):
+        meta_info = None
+    if not isinstance(meta_info, dict):
+        raise ServerError(f"{server.url}: the response is not SGLang's /generate JSON")
+    ref = protocol.reference_in(meta_info)
     if ref is None:
         raise ServerError(NO_REFERENCE.format(url=server.url), retryable=False)
     if ref.get("status") != "ok":
