@@ -167,7 +167,7 @@ def test_doctor_reports_version_fingerprints_plugin_and_configuration():
     assert "supported SGLang: 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23" in r.stdout
     version = gate.installed_sglang_version()
     assert f"seam table: {table_path(version)}" in r.stdout and table_path(version).endswith(f"sglang_{version.replace('.', '_')}.json")
-    assert r.stdout.count("matches its fingerprint") == len(load_table(version)) == 15 and "FAIL" not in r.stdout
+    assert r.stdout.count("matches its fingerprint") == len(load_table(version)) == 16 and "FAIL" not in r.stdout
     assert "plugin entry point sglang.srt.plugins: sglang_capture" in r.stdout
     assert f"writers = auto ({CaptureConfig(capture_dir='.').writer_processes()} here)" in r.stdout and "max_pending_mb = 8192" in r.stdout
 
@@ -212,3 +212,39 @@ def test_doctor_fails_on_a_changed_sglang_function():
     lines, ok = diagnose(seams)
     assert not ok
     assert any(line.startswith(f"FAIL {seams[2].seam}:") and "changed" in line for line in lines)
+
+
+def _eagle3_draft(tmp_path, target: str, use_aux=True) -> str:
+    """A draft's config.json (all the launcher and SGLang's argument parser read) for ``target``."""
+    draft = tmp_path / ("draft" if use_aux else "draft-no-aux")
+    draft.mkdir(exist_ok=True)
+    cfg = json.load(open(os.path.join(target, "config.json")))
+    cfg.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, eagle_config={
+        "eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": use_aux})
+    (draft / "config.json").write_text(json.dumps(cfg))
+    return str(draft)
+
+
+def test_a_server_that_speculates_captures_its_drafts_layers_and_refuses_others(tiny_models, tmp_path):
+    from types import SimpleNamespace
+
+    from sglang_capture.core.config import ConfigError
+    from sglang_capture.server.launch import speculative_layers
+
+    draft = _eagle3_draft(tmp_path, tiny_models["tiny-llama"])
+    spec = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft)
+    config = CaptureConfig(capture_dir=str(tmp_path))
+    # Llama's rule: ids [0, 1, 2] are the outputs of layers 0-2, the residual entering layers 1-3
+    assert speculative_layers(spec, config, 4, "LlamaForCausalLM") == [1, 2, 3]
+    assert speculative_layers(spec, replace(config, layers=[3, 1, 2]), 4, "LlamaForCausalLM") == [1, 2, 3]
+    assert speculative_layers(SimpleNamespace(speculative_algorithm=None), config, 4, "LlamaForCausalLM") is None
+    with pytest.raises(ConfigError, match="sets eagle_config.use_aux_hidden_state false"):
+        no_aux = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_draft_model_path=_eagle3_draft(
+            tmp_path, tiny_models["tiny-llama"], use_aux=False))
+        speculative_layers(no_aux, config, 4, "LlamaForCausalLM")
+    result, lines = _launch("--capture-dir", str(tmp_path), "--capture-layers", "1,2", "--model-path",
+                            tiny_models["tiny-llama"], "--device", "cpu", "--speculative-algorithm", "EAGLE3",
+                            "--speculative-draft-model-path", draft)
+    assert result.exit_code != 0
+    assert lines == ["Error: --capture-layers asks for layers 1,2, but the served draft makes this server capture "
+                     "layers 1,2,3; a server that speculates captures its draft's layers: drop --capture-layers"]

@@ -150,8 +150,9 @@ def reference_in(meta_info: Any) -> Optional[Dict[str, Any]]:
 
 
 def capture_info_body(config: CaptureConfig, model_path: str, architecture: str, layers: List[int],
-                      who_captures: str = "") -> Dict[str, Any]:
-    """The JSON body of ``/capture_info`` (``who_captures``: what the start-up log said about it)."""
+                      who_captures: str = "", speculative: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """The JSON body of ``/capture_info`` (``who_captures``: what the start-up log said about it;
+    ``speculative``: the algorithm and draft of a server that speculates, whose draft fixes ``layers``)."""
     from sglang_capture import __version__
 
     return {
@@ -165,4 +166,5 @@ def capture_info_body(config: CaptureConfig, model_path: str, architecture: str,
         "capture_fraction": config.fraction,
         "capture_return_hidden_states": config.hidden_states_requests,
         "who_captures": who_captures,
+        "speculative": speculative,
     }

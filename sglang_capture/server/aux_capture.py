@@ -48,6 +48,9 @@ class AuxCapture:
         self.lm = getattr(model, "language_model", None) or model  # Kimi-K2.5 wraps a DeepseekV3ForCausalLM
         self.inner = self.lm.model
         self.layers: List[int] = list(layers)
+        # an EAGLE-3 server: SGLang sets the draft's layers itself, and the draft reads every batch's
+        self.speculative = bool(getattr(runner.server_args, "speculative_algorithm", None))
+        self.logits_processor = getattr(self.lm, "logits_processor", None)
         self.per_batch: Optional[bool] = None  # decided at the first batch, after the CUDA graphs exist
         self.counts = {"extend_batches_with_aux": 0, "extend_batches_without_aux": 0}
 
@@ -59,11 +62,22 @@ class AuxCapture:
         else:
             self.inner.layers_to_capture = list(self.layers)
 
+    def check_served_layers(self) -> None:
+        """After SGLang configured the model: on a server that speculates, it set the layers its
+        draft reads (the launcher resolved the same ones by SGLang's rule); anything else would
+        put other layers in the files than their metadata names."""
+        served = sorted(getattr(self.inner, "layers_to_capture", None) or [])
+        if self.speculative and (served != sorted(self.layers) or not self.lm.capture_aux_hidden_states):
+            raise RuntimeError(f"sglang_capture: the served draft makes SGLang capture layers {served}, not the "
+                               f"layers {self.layers} the launcher resolved from it; report this with the draft's config")
+
     def _inner_has_setter(self) -> bool:
         return hasattr(type(self.inner), "set_eagle3_layers_to_capture")
 
     def why_not_per_batch(self) -> Optional[str]:
         """Why aux capture must stay on for every batch, or None when it can follow the batch."""
+        if self.speculative:
+            return "the server speculates: its draft reads the aux layers of every batch"
         if self._inner_has_setter():
             return f"{type(self.inner).__name__} flags each captured layer"
         if getattr(self.runner.server_args, "enable_dp_attention", False):

@@ -127,7 +127,10 @@ def capture_rows(batch: Any, n_rows: int) -> Optional[Selection]:
         return None
     reqs, mode = batch.reqs, batch.forward_mode
     if mode.is_decode():
-        lens: List[int] = [1] * len(reqs)
+        # one row per request; under EAGLE-3, one per draft token of each request's verify pass
+        spec = getattr(batch, "spec_algorithm", None)
+        per = n_rows // len(reqs) if spec is not None and not spec.is_none() and reqs and n_rows % len(reqs) == 0 else 1
+        lens: List[int] = [per] * len(reqs)
     elif mode.is_extend() and not mode.is_mixed():
         lens = _extend_lens(batch)
     else:

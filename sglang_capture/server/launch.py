@@ -33,6 +33,8 @@ from sglang_capture.server.instrumentor import INSTRUMENTOR
 from sglang_capture.server.pd_prefill import is_pd_prefill
 from sglang_capture.server.peers import needs_shared_dir
 
+SPECULATIVE_ALGORITHMS = ("EAGLE3",)  # whose target keeps aux layers that this package can capture
+
 
 def check_capture_dir(path: str) -> str:
     """An existing, writable directory, or a one-line ConfigError."""
@@ -86,8 +88,10 @@ def check_transfer_engine(backend: str) -> None:
 
 def check_server_args(server_args) -> None:
     """Reject SGLang settings under which captured rows would be wrong or incomplete."""
-    if getattr(server_args, "speculative_algorithm", None):
-        raise ConfigError("capture does not support speculative decoding; drop --speculative-algorithm")
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if algorithm and str(algorithm).upper() not in SPECULATIVE_ALGORITHMS:
+        raise ConfigError(f"capture on a server that speculates supports --speculative-algorithm EAGLE3 (its target "
+                          f"keeps the aux layers the draft reads), not {algorithm}; use EAGLE3 or drop it")
     if getattr(server_args, "pp_size", 1) > 1:
         raise ConfigError("capture needs --pp-size 1 (aux layers must all live on one pipeline stage)")
     if getattr(server_args, "enable_two_batch_overlap", False):
@@ -126,6 +130,34 @@ def resolve_capture_layers(config: CaptureConfig, num_layers: int, architecture:
         raise ConfigError(str(e)) from None
 
 
+def speculative_layers(server_args: Any, config: CaptureConfig, num_layers: int, architecture: str) -> Optional[List[int]]:
+    """On a server that speculates with EAGLE-3, the layers its served draft makes SGLang capture
+    (the only ones the target computes), or None on a server that does not speculate.
+
+    A server that speculates captures those layers and no others: other ``--capture-layers`` or
+    ``--capture-layers-from-draft`` would need a second set of aux layers in every forward, so
+    they are refused in one line rather than silently replaced."""
+    if not getattr(server_args, "speculative_algorithm", None):
+        return None
+    option = "--speculative-draft-model-path"
+    try:
+        served = read_draft_eagle3_ids(str(server_args.speculative_draft_model_path), option)
+        if not served.use_aux_hidden_state:
+            raise LayerError(f"{option} {served.path} sets eagle_config.use_aux_hidden_state false: its target captures "
+                             "no aux layers, so there is nothing to capture; serve an EAGLE-3 draft that reads them")
+        layers = draft_capture_layers(served, num_layers, architecture, option)
+        asked = resolve_capture_layers(config, num_layers, architecture) if (
+            config.layers is not None or config.layers_from_draft is not None) else layers
+    except LayerError as e:
+        raise ConfigError(str(e)) from None
+    if asked != layers:
+        given = "--capture-layers" if config.layers is not None else "--capture-layers-from-draft"
+        raise ConfigError(f"{given} asks for layers {','.join(map(str, asked))}, but the served draft makes this server "
+                          f"capture layers {','.join(map(str, layers))}; a server that speculates captures its draft's "
+                          f"layers: drop {given}")
+    return layers
+
+
 def resolve_clients(clients: Optional[str], server_args: Any) -> str:
     """``--capture-clients`` as the server applies it: unset means admin when SGLang has an admin key."""
     admin_key = getattr(server_args, "admin_api_key", None)
@@ -161,8 +193,13 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, Cap
         raise ConfigError(f"SGLang refused its arguments: {e}") from None
     check_server_args(server_args)
     arch, num_layers = read_model_shape(server_args.model_path, server_args.trust_remote_code)
-    layers = resolve_capture_layers(config, num_layers, arch)
-    if config.layers_from_draft is not None:
+    served = speculative_layers(server_args, config, num_layers, arch)
+    layers = served if served is not None else resolve_capture_layers(config, num_layers, arch)
+    if served is not None:
+        click.echo(f"sglang_capture: the server speculates with {server_args.speculative_draft_model_path}: capturing "
+                   f"its layers {','.join(map(str, layers))} of {arch}", err=True)
+        config = replace(config, layers=layers, layers_from_draft=None)
+    elif config.layers_from_draft is not None:
         click.echo(f"--capture-layers-from-draft {config.layers_from_draft}: capturing layers "
                    f"{','.join(map(str, layers))} of {arch}", err=True)
         # the schedulers resolve config.layers themselves: hand them the drafter's, not the path
@@ -174,7 +211,9 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, Cap
     if warning:
         click.echo(f"sglang_capture: warning: {warning}", err=True)
     os.environ[ENV_VAR] = config.to_env()
-    return server_args, config, capture_info_body(config, str(server_args.model_path), arch, layers, said)
+    spec = {"algorithm": str(server_args.speculative_algorithm),
+            "draft": str(server_args.speculative_draft_model_path)} if served is not None else None
+    return server_args, config, capture_info_body(config, str(server_args.model_path), arch, layers, said, spec)
 
 
 @click.command(

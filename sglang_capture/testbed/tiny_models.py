@@ -1,4 +1,5 @@
-"""Tiny random-weight checkpoints (Llama, DeepSeek-V3, Kimi-K2.5) with an offline byte-level BPE tokenizer.
+"""Tiny random-weight checkpoints (Llama, DeepSeek-V3, Kimi-K2.5, an EAGLE-3 target and draft) with
+an offline byte-level BPE tokenizer.
 
 No hub access: the tokenizer is trained on a few bundled sentences, weights are seeded random.
 The DeepSeek-V3 checkpoint is written by hand in the per-expert layout real DeepSeek-V3 /
@@ -53,7 +54,10 @@ def build_tokenizer():
     return fast
 
 
-def save_llama(path: str, tokenizer, layers: int = 4, hidden: int = 256) -> str:
+def save_llama(path: str, tokenizer, layers: int = 4, hidden: int = 256, out_scale: float = 1.0) -> str:
+    """A random Llama. ``out_scale`` < 1 shrinks every layer's output projections (attention
+    ``o_proj``, MLP ``down_proj``), so each layer adds little to the residual stream and the next
+    token depends mostly on the current one (the EAGLE-3 test target, see ``save_eagle3_draft``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -63,10 +67,100 @@ def save_llama(path: str, tokenizer, layers: int = 4, hidden: int = 256) -> str:
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = LlamaForCausalLM(cfg)
+    if out_scale != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(out_scale)
+                layer.mlp.down_proj.weight.mul_(out_scale)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# The EAGLE-3 test pair: a Llama whose layers add little (output projections x 0.03), so its
+# greedy next token is nearly a function of the current token, and a one-layer draft for it.
+EAGLE3_TARGET_OUT_SCALE = 0.03
+EAGLE3_AUX_LAYER_IDS = (0, 1, 2)
+
+
+def save_eagle3_draft(path: str, target_path: str, aux_layer_ids=EAGLE3_AUX_LAYER_IDS, seed: int = 1) -> str:
+    """A one-layer EAGLE-3 draft (``LlamaForCausalLMEagle3``, SGLang's weight names) for the Llama
+    at ``target_path``, built so that it guesses right often but not always.
+
+    The draft sees, at position i, the target's residual stream after layers ``aux_layer_ids``
+    (concatenated) and the embedding of token i+1, and must guess token i+2. Here ``fc`` keeps the
+    last captured block (identity there, zeros elsewhere); the midlayer's ``o_proj`` and MLP
+    ``down_proj`` are zero, so that block passes through to the draft's norm and ``lm_head``
+    (copies of the target's). Its argmax j is then the target's own guess from that depth, about
+    token i+1 when the target's remaining layers add little (``save_llama(out_scale=...)``).
+    ``d2t`` (draft id -> target id, stored as the difference, as EAGLE-3 checkpoints do) maps j to
+    the target's bigram successor B(j) = argmax lm_head(norm(embed(j))), about token i+2. Later draft
+    steps feed the draft's own (unchanged) hidden state back, so they repeat that guess: the first
+    draft token is mostly accepted, later ones mostly rejected unless the text repeats.
+    """
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(target_path, "config.json")) as f:
+        target_cfg = json.load(f)
+    tw = {k: v.float() for k, v in load_file(os.path.join(target_path, "model.safetensors")).items()}
+    hidden, vocab, eps = target_cfg["hidden_size"], target_cfg["vocab_size"], target_cfg["rms_norm_eps"]
+    heads, kv_heads = target_cfg["num_attention_heads"], target_cfg["num_key_value_heads"]
+    head_dim, inter = target_cfg.get("head_dim") or hidden // heads, target_cfg["intermediate_size"]
+    n_aux = len(aux_layer_ids)
+
+    def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    embed, head, norm = tw["model.embed_tokens.weight"], tw["lm_head.weight"], tw["model.norm.weight"]
+    successor = (rms_norm(embed, norm) @ head.T).argmax(-1)  # B(j), the target's bigram guess
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    bf = torch.bfloat16
+    fc = torch.zeros(hidden, hidden * n_aux)
+    fc[:, (n_aux - 1) * hidden:] = torch.eye(hidden)
+    m = "midlayer."
+    w = {
+        "fc.weight": fc, "norm.weight": norm, "lm_head.weight": head,
+        m + "input_layernorm.weight": torch.ones(hidden), m + "hidden_norm.weight": torch.ones(hidden),
+        m + "post_attention_layernorm.weight": torch.ones(hidden),
+        m + "self_attn.q_proj.weight": r(heads * head_dim, 2 * hidden),
+        m + "self_attn.k_proj.weight": r(kv_heads * head_dim, 2 * hidden),
+        m + "self_attn.v_proj.weight": r(kv_heads * head_dim, 2 * hidden),
+        m + "self_attn.o_proj.weight": torch.zeros(hidden, heads * head_dim),
+        m + "mlp.gate_proj.weight": r(inter, hidden), m + "mlp.up_proj.weight": r(inter, hidden),
+        m + "mlp.down_proj.weight": torch.zeros(hidden, inter),
+    }
+    w = {k: v.to(bf).contiguous() for k, v in w.items()}
+    w["d2t"] = (successor - torch.arange(vocab)).to(torch.int64)
+    w["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    config = {k: v for k, v in target_cfg.items() if k not in ("transformers_version",)}
+    config.update(
+        architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=vocab,
+        tie_word_embeddings=False, torch_dtype="bfloat16",
+        eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
+    )
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(w, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def build_eagle3_pair(out_dir: str) -> Dict[str, str]:
+    """Build (once) the EAGLE-3 test target and its draft under ``out_dir``; returns
+    {"tiny-llama-eagle3-target": path, "tiny-llama-eagle3-draft": path}."""
+    def build(tmp: str) -> None:
+        target = save_llama(os.path.join(tmp, "target"), build_tokenizer(), out_scale=EAGLE3_TARGET_OUT_SCALE)
+        save_eagle3_draft(os.path.join(tmp, "draft"), target)
+
+    build_once(out_dir, build, stamp=f"eagle3 pair v1 scale {EAGLE3_TARGET_OUT_SCALE} aux {EAGLE3_AUX_LAYER_IDS}")
+    return {"tiny-llama-eagle3-target": os.path.join(out_dir, "target"),
+            "tiny-llama-eagle3-draft": os.path.join(out_dir, "draft")}
 
 
 # Shapes of the DeepSeek-V3 family. "cpu": everything shrunk (the CPU test bed's MLA path takes any
@@ -326,7 +420,9 @@ def build_all(out_dir: str) -> Dict[str, str]:
         save_kimi_k25(os.path.join(tmp, "tiny-kimi-k25"), tok)
 
     build_once(out_dir, build, stamp=f"tiny models v{BUILD_VERSION}")
-    return {name: os.path.join(out_dir, name) for name in names}
+    paths = {name: os.path.join(out_dir, name) for name in names}
+    paths.update(build_eagle3_pair(os.path.join(out_dir, "tiny-llama-eagle3")))  # its own stamp: the others stay
+    return paths
 
 
 def main(argv=None) -> None:

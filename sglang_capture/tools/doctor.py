@@ -90,4 +90,8 @@ def server_report(url: str, api_key: Optional[str] = None) -> Tuple[List[str], b
         lines.append(f"ok   {server.url}: capture server (sglang_capture {body.get('sglang_capture')}), model "
                      f"{body.get('model_path')}, layers {body.get('layers')}, files in {body.get('capture_dir')}")
         lines.append(f"     {body.get('who_captures') or 'who captures: not said (an older sglang_capture)'}")
+        spec = body.get("speculative")
+        if spec:
+            lines.append(f"     speculates with {spec.get('algorithm')} (draft {spec.get('draft')}): its draft fixes the "
+                         f"layers captured, {body.get('layers')}; captures hold prompt rows and accepted output rows")
     return lines, True

@@ -26,6 +26,9 @@ The order in which SGLang calls the seams, for one batch on one scheduler (0.5.1
 3. ``append_final_hidden`` (``LogitsProcessor._get_hidden_states_to_store``), inside the forward of
    step 2: the final hidden state joins the aux layers; in an eager forward only the capture
    requests' rows are kept, and ``launching`` records which.
+3b. ``aux_for_draft`` (``EagleDraftExtendInput.__post_init__``, a server that speculates with
+   EAGLE-3), inside step 2 after the target's forward: the draft-extend pass is handed the aux
+   columns of the target's rows, without the final hidden state (hooks/draft.py).
 4. ``copy_hidden_to_pool`` (``GenerationBatchResult.copy_to_cpu``): inside step 2 with overlap
    scheduling, or later for delayed sampling (grammars), or never (``--disable-overlap-schedule``:
    the rows then stay on the device). It finds the batch's state on the result object first.

@@ -12,11 +12,14 @@ from sglang_capture.server.scheduler_capture import SchedulerCapture
 
 def set_capture_layers(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Before ``ModelRunner.init_attention_backends``: weights are loaded, CUDA graphs not yet captured."""
-    if not instance.is_draft_worker:
-        # every rank, on every node, must run the patches (and DP groups on several nodes share one dir)
-        announce_and_check(state.config.capture_dir, needs_shared_dir(instance.server_args))
-        state.configure_model(instance)
-    return wrapped(*args, **kwargs)
+    if instance.is_draft_worker:
+        return wrapped(*args, **kwargs)
+    # every rank, on every node, must run the patches (and DP groups on several nodes share one dir)
+    announce_and_check(state.config.capture_dir, needs_shared_dir(instance.server_args))
+    state.configure_model(instance)
+    out = wrapped(*args, **kwargs)
+    state.aux.check_served_layers()  # a server that speculates set its draft's layers in there
+    return out
 
 
 def _bind(hidden_states, hidden_states_before_norm, aux_hidden_states, pruned_states, pruned_states_before_norm,
@@ -27,12 +30,17 @@ def _bind(hidden_states, hidden_states_before_norm, aux_hidden_states, pruned_st
 def append_final_hidden(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Around ``LogitsProcessor._get_hidden_states_to_store``: in full mode with aux capture, SGLang
     returns only the aux concat; append the post-norm final hidden state as the last H columns.
-    In an eager forward only the capture requests' rows are kept (batch_rows.gather_in_forward).
-    (Also runs while CUDA graphs are captured, so that path must stay a pure tensor op.)"""
+    In an eager forward only the capture requests' rows are kept (batch_rows.gather_in_forward),
+    except on a server that speculates: its draft reads every row (hooks/draft.py strips the final
+    columns for it). (Also runs while CUDA graphs are captured: that path must stay a pure tensor op.)"""
     aux = wrapped(*args, **kwargs)  # the aux layers' columns, concatenated
     final, before_norm, aux_per_layer, meta = _bind(*args, **kwargs)
     if aux is None or aux_per_layer is None or before_norm is not None or not meta.capture_hidden_mode.is_full():
         return aux
+    if state.aux is not None and state.aux.speculative:
+        if instance is not state.aux.logits_processor:
+            return aux  # the draft's own forward
+        return torch.cat([aux, final], dim=-1)
     gathered = gather_in_forward(state.launching, aux, final)
     if gathered is not None:
         return gathered

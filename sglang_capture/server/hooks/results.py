@@ -2,7 +2,7 @@
 
 Capture requests hand views of the (already host-side) hidden states to their RequestCapture,
 keyed by absolute position. Other requests go through SGLang's own code unchanged, except that
-they see only the final hidden state columns, exactly what plain SGLang would return them.
+they see only the columns plain SGLang would return them (``_sglang_columns``).
 """
 from __future__ import annotations
 
@@ -41,10 +41,14 @@ def _rows_of(state: SchedulerCapture, req: Any, capture: Any, hidden: Any, offse
         return None
 
 
-def _final_columns(state: SchedulerCapture, hidden: Any) -> Any:
+def _sglang_columns(state: SchedulerCapture, hidden: Any) -> Any:
+    """The columns plain SGLang returns a ``return_hidden_states`` request: the final hidden state,
+    or on a server that speculates with EAGLE-3 the aux layers its draft reads."""
     model = state.model
-    if model is None or hidden is None or hidden.shape[-1] == model.hidden_size:
+    if model is None or hidden is None or hidden.shape[-1] != model.aux_width + model.hidden_size:
         return hidden
+    if state.aux is not None and state.aux.speculative:
+        return hidden[..., :model.aux_width]
     return hidden[..., -model.hidden_size:]
 
 
@@ -55,7 +59,7 @@ def take_prefill_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args
     if capture is None:
         if req.return_hidden_states:
             out = copy.copy(kwargs["logits_output"])
-            out.hidden_states = _final_columns(state, out.hidden_states)
+            out.hidden_states = _sglang_columns(state, out.hidden_states)
             kwargs = {**kwargs, "logits_output": out}
         return wrapped(*args, **kwargs)
     start = kwargs["hidden_state_offset"]
@@ -103,7 +107,7 @@ def take_decode_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args:
     req = kwargs["req"]
     capture = getattr(req, CAPTURE_ATTR, None)
     if capture is None:
-        return wrapped(*args, **{**kwargs, "hidden_states": _final_columns(state, kwargs["hidden_states"])})
+        return wrapped(*args, **{**kwargs, "hidden_states": _sglang_columns(state, kwargs["hidden_states"])})
     accept = kwargs["accept_len"]
     if accept > 0:
         start = kwargs["start"]
