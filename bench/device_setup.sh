@@ -19,4 +19,15 @@ if ! cmp -s "$whl" /tmp/sc/.installed.whl; then
 fi
 export PYTHONPATH=/tmp/sc:${PYTHONPATH:-}
 tiny_model() { python -m sglang_capture.testbed.tiny_models "$@"; }
+# SGLang 0.5.17's EAGLE worker imports the DSA attention backend (and with it deep_gemm) only to
+# list graph-capable backends; a bf16 Llama never calls it. The kit lacks deep_gemm: use a carried
+# sgl-deep-gemm when it imports here, else an empty stand-in, with its JIT off either way.
+eagle_deep_gemm() {
+  if ! timeout 45 python -c "import deep_gemm" > $W/deep_gemm.txt 2>&1; then
+    mkdir -p /tmp/dgstub/deep_gemm && echo '"""Stand-in for the import in dsa_backend."""' > /tmp/dgstub/deep_gemm/__init__.py
+    export PYTHONPATH=/tmp/dgstub:$PYTHONPATH
+    echo "deep_gemm: empty stand-in (sgl-deep-gemm: $(tail -1 $W/deep_gemm.txt))"
+  else echo "deep_gemm: sgl-deep-gemm imports"; fi
+  export SGLANG_ENABLE_JIT_DEEPGEMM=false
+}
 SGLANG_GPU_ARGS="--attention-backend triton --grammar-backend none --sleep-on-idle --max-total-tokens 300000 --cuda-graph-max-bs 64 --chunked-prefill-size 16384 --max-running-requests 128"

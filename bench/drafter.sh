@@ -62,15 +62,7 @@ case $PHASE in
     ;;
   serve)
     [ -e $W/.done-train ] || { echo "training not done"; tail -20 $W/train-stage.log; exit 1; }
-    # SGLang 0.5.17's EAGLE worker imports the DSA attention backend (and with it deep_gemm) only to
-    # list graph-capable backends; a bf16 Llama never calls it. The kit lacks deep_gemm: use the
-    # carried sgl-deep-gemm when it imports here, else an empty stand-in, with its JIT off either way.
-    if ! timeout 45 python -c "import deep_gemm" > $W/deep_gemm.txt 2>&1; then
-      mkdir -p /tmp/dgstub/deep_gemm && echo '"""Stand-in for the import in dsa_backend."""' > /tmp/dgstub/deep_gemm/__init__.py
-      export PYTHONPATH=/tmp/dgstub:$PYTHONPATH
-      echo "deep_gemm: empty stand-in (sgl-deep-gemm: $(tail -1 $W/deep_gemm.txt))"
-    else echo "deep_gemm: sgl-deep-gemm imports"; fi
-    export SGLANG_ENABLE_JIT_DEEPGEMM=false
+    eagle_deep_gemm
     run serve $W --mirror $OUT 2>&1 | tee -a $W/drafter.log | tail -12
     [ -e $W/.done-serve ]
     ;;

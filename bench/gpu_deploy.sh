@@ -23,21 +23,26 @@
 #             wheel (vb/), and fallback/: Debian's libnuma.so.1 and a stand-in libcurl.so.4 (engine.so
 #             links libcurl for an HTTP metadata server SGLang's P2P handshake never uses; every call of
 #             the stand-in fails cleanly). Needs pip, apt-get, gcc, xz.
+#   spec      one H200: bench/gpu_spec.py on the test bed's EAGLE-3 pair (a SPEC_LAYERS x SPEC_HIDDEN Llama
+#             whose layers add little, 24 x 2048 by default, and its one-layer draft): chain and tree
+#             drafting with capture against the same target without speculation, tokens and verify
+#             passes unchanged by capture, throughput with every request capturing (SPEC_ARGS: its flags).
 #   fp8-rows  one H200: bench/gpu_fp8.py, each of FP8_PROMPTS prompts (up to FP8_TOKENS tokens) captured
 #             alone in bf16 and in FP8 on one launcher (4-layer DeepSeek-V3 of width 7168, fixed routing,
 #             layers 1,2,3), compared row for row: cosine and relative error per block, bytes per token.
 # Usage (repo root, after `make wheel` here; carry .devkit and dist, pd also .whl):
-#   source .devkit/env.sh; bash bench/gpu_deploy.sh graphs|configs|pd|fp8-rows $OUT [NAME=VALUE ...]
+#   source .devkit/env.sh; bash bench/gpu_deploy.sh graphs|configs|pd|spec|fp8-rows $OUT [NAME=VALUE ...]
 #   bash bench/gpu_deploy.sh pd-kit
 # Knobs (NAME=VALUE arguments or environment): CONFIGS, PD_ARCH, E2E_TIMEOUT, AB_TIMEOUT, E2E_SECONDS,
-# AB_ROUNDS, SKIP_AB, DEPLOY_TIMEOUT, FP8_PROMPTS, FP8_TOKENS, FP8_TIMEOUT.
+# AB_ROUNDS, SKIP_AB, DEPLOY_TIMEOUT, SPEC_LAYERS, SPEC_HIDDEN, SPEC_OUT_SCALE, SPEC_ARGS, SPEC_TIMEOUT, FP8_PROMPTS, FP8_TOKENS,
+# FP8_TIMEOUT.
 # Two servers on one GPU under SGLang 0.5.17 (graphs, pd): the KV budget is what is free at its profiling
 # minus (1 - --mem-fraction-static) of what was free before loading, so a neighbour loading in between
 # leaves nothing (r36: "Loaded weights leave no GPU memory for the KV cache"); a high fraction with
 # --max-total-tokens capping the pool works in any start order.
 set -o pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/phases.sh"
-check_phase "usage: bash bench/gpu_deploy.sh graphs|configs|pd|fp8-rows|pd-kit OUT [NAME=VALUE ...]   (pd-kit: no OUT; knobs: see the header)" "${1:-}"
+check_phase "usage: bash bench/gpu_deploy.sh graphs|configs|pd|spec|fp8-rows|pd-kit OUT [NAME=VALUE ...]   (pd-kit: no OUT; knobs: see the header)" "${1:-}"
 PHASE=$1
 shift
 
@@ -159,6 +164,17 @@ case $PHASE in
     rc=${PIPESTATUS[0]}
     graph_lines $W/deploy/*.log > "$OUT/graphs.txt"
     cp $W/deploy/gpu_deploy.json "$OUT/gpu_deploy-pd-$ARCH.json" 2>/dev/null
+    ;;
+  spec)
+    cd /tmp
+    tiny_model /tmp/e3 --arch llama_eagle3 --layers "${SPEC_LAYERS:-24}" --hidden "${SPEC_HIDDEN:-2048}" \
+      --out-scale "${SPEC_OUT_SCALE:-0.001}" > $W/mk.log 2>&1 ||
+      { cat $W/mk.log; exit 1; }
+    nvidia-smi -L > "$OUT/gpus.txt"
+    eagle_deep_gemm
+    timeout "${SPEC_TIMEOUT:-480}" python "$R/bench/gpu_spec.py" /tmp/e3 $W/spec ${SPEC_ARGS:-} 2>&1 | tee "$OUT/spec.txt"
+    rc=${PIPESTATUS[0]}
+    cp $W/spec/gpu_spec.json "$OUT/" 2>/dev/null
     ;;
   fp8-rows)
     cd /tmp

@@ -1,0 +1,247 @@
+"""Capture on a GPU server that speculates with EAGLE-3 (issue 38, items 1-3), one H200.
+
+    python bench/gpu_spec.py PAIR_DIR OUT_DIR [--prompts 24] [--tokens 160] [--windows 6]
+                             [--concurrency 64] [--window-tokens 128] [--window-seconds 12] [--settings chain,tree]
+                             [--throughput-on chain[,ref]]
+
+PAIR_DIR holds the test bed's EAGLE-3 pair (``python -m sglang_capture.testbed.tiny_models PAIR_DIR
+--arch llama_eagle3``: a random Llama whose layers add little, ``target/``, and a one-layer draft,
+``draft/``, that guesses its next token right often but not always). Three launchers share the GPU,
+with SGLang's GPU defaults (overlap scheduling, decode CUDA graphs for verify and draft): chain
+drafting (top-k 1, 3 steps, 4 draft tokens), tree drafting (top-k 4, 3 steps, 8 draft tokens) and
+the same target without speculation (the reference).
+
+Per speculating server:
+- **tokens**: the prompts at temperature 0 with and without capture: output tokens and verify
+  passes (``spec_verify_ct``) identical;
+- **rows**: each capture (prompt and accepted output rows) against a prefill-only capture of the
+  same whole sequence on the reference: per column (each aux layer, final), the 0.1st-percentile
+  row cosine, also without each row's 4 largest channels; bar 0.999;
+- **throughput** (``--throughput-on``, default chain; ``ref`` for the same load without speculation):
+  ``--concurrency`` closed-loop clients sending
+  requests of ``--window-tokens`` output tokens, in windows of ``--window-seconds`` alternating
+  every request capturing and none; output tok/s per window, ratio of the medians; bar 0.95.
+Prints a PASS/FAIL line per check and writes OUT_DIR/gpu_spec.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List
+
+import torch
+
+import sglang_capture
+from sglang_capture.core.layers import draft_capture_layers, read_draft_eagle3_ids
+from sglang_capture.testbed.cpu import has_nvidia_driver, server_env
+from sglang_capture.testbed.server import Server, start_server, stop_server
+
+GPU_ARGS = ("--attention-backend triton --grammar-backend none --cuda-graph-max-bs 64 --mem-fraction-static 0.88 "
+            "--max-total-tokens 120000 --max-running-requests 64").split()
+SETTINGS = {"chain": ["--speculative-eagle-topk", "1", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"],
+            "tree": ["--speculative-eagle-topk", "4", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"]}
+MIN_COS = 0.999
+MIN_RATIO = 0.95
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def start(name: str, target: str, work: str, captures: str, extra: List[str]) -> Server:
+    capture_dir = os.path.join(captures, name)
+    shutil.rmtree(capture_dir, ignore_errors=True)  # an earlier run's files: names would collide
+    os.makedirs(capture_dir)
+    if has_nvidia_driver():
+        cmd = [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir, "--model-path", target,
+               *GPU_ARGS, *extra]
+        env = dict(os.environ)
+    else:  # a dry run of this script on the CPU test bed (its EAGLE-3 flags; float32)
+        from sglang_capture.testbed.once import cache_dir
+        from sglang_capture.testbed.server import capture_cmd
+        from sglang_capture.testbed.spec_kernels import eagle3_server_args
+
+        spec = extra[0] == "--speculative-algorithm"
+        cmd = capture_cmd(target, capture_dir) + (eagle3_server_args(extra[3], 1, 3, 4) if spec else ["--dtype", "float32", *extra])
+        env = server_env(cache_dir())
+    return start_server(cmd, env, os.path.join(work, f"{name}.log"), capture_dir)
+
+
+def prompts(target: str, n: int, seed: int = 0) -> List[List[int]]:
+    """Token-id prompts of 16 to 1,500 tokens (long ones are prefilled in several chunks)."""
+    from transformers import AutoTokenizer
+
+    vocab = sorted(AutoTokenizer.from_pretrained(target).get_vocab().values())
+    rng = random.Random(seed)
+    lengths = [16, 64, 300, 1500] + [rng.randint(16, 800) for _ in range(n - 4)]
+    return [[rng.choice(vocab[8:]) for _ in range(k)] for k in lengths[:n]]
+
+
+def generate(server: Server, ids: List[int], tokens: int, name: str = "") -> Dict:
+    params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    if name:
+        params["custom_params"] = {"capture": True, "capture_name": name}
+    r = server.generate({"input_ids": ids, "sampling_params": params}, timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def cosines(x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, y = x.to(dev, torch.float32), y.to(dev, torch.float32)
+    top = torch.maximum(x.abs(), y.abs()).topk(4, dim=-1).indices
+    keep = torch.ones_like(x).scatter_(-1, top, 0.0)
+    return {"cos": torch.nn.functional.cosine_similarity(x, y, dim=-1).cpu(),
+            "cos_top4_out": torch.nn.functional.cosine_similarity(x * keep, y * keep, dim=-1).cpu()}
+
+
+def check_rows(spec: Server, ref: Server, outs: List[Dict], setting: str) -> Dict:
+    """Every speculative capture against a prefill-only capture of its whole sequence on ``ref``."""
+    per_col: Dict[str, List[torch.Tensor]] = {}
+    rows = 0
+    for i, out in enumerate(outs):
+        cap = out["meta_info"]["capture"]
+        if cap["status"] != "ok":
+            raise RuntimeError(f"{setting} capture {i}: {cap}")
+        mine = sglang_capture.load(cap["path"])
+        ids = mine["input_ids"].tolist() + mine["output_ids"].tolist()
+        theirs = sglang_capture.load(generate(ref, ids, 1, f"ref-{setting}-{i}")["meta_info"]["capture"]["path"])
+        n = mine["aux_hidden_states"].shape[0]
+        if n != len(ids) - 1 or theirs["input_ids"].tolist() != ids:
+            raise RuntimeError(f"{setting} capture {i}: {n} rows for {len(ids)} tokens")
+        rows += n
+        h = mine["hidden_size"]
+        cols = {f"aux{k}": (mine["aux_hidden_states"][:, k * h:(k + 1) * h], theirs["aux_hidden_states"][:n, k * h:(k + 1) * h])
+                for k in range(mine["aux_hidden_states"].shape[1] // h)}
+        cols["final"] = (mine["last_hidden_states"], theirs["last_hidden_states"][:n])
+        for col, (x, y) in cols.items():
+            for kind, v in cosines(x, y).items():
+                per_col.setdefault(f"{col}/{kind}", []).append(v)
+    stats = {}
+    for key, vs in per_col.items():
+        v = torch.cat(vs)
+        stats[key] = {"p0.1": round(float(torch.quantile(v, 0.001)), 6), "min": round(float(v.min()), 6)}
+    return {"files": len(outs), "rows": rows, "columns": stats,
+            "pass": all(s["p0.1"] >= MIN_COS for s in stats.values())}
+
+
+def check_tokens(server: Server, ps: List[List[int]], tokens: int, setting: str, alone: int = 8) -> tuple:
+    """Capture on and off, one request at a time (the same batches both ways) for the first ``alone``
+    prompts: identical tokens and verify passes; then every prompt captured at once, for the rows."""
+    same_tokens = same_verify = tok = verify = 0
+    for i in range(min(alone, len(ps))):
+        captured, plain = generate(server, ps[i], tokens, f"{setting}-alone-{i}"), generate(server, ps[i], tokens)
+        same_tokens += captured["output_ids"] == plain["output_ids"]
+        same_verify += captured["meta_info"]["spec_verify_ct"] == plain["meta_info"]["spec_verify_ct"]
+        tok += plain["meta_info"]["completion_tokens"]
+        verify += plain["meta_info"]["spec_verify_ct"]
+    n = min(alone, len(ps))
+    res = {"requests": n, "same_tokens": same_tokens, "same_verify_ct": same_verify,
+           "tokens_per_verify": round(tok / max(verify, 1), 3)}
+    res["pass"] = same_tokens == same_verify == n
+    with ThreadPoolExecutor(len(ps)) as pool:  # verify passes of many requests at once, in CUDA graphs
+        batched = list(pool.map(lambda i: generate(server, ps[i], tokens, f"{setting}-{i}"), range(len(ps))))
+    return res, batched
+
+
+def throughput(server: Server, ps: List[List[int]], windows: int, concurrency: int, tokens: int, seconds: float,
+               setting: str) -> Dict:
+    """Closed-loop clients, ``concurrency`` of them, in windows of ``seconds`` alternating capture on
+    and off: a window's rate counts the output tokens of the requests that started and ended in it
+    (each client sends its next request as soon as one is answered, a capture's after its file is
+    written), then the window drains before the next starts."""
+    load = [ps[i % len(ps)][:256] for i in range(concurrency)]
+    rates: Dict[str, List[float]] = {"capture": [], "plain": []}
+    for w in range(windows):
+        for kind in (("capture", "plain") if w % 2 == 0 else ("plain", "capture")):
+            t0 = time.perf_counter()
+            stop = t0 + seconds
+
+            def client(i: int, kind: str = kind, w: int = w, stop: float = stop) -> int:
+                done, n = 0, 0
+                while time.perf_counter() < stop:
+                    out = generate(server, load[i], tokens, f"tp-{setting}-{w}-{i}-{n}" if kind == "capture" else "")
+                    n += 1
+                    if kind == "capture" and out["meta_info"]["capture"]["status"] != "ok":
+                        raise RuntimeError(f"throughput window {w}: {out['meta_info']['capture']}")
+                    if time.perf_counter() <= stop:
+                        done += out["meta_info"]["completion_tokens"]
+                return done
+
+            with ThreadPoolExecutor(concurrency) as pool:
+                total = sum(pool.map(client, range(concurrency)))
+            rates[kind].append(total / seconds)
+        log(f"{setting} window {w}: capture {rates['capture'][-1]:.0f} tok/s, plain {rates['plain'][-1]:.0f} tok/s")
+    ratio = statistics.median(rates["capture"]) / statistics.median(rates["plain"])
+    return {"windows": windows, "seconds": seconds, "concurrency": concurrency, "tokens": tokens,
+            "tok_s": {k: [round(x) for x in v] for k, v in rates.items()}, "ratio_of_medians": round(ratio, 4),
+            "pass": ratio >= MIN_RATIO}
+
+
+def main(a: argparse.Namespace) -> int:
+    os.makedirs(a.out, exist_ok=True)
+    target, draft = os.path.join(a.pair, "target"), os.path.join(a.pair, "draft")
+    settings = a.settings.split(",")
+    work = os.path.join(a.out, "work")
+    os.makedirs(work, exist_ok=True)
+    with open(os.path.join(target, "config.json")) as f:
+        num_layers = json.load(f)["num_hidden_layers"]
+    # the reference captures the layers the served draft makes the speculating servers capture
+    layers = draft_capture_layers(read_draft_eagle3_ids(draft), num_layers, "LlamaForCausalLM")
+    t0 = time.time()
+    with ThreadPoolExecutor(len(settings) + 1) as pool:
+        futures = {s: pool.submit(start, s, target, work, a.captures, ["--speculative-algorithm", "EAGLE3",
+                                                           "--speculative-draft-model-path", draft, *SETTINGS[s]])
+                   for s in settings}
+        futures["ref"] = pool.submit(start, "ref", target, work, a.captures, ["--capture-layers", ",".join(map(str, layers))])
+        servers = {k: f.result() for k, f in futures.items()}
+    log(f"{len(servers)} servers up in {time.time() - t0:.0f} s")
+    res: Dict = {"pair": a.pair, "server_args": " ".join(GPU_ARGS), "settings": {s: " ".join(SETTINGS[s]) for s in settings}}
+    ok = True
+    try:
+        ps = prompts(target, a.prompts)
+        for s in settings:
+            tokens, captured = check_tokens(servers[s], ps, a.tokens, s)
+            rows = check_rows(servers[s], servers["ref"], captured, s)
+            res[s] = {"tokens": tokens, "rows": rows}
+            ok &= tokens["pass"] and rows["pass"]
+            log(f"{'PASS' if tokens['pass'] else 'FAIL'} {s} tokens: {tokens}")
+            log(f"{'PASS' if rows['pass'] else 'FAIL'} {s} rows: {rows['files']} files, {rows['rows']} rows, "
+                + ", ".join(f"{k} {v['p0.1']}" for k, v in rows["columns"].items()))
+        for s in a.throughput_on.split(","):
+            tp = throughput(servers[s], ps, a.windows, a.concurrency, a.window_tokens, a.window_seconds, s)
+            res.setdefault(s, {})["throughput"] = tp
+            ok &= tp["pass"] or s == "ref"  # the reference (no speculation) is context, not a bar
+            log(f"{'PASS' if tp['pass'] else 'FAIL'} {s} throughput: capture/plain {tp['ratio_of_medians']} ({tp['tok_s']})")
+    finally:
+        for s in servers.values():
+            stop_server(s)
+        res["pass"] = bool(ok)
+        with open(os.path.join(a.out, "gpu_spec.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("pair")
+    ap.add_argument("out")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--windows", type=int, default=6)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--window-tokens", type=int, default=128)
+    ap.add_argument("--window-seconds", type=float, default=12.0)
+    ap.add_argument("--settings", default="chain,tree")
+    ap.add_argument("--throughput-on", default="chain", help="servers measured for throughput: settings, and ref (the "
+                    "same target without speculation, for context)")
+    ap.add_argument("--captures", default="/tmp/gpu-spec-captures", help="capture dirs, one per server (outside OUT)")
+    sys.exit(main(ap.parse_args()))
