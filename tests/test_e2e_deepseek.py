@@ -296,22 +296,27 @@ def test_parallel_samples_with_one_capture_name_are_refused(dsv3):
     assert set(os.listdir(dsv3.capture_dir)) == before
 
 
-def test_client_disconnect_aborts_without_a_file(dsv3):
+def hang_up_and_expect_abort(server, text: str, rid: str, name: str) -> None:
+    """A capture request whose client gives up and hangs up ends ``aborted`` in its outcome record,
+    with no file (shared by the servers of other modules)."""
     import json
-    import time
 
     import requests
 
     from sglang_capture.core.capture_dir import index_path
 
-    body = {"text": "hello world", "rid": "disconnect-me", "sampling_params": {
+    body = {"text": text, "rid": rid, "sampling_params": {
         "max_new_tokens": 3900, "temperature": 0, "ignore_eos": True,
-        "custom_params": {"capture": True, "capture_name": "disconnected"}}}
+        "custom_params": {"capture": True, "capture_name": name}}}
     with pytest.raises(requests.Timeout):
-        requests.post(dsv3.url + "/generate", json=body, timeout=2)  # the client gives up and hangs up
-    record = index_path(dsv3.capture_dir, "disconnect-me")
+        requests.post(server.url + "/generate", json=body, timeout=2)  # the client gives up and hangs up
+    record = index_path(server.capture_dir, rid)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not os.path.exists(record):
         time.sleep(0.2)
     assert json.load(open(record))["status"] == "aborted"
-    assert not os.path.exists(os.path.join(dsv3.capture_dir, "disconnected.capture.msgpack"))
+    assert not os.path.exists(os.path.join(server.capture_dir, f"{name}.capture.msgpack"))
+
+
+def test_client_disconnect_aborts_without_a_file(dsv3):
+    hang_up_and_expect_abort(dsv3, "hello world", "disconnect-me", "disconnected")

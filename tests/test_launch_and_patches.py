@@ -62,9 +62,12 @@ def test_model_without_aux_capture_is_refused(tiny_models, tmp_path):
 
 
 def test_speculative_decoding_is_refused(tiny_models, tmp_path):
+    """Speculation other than EAGLE-3 keeps no aux layers to capture."""
     result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", tiny_models["tiny-llama"], "--device", "cpu",
                             "--speculative-algorithm", "NGRAM")
-    assert result.exit_code != 0 and len(lines) == 1 and "speculative" in lines[0]
+    assert result.exit_code != 0
+    assert lines == ["Error: capture on a server that speculates supports --speculative-algorithm EAGLE3 (its target "
+                     "keeps the aux layers the draft reads), not NGRAM; use EAGLE3 or drop it"]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -242,6 +245,15 @@ def test_a_server_that_speculates_captures_its_drafts_layers_and_refuses_others(
         no_aux = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_draft_model_path=_eagle3_draft(
             tmp_path, tiny_models["tiny-llama"], use_aux=False))
         speculative_layers(no_aux, config, 4, "LlamaForCausalLM")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [0, 2]}}))
+    with pytest.raises(ConfigError, match="^--capture-layers-from-draft asks for layers 1,3, but the served draft makes"):
+        speculative_layers(spec, replace(config, layers_from_draft=str(other)), 4, "LlamaForCausalLM")
+    with pytest.raises(ConfigError, match="needs --speculative-draft-model-path"):
+        speculative_layers(SimpleNamespace(speculative_algorithm="EAGLE3", speculative_draft_model_path=None),
+                           config, 4, "LlamaForCausalLM")
     result, lines = _launch("--capture-dir", str(tmp_path), "--capture-layers", "1,2", "--model-path",
                             tiny_models["tiny-llama"], "--device", "cpu", "--speculative-algorithm", "EAGLE3",
                             "--speculative-draft-model-path", draft)

@@ -44,6 +44,20 @@ def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
     assert capture_rows(None, 3) is None
 
 
+def test_a_verify_pass_keeps_each_capture_requests_block_of_draft_rows():
+    """EAGLE-3: a verify pass has num_draft_tokens rows per request; the worker's draft extend has
+    changed the batch's mode by the time the copy selects rows, so the mode at launch decides."""
+    from sglang_capture.server.batch_rows import BatchRows
+
+    req, batch = _fake_req, _fake_batch
+    b = batch("decode", [req(True), req(), req(True)])
+    b.spec_algorithm = types.SimpleNamespace(is_none=lambda: False)
+    rows = BatchRows(b, captures=True)
+    b.forward_mode = types.SimpleNamespace(is_decode=lambda: False, is_extend=lambda: False, is_mixed=lambda: False)
+    assert rows.selection(12) == ([(0, 4), (8, 12)], {0: 0, 8: 4})  # 4 draft tokens per request
+    assert BatchRows(batch("decode", [req(True), req(), req(True)]), captures=True).selection(12) is None  # no spec
+
+
 def test_captured_rows_are_gathered_in_the_forward_beside_their_final_hidden_state():
     from sglang_capture.server.batch_rows import BatchRows, gather_in_forward
 

@@ -8,17 +8,13 @@ that does not speculate. Two servers: chain drafting (top-k 1, with small prefil
 tree drafting (top-k 2, with SGLang's own forced retraction every few steps)."""
 from __future__ import annotations
 
-import json
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 import torch
 
 import sglang_capture
-from sglang_capture.core.capture_dir import index_path
 from sglang_capture.testbed.server import capture_cmd
 from sglang_capture.testbed.spec_kernels import eagle3_server_args
 from sglang_capture.testbed.tiny_models import EAGLE3_AUX_LAYER_IDS
@@ -172,16 +168,9 @@ def test_retracted_captures_stay_exact(tree, pair):
 
 
 def test_an_aborted_capture_leaves_no_file(chain):
-    body = _body("hello world", tokens=3900, capture_name="disconnected")
-    body["rid"] = "spec-disconnect"
-    with pytest.raises(requests.Timeout):
-        requests.post(chain.url + "/generate", json=body, timeout=2)  # the client gives up and hangs up
-    record = index_path(chain.capture_dir, "spec-disconnect")
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not os.path.exists(record):
-        time.sleep(0.2)
-    assert json.load(open(record))["status"] == "aborted"
-    assert not os.path.exists(os.path.join(chain.capture_dir, "disconnected.capture.msgpack"))
+    from tests.test_e2e_deepseek import hang_up_and_expect_abort
+
+    hang_up_and_expect_abort(chain, "hello world", "spec-disconnect", "disconnected")
 
 
 def test_extract_verify_and_doctor_work_unchanged_on_a_server_that_speculates(chain, pair, tmp_path, env):

@@ -20,7 +20,8 @@ where the forward runs the model's Python code, so the switch is used only when:
 The decision for a batch must be the same on every tensor-parallel rank (the capture may gather
 across ranks), so it reads a marker that every rank sets on a capture request (``AUX_ATTR``),
 not the writer rank's per-request state. SGLang's own ``return_hidden_states`` requests do not
-need the aux layers: they are answered with the final hidden state either way (results.py).
+need the aux layers: they are answered with the final hidden state either way (results.py), except
+on a server that speculates, where the switch is never used (its draft reads the aux layers).
 """
 from __future__ import annotations
 
@@ -69,7 +70,9 @@ class AuxCapture:
         served = sorted(getattr(self.inner, "layers_to_capture", None) or [])
         if self.speculative and (served != sorted(self.layers) or not self.lm.capture_aux_hidden_states):
             raise RuntimeError(f"sglang_capture: the served draft makes SGLang capture layers {served}, not the "
-                               f"layers {self.layers} the launcher resolved from it; report this with the draft's config")
+                               f"layers {self.layers} the launcher resolved from its config (SGLang's layer rule for "
+                               f"{type(self.lm).__name__} changed?): capture would mislabel them; serve this draft "
+                               "without sglang_capture.launch, and report it with the draft's config.json")
 
     def _inner_has_setter(self) -> bool:
         return hasattr(type(self.inner), "set_eagle3_layers_to_capture")

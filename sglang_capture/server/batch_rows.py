@@ -35,6 +35,8 @@ class BatchRows:
     def __init__(self, batch: Any, captures: bool) -> None:
         self.batch = batch
         self.captures = captures
+        # at launch: an EAGLE-3 worker's draft extend changes the batch's mode before the copy
+        self.mode = batch.forward_mode if batch is not None else None
         self._selection: Optional[Tuple[int, Optional[Selection]]] = None
         self.row_map: Optional[Dict[int, int]] = None  # set once only capture rows are kept
         self.kept_rows: Optional[int] = None
@@ -47,7 +49,7 @@ class BatchRows:
     def selection(self, n_rows: int) -> Optional[Selection]:
         """The capture rows to keep out of ``n_rows`` (computed once; the forward and the copy ask)."""
         if self._selection is None or self._selection[0] != n_rows:
-            self._selection = (n_rows, capture_rows(self.batch, n_rows) if self.captures else None)
+            self._selection = (n_rows, capture_rows(self.batch, n_rows, self.mode) if self.captures else None)
         return self._selection[1]
 
     def keep(self, selection: Selection, batch_rows: int, in_forward: bool) -> None:
@@ -119,13 +121,14 @@ class ResultRows:
         return offset
 
 
-def capture_rows(batch: Any, n_rows: int) -> Optional[Selection]:
+def capture_rows(batch: Any, n_rows: int, mode: Any = None) -> Optional[Selection]:
     """The row ranges of the batch's capture requests and each one's offset among them, or None
     when the whole batch must be copied: every row is captured, another request wants SGLang's
-    hidden states, or the batch's row layout is not the one the result processor assumes."""
+    hidden states, or the batch's row layout is not the one the result processor assumes.
+    ``mode``: the batch's forward mode when it was launched (default: its mode now)."""
     if batch is None:
         return None
-    reqs, mode = batch.reqs, batch.forward_mode
+    reqs, mode = batch.reqs, mode if mode is not None else batch.forward_mode
     if mode.is_decode():
         # one row per request; under EAGLE-3, one per draft token of each request's verify pass
         spec = getattr(batch, "spec_algorithm", None)

@@ -92,6 +92,12 @@ def check_server_args(server_args) -> None:
     if algorithm and str(algorithm).upper() not in SPECULATIVE_ALGORITHMS:
         raise ConfigError(f"capture on a server that speculates supports --speculative-algorithm EAGLE3 (its target "
                           f"keeps the aux layers the draft reads), not {algorithm}; use EAGLE3 or drop it")
+    if algorithm and getattr(server_args, "enable_multi_layer_eagle", False):
+        raise ConfigError("capture does not support --enable-multi-layer-eagle (its tree verify keeps rejected rows "
+                          "in place); drop it")
+    if algorithm and is_pd_prefill(server_args):
+        raise ConfigError("capture on a PD prefill server that speculates is untested; drop --speculative-algorithm "
+                          "there (the prefill server's prompt rows do not depend on the draft)")
     if getattr(server_args, "pp_size", 1) > 1:
         raise ConfigError("capture needs --pp-size 1 (aux layers must all live on one pipeline stage)")
     if getattr(server_args, "enable_two_batch_overlap", False):
@@ -130,6 +136,23 @@ def resolve_capture_layers(config: CaptureConfig, num_layers: int, architecture:
         raise ConfigError(str(e)) from None
 
 
+def draft_config(server_args: Any) -> str:
+    """The served draft's config.json: in its local directory, or fetched from the Hugging Face hub
+    at ``--speculative-draft-model-revision`` as SGLang will fetch the draft."""
+    path = getattr(server_args, "speculative_draft_model_path", None)
+    if not path:
+        raise ConfigError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path (the EAGLE-3 draft)")
+    if os.path.exists(str(path)):
+        return str(path)
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(str(path), "config.json", revision=getattr(server_args, "speculative_draft_model_revision", None))
+    except Exception as e:  # many failure types: no network, unknown repo, gated repo
+        raise ConfigError(f"--speculative-draft-model-path {path}: no such directory, and its config.json could not be "
+                          f"fetched from the Hugging Face hub ({type(e).__name__}); give the draft's local directory") from None
+
+
 def speculative_layers(server_args: Any, config: CaptureConfig, num_layers: int, architecture: str) -> Optional[List[int]]:
     """On a server that speculates with EAGLE-3, the layers its served draft makes SGLang capture
     (the only ones the target computes), or None on a server that does not speculate.
@@ -141,7 +164,7 @@ def speculative_layers(server_args: Any, config: CaptureConfig, num_layers: int,
         return None
     option = "--speculative-draft-model-path"
     try:
-        served = read_draft_eagle3_ids(str(server_args.speculative_draft_model_path), option)
+        served = read_draft_eagle3_ids(draft_config(server_args), option)
         if not served.use_aux_hidden_state:
             raise LayerError(f"{option} {served.path} sets eagle_config.use_aux_hidden_state false: its target captures "
                              "no aux layers, so there is nothing to capture; serve an EAGLE-3 draft that reads them")

@@ -40,6 +40,9 @@ def append_final_hidden(state: SchedulerCapture, wrapped: Any, instance: Any, ar
     if state.aux is not None and state.aux.speculative:
         if instance is not state.aux.logits_processor:
             return aux  # the draft's own forward
+        rows = state.launching
+        if (rows is None or not rows.captures) and not (final.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return aux  # an eager forward that captures nothing: the draft and SGLang's JSON read the aux as is
         return torch.cat([aux, final], dim=-1)
     gathered = gather_in_forward(state.launching, aux, final)
     if gathered is not None:
