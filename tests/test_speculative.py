@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 
 import pytest
 import torch
@@ -71,10 +72,15 @@ def _greedy(path: str, ids: list, n: int) -> list:
     return out[0, len(ids):].tolist()
 
 
-def _tokens(path: str, text: str) -> list:
+@lru_cache(maxsize=None)
+def _tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)(text).input_ids
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _tokens(path: str, text: str) -> list:
+    return _tokenizer(path)(text).input_ids
 
 
 def _check_exact(target: str, out: dict) -> dict:

@@ -219,13 +219,14 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, Cap
     served = speculative_layers(server_args, config, num_layers, arch)
     layers = served if served is not None else resolve_capture_layers(config, num_layers, arch)
     if served is not None:
-        click.echo(f"sglang_capture: the server speculates with {server_args.speculative_draft_model_path}: capturing "
-                   f"its layers {','.join(map(str, layers))} of {arch}", err=True)
-        config = replace(config, layers=layers, layers_from_draft=None)
+        source = f"sglang_capture: the server speculates with {server_args.speculative_draft_model_path}: capturing its layers"
     elif config.layers_from_draft is not None:
-        click.echo(f"--capture-layers-from-draft {config.layers_from_draft}: capturing layers "
-                   f"{','.join(map(str, layers))} of {arch}", err=True)
-        # the schedulers resolve config.layers themselves: hand them the drafter's, not the path
+        source = f"--capture-layers-from-draft {config.layers_from_draft}: capturing layers"
+    else:
+        source = ""
+    if source:
+        click.echo(f"{source} {','.join(map(str, layers))} of {arch}", err=True)
+        # the schedulers resolve config.layers themselves: hand them a drafter's layers, not its path
         config = replace(config, layers=layers, layers_from_draft=None)
     config = replace(config, clients=resolve_clients(config.clients, server_args))
     said, warning = who_captures(config.fraction, config.hidden_states_requests, str(server_args.host),

@@ -54,6 +54,11 @@ class ModelInfo:
     def aux_width(self) -> int:
         return len(self.layers) * self.hidden_size
 
+    @property
+    def row_width(self) -> int:
+        """Columns of a captured row in the model's dtype: the aux layers, then the final hidden state."""
+        return self.aux_width + self.hidden_size
+
 
 def _model_facts(runner: Any) -> Tuple[str, int, int, str]:
     cfg = runner.model_config
@@ -180,7 +185,7 @@ class SchedulerCapture:
         m = self.model
         out = {"aux_hidden_states": (0, m.aux_width)}
         if self.config.keep_last_hidden:
-            out["last_hidden_states"] = (m.aux_width, m.aux_width + m.hidden_size)
+            out["last_hidden_states"] = (m.aux_width, m.row_width)
         return out
 
     def stored_layout(self, columns: Dict[str, Tuple[int, int]], fp8: bool
@@ -190,7 +195,7 @@ class SchedulerCapture:
         if not fp8:
             return columns, {}
         m = self.model
-        return packed_layout(columns, m.hidden_size, m.aux_width + m.hidden_size)
+        return packed_layout(columns, m.hidden_size, m.row_width)
 
     def finish(self, req: Any, capture: RequestCapture) -> Dict[str, Any]:
         """Seal a finished request: hand its rows to the writer and return the response reference."""

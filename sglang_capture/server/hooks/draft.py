@@ -17,6 +17,6 @@ def aux_for_draft(state: SchedulerCapture, wrapped: Any, instance: Any, args: tu
     """Before ``EagleDraftExtendInput.__post_init__``: its ``hidden_states`` become the aux columns."""
     model = state.model
     hidden = instance.hidden_states
-    if model is not None and hidden is not None and hidden.shape[-1] == model.aux_width + model.hidden_size:
+    if model is not None and hidden is not None and hidden.shape[-1] == model.row_width:
         instance.hidden_states = hidden[..., :model.aux_width]
     return wrapped(*args, **kwargs)

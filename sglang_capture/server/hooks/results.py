@@ -45,7 +45,7 @@ def _sglang_columns(state: SchedulerCapture, hidden: Any) -> Any:
     """The columns plain SGLang returns a ``return_hidden_states`` request: the final hidden state,
     or on a server that speculates with EAGLE-3 the aux layers its draft reads."""
     model = state.model
-    if model is None or hidden is None or hidden.shape[-1] != model.aux_width + model.hidden_size:
+    if model is None or hidden is None or hidden.shape[-1] != model.row_width:
         return hidden
     if state.aux is not None and state.aux.speculative:
         return hidden[..., :model.aux_width]
