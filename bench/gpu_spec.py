@@ -18,14 +18,19 @@ Per speculating server:
   same whole sequence on the reference: per column (each aux layer, final), the 0.1st-percentile
   row cosine, also without each row's 4 largest channels; bar 0.999;
 - **throughput** (``--throughput-on``, default chain; ``ref`` for the same load without speculation):
-  ``--concurrency`` closed-loop clients sending
-  requests of ``--window-tokens`` output tokens, in windows of ``--window-seconds`` alternating
-  every request capturing and none; output tok/s per window, ratio of the medians; bar 0.95.
+  ``--concurrency`` closed-loop clients sending requests of ``--window-tokens`` output tokens, in
+  windows of ``--window-seconds`` rotating three kinds of traffic: every request captured by the
+  operator (the servers run ``--capture-fraction 1``: production traffic, answered without waiting
+  for its file), every request asking for its file (``custom_params.capture``: each client waits
+  for the file before its next request), and none (``capture: false``); output tok/s per window,
+  ratio of the medians to none; bar 0.95 for the operator's. The writer's stats (scheduler-thread
+  time per seam, writer queue and times) after the windows go into the record.
 Prints a PASS/FAIL line per check and writes OUT_DIR/gpu_spec.json.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import random
@@ -37,9 +42,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
 
 import torch
+from e2e_probes import py_spy_window  # bench/ is on sys.path: this script lives there
 
 import sglang_capture
 from sglang_capture.core.layers import draft_capture_layers, read_draft_eagle3_ids
+from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.testbed.cpu import has_nvidia_driver, server_env
 from sglang_capture.testbed.server import Server, start_server, stop_server
 
@@ -47,6 +54,9 @@ GPU_ARGS = ("--attention-backend triton --grammar-backend none --cuda-graph-max-
             "--max-total-tokens 120000 --max-running-requests 64").split()
 SETTINGS = {"chain": ["--speculative-eagle-topk", "1", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"],
             "tree": ["--speculative-eagle-topk", "4", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"]}
+# chain drafting with Python's own GIL switch interval in the scheduler process (5 ms, not the
+# package's 1 ms): whether the hand-off threads' GIL turns cost the scheduler thread
+SETTINGS["chain-si5"] = [*SETTINGS["chain"], "--capture-switch-interval-ms", "0"]
 MIN_COS = 0.999
 MIN_RATIO = 0.95
 
@@ -60,8 +70,8 @@ def start(name: str, target: str, work: str, captures: str, extra: List[str]) ->
     shutil.rmtree(capture_dir, ignore_errors=True)  # an earlier run's files: names would collide
     os.makedirs(capture_dir)
     if has_nvidia_driver():
-        cmd = [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir, "--model-path", target,
-               *GPU_ARGS, *extra]
+        cmd = [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir, "--capture-fraction", "1",
+               "--model-path", target, *GPU_ARGS, *extra]
         env = dict(os.environ)
     else:  # a dry run of this script on the CPU test bed (its EAGLE-3 flags; float32)
         from sglang_capture.testbed.once import cache_dir
@@ -69,7 +79,8 @@ def start(name: str, target: str, work: str, captures: str, extra: List[str]) ->
         from sglang_capture.testbed.spec_kernels import eagle3_server_args
 
         spec = extra[0] == "--speculative-algorithm"
-        cmd = capture_cmd(target, capture_dir) + (eagle3_server_args(extra[3], 1, 3, 4) if spec else ["--dtype", "float32", *extra])
+        cmd = capture_cmd(target, capture_dir, "--capture-fraction", "1")
+        cmd += eagle3_server_args(extra[3], 1, 3, 4) if spec else ["--dtype", "float32", *extra]
         env = server_env(cache_dir())
     return start_server(cmd, env, os.path.join(work, f"{name}.log"), capture_dir)
 
@@ -84,10 +95,14 @@ def prompts(target: str, n: int, seed: int = 0) -> List[List[int]]:
     return [[rng.choice(vocab[8:]) for _ in range(k)] for k in lengths[:n]]
 
 
-def generate(server: Server, ids: List[int], tokens: int, name: str = "") -> Dict:
+def generate(server: Server, ids: List[int], tokens: int, name: str = "", operator: bool = False) -> Dict:
+    """A request that asks for its file (``name``), one the operator captures (``operator``: the
+    servers capture every request that says nothing), or one that opts out."""
     params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
     if name:
         params["custom_params"] = {"capture": True, "capture_name": name}
+    elif not operator:
+        params["custom_params"] = {"capture": False}
     r = server.generate({"input_ids": ids, "sampling_params": params}, timeout=600)
     if r.status_code != 200:
         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
@@ -152,38 +167,62 @@ def check_tokens(server: Server, ps: List[List[int]], tokens: int, setting: str,
     return res, batched
 
 
+KINDS = ("operator", "client", "plain")
+
+
 def throughput(server: Server, ps: List[List[int]], windows: int, concurrency: int, tokens: int, seconds: float,
-               setting: str) -> Dict:
-    """Closed-loop clients, ``concurrency`` of them, in windows of ``seconds`` alternating capture on
-    and off: a window's rate counts the output tokens of the requests that started and ended in it
-    (each client sends its next request as soon as one is answered, a capture's after its file is
-    written), then the window drains before the next starts."""
+               setting: str, spy_seconds: float = 0.0, spy_dir: str = "") -> Dict:
+    """Closed-loop clients, ``concurrency`` of them, in windows of ``seconds`` rotating the kinds of
+    traffic (``KINDS``): a window's rate counts the output tokens of the requests that started and
+    ended in it (each client sends its next request as soon as one is answered, a client capture's
+    after its file is written), then the window drains before the next starts. The files of each
+    window are removed after it (the disk would not hold them all). ``spy_seconds``: py-spy samples
+    the scheduler in the first window of each kind (bench/e2e_probes.py), summaries under ``pyspy``."""
     load = [ps[i % len(ps)][:256] for i in range(concurrency)]
-    rates: Dict[str, List[float]] = {"capture": [], "plain": []}
+    rates: Dict[str, List[float]] = {k: [] for k in KINDS}
+    spied: Dict = {}
     for w in range(windows):
-        for kind in (("capture", "plain") if w % 2 == 0 else ("plain", "capture")):
+        for kind in KINDS[w % 3:] + KINDS[:w % 3]:
             t0 = time.perf_counter()
             stop = t0 + seconds
 
             def client(i: int, kind: str = kind, w: int = w, stop: float = stop) -> int:
                 done, n = 0, 0
                 while time.perf_counter() < stop:
-                    out = generate(server, load[i], tokens, f"tp-{setting}-{w}-{i}-{n}" if kind == "capture" else "")
+                    out = generate(server, load[i], tokens, f"tp-{setting}-{w}-{i}-{n}" if kind == "client" else "",
+                                   operator=kind == "operator")
                     n += 1
-                    if kind == "capture" and out["meta_info"]["capture"]["status"] != "ok":
+                    if kind == "client" and out["meta_info"]["capture"]["status"] != "ok":
                         raise RuntimeError(f"throughput window {w}: {out['meta_info']['capture']}")
                     if time.perf_counter() <= stop:
                         done += out["meta_info"]["completion_tokens"]
                 return done
 
+            spy = (py_spy_window(server, f"{setting}-{kind}", spy_seconds, spy_dir, spied)
+                   if spy_seconds > 0 and w < len(KINDS) and kind == KINDS[w] else None)
             with ThreadPoolExecutor(concurrency) as pool:
                 total = sum(pool.map(client, range(concurrency)))
+            if spy is not None:
+                spy.join()
             rates[kind].append(total / seconds)
-        log(f"{setting} window {w}: capture {rates['capture'][-1]:.0f} tok/s, plain {rates['plain'][-1]:.0f} tok/s")
-    ratio = statistics.median(rates["capture"]) / statistics.median(rates["plain"])
+            for f in glob.glob(os.path.join(server.capture_dir, "*" + FILE_SUFFIX)):
+                os.remove(f)
+        log(f"{setting} window {w}: " + ", ".join(f"{k} {rates[k][-1]:.0f}" for k in KINDS) + " tok/s")
+    plain = statistics.median(rates["plain"])
+    ratios = {k: round(statistics.median(rates[k]) / plain, 4) for k in KINDS[:2]}
     return {"windows": windows, "seconds": seconds, "concurrency": concurrency, "tokens": tokens,
-            "tok_s": {k: [round(x) for x in v] for k, v in rates.items()}, "ratio_of_medians": round(ratio, 4),
-            "pass": ratio >= MIN_RATIO}
+            "tok_s": {k: [round(x) for x in v] for k, v in rates.items()}, "ratio_of_medians": ratios,
+            "pass": ratios["operator"] >= MIN_RATIO, "stats": writer_stats(server), **spied}
+
+
+def writer_stats(server: Server) -> Dict:
+    """The server's writer stats files (one per writing scheduler), after a moment for a refresh."""
+    time.sleep(3)
+    out = {}
+    for f in glob.glob(os.path.join(server.capture_dir, ".index", "_writer-*.json")):
+        with open(f) as fh:
+            out[os.path.basename(f)] = json.load(fh)
+    return out
 
 
 def main(a: argparse.Namespace) -> int:
@@ -217,10 +256,11 @@ def main(a: argparse.Namespace) -> int:
             log(f"{'PASS' if rows['pass'] else 'FAIL'} {s} rows: {rows['files']} files, {rows['rows']} rows, "
                 + ", ".join(f"{k} {v['p0.1']}" for k, v in rows["columns"].items()))
         for s in a.throughput_on.split(","):
-            tp = throughput(servers[s], ps, a.windows, a.concurrency, a.window_tokens, a.window_seconds, s)
+            tp = throughput(servers[s], ps, a.windows, a.concurrency, a.window_tokens, a.window_seconds, s,
+                            a.py_spy_seconds, os.path.join(a.out, "pyspy"))
             res.setdefault(s, {})["throughput"] = tp
             ok &= tp["pass"] or s == "ref"  # the reference (no speculation) is context, not a bar
-            log(f"{'PASS' if tp['pass'] else 'FAIL'} {s} throughput: capture/plain {tp['ratio_of_medians']} ({tp['tok_s']})")
+            log(f"{'PASS' if tp['pass'] else 'FAIL'} {s} throughput over none: {tp['ratio_of_medians']} ({tp['tok_s']})")
     finally:
         for s in servers.values():
             stop_server(s)
@@ -243,5 +283,7 @@ if __name__ == "__main__":
     ap.add_argument("--settings", default="chain,tree")
     ap.add_argument("--throughput-on", default="chain", help="servers measured for throughput: settings, and ref (the "
                     "same target without speculation, for context)")
+    ap.add_argument("--py-spy-seconds", type=float, default=0.0, help="sample the scheduler in the first window of "
+                    "each kind for this long (py-spy on PATH or beside the package)")
     ap.add_argument("--captures", default="/tmp/gpu-spec-captures", help="capture dirs, one per server (outside OUT)")
     sys.exit(main(ap.parse_args()))

@@ -89,9 +89,20 @@ def _check_load(server, model: str, fp8: bool = False) -> List[Dict]:
     return [o for _, o in captured]
 
 
+def _stats_counting(capture_dir: str, files: int) -> List[Dict]:
+    """Every writer rank's stats, once they count ``files`` written in all (each rank rewrites its
+    file at most a few times a second, and once more a moment after its last file)."""
+    deadline = time.monotonic() + 15
+    while True:
+        stats = list(writer_stats(capture_dir).values())
+        if sum(s["written"] for s in stats) >= files or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
 def _check_two_writer_ranks(server, captured: List[Dict]) -> None:
     """Each DP rank wrote its own requests' files, with half the node's memory and writers."""
-    stats = list(writer_stats(server.capture_dir).values())
+    stats = _stats_counting(server.capture_dir, len(captured))
     written = sorted(s["written"] for s in stats)
     assert len(written) == 2 and sum(written) == len(captured) and min(written) > 0
     # defaults: 8192 MiB for the node; writers auto = 2 on this 2-core machine
@@ -125,17 +136,14 @@ def test_dp_attention_captures_every_request_once_on_its_own_rank_equal_to_trans
     assert "aux layers computed in every forward (DP attention is on)" in log
 
 
-def test_two_data_parallel_schedulers_capture_every_request_once_equal_to_transformers(
+def test_two_data_parallel_schedulers_without_overlap_capture_every_request_once_equal_to_transformers(
         make_test_server, tiny_models, tmp_path):
-    server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--dp", "2", env=TWO_REPLICAS)
+    """Two DP schedulers, each its own writer rank; without overlap SGLang never calls copy_to_cpu,
+    so the rows kept in the forward stay on the device and the row seams must still find them
+    through the batch's state (one server for both: overlap itself runs in every other test)."""
+    server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--dp", "2", "--disable-overlap-schedule",
+                          env=TWO_REPLICAS)
     _check_two_writer_ranks(server, _check_load(server, tiny_models["tiny-dsv3"]))
-
-
-def test_capture_is_exact_without_overlap_scheduling(make_test_server, tiny_models, tmp_path):
-    """Without overlap SGLang never calls copy_to_cpu: the rows kept in the forward stay on the device
-    and the row seams must still find them through the batch's state."""
-    server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--disable-overlap-schedule")
-    _check_load(server, tiny_models["tiny-dsv3"])
 
 
 def _node_args(addr: str, rank: int) -> List[str]:
@@ -224,7 +232,7 @@ def test_dp_attention_across_two_nodes_sharing_one_capture_dir_writes_each_file_
     model, capture_dir = tiny_models["tiny-dsv3"], str(tmp_path / "capture")
     with _two_nodes(make_test_server, model, capture_dir, tmp_path, env, _dp_node_args) as server:
         captured = _check_load(server, model)
-        stats = list(writer_stats(capture_dir).values())
+        stats = _stats_counting(capture_dir, len(captured))
         written = sorted(s["written"] for s in stats)
         assert len(written) == 2 and sum(written) == len(captured) and min(written) > 0  # one writer rank per node
         assert [s["cap_bytes"] for s in stats] == [8192 << 20] * 2  # each node's budget, one writer rank on each

@@ -118,7 +118,7 @@ def test_concurrent_mixed_requests_keep_their_own_rows(dsv3, tiny_models, tokeni
 
 
 def _result_copy(server):
-    return read_stats(server.capture_dir).get("result_copy", {"batch_rows": 0, "copied_rows": 0, "gathered_in_forward": 0})
+    return read_stats(server.capture_dir, settled=True).get("result_copy", {"batch_rows": 0, "copied_rows": 0, "gathered_in_forward": 0})
 
 
 def test_batches_shared_with_plain_requests_copy_only_the_captured_rows(dsv3, tiny_models):
@@ -137,7 +137,7 @@ def test_batches_shared_with_plain_requests_copy_only_the_captured_rows(dsv3, ti
     assert after["copied_rows"] - before["copied_rows"] < after["batch_rows"] - before["batch_rows"]
     # eager prefill on this server: the rows were picked out in the forward, no whole-batch concat
     assert after["gathered_in_forward"] > before["gathered_in_forward"]
-    clock = read_stats(dsv3.capture_dir)["scheduler_thread"]  # the scheduler thread's time, per seam and kind
+    clock = read_stats(dsv3.capture_dir, settled=True)["scheduler_thread"]  # the scheduler thread's time, per seam and kind
     assert {"run_batch/extend/capture", "run_batch/extend/plain", "process_result/extend/capture", "copy_to_cpu/capture",
             "stream_output/capture"} <= set(clock)
     assert all(v["calls"] > 0 and v["s"] > 0 for v in clock.values())
@@ -147,15 +147,14 @@ def test_a_capture_of_one_new_token_sends_no_decode_batch_through_the_capture_pa
     """Overlap scheduling launches a decode batch holding the request before its prefill result
     says it finished; with one new token its file needs no row from it (what extract sends)."""
     def clock():
-        return read_stats(dsv3.capture_dir)["scheduler_thread"]
+        return read_stats(dsv3.capture_dir, settled=True)["scheduler_thread"]
 
     calls = lambda c, seam: c.get(seam, {}).get("calls", 0)
     capture(dsv3, "One new token: the prompt's rows only.", max_new_tokens=1, capture_name="one-token-first")
     before = clock()
     out = capture(dsv3, "Kimi K2.5 uses the DeepSeek V3 architecture.", max_new_tokens=1, capture_name="one-token")
-    capture(dsv3, "A last one, whose outcome rewrites the stats.", max_new_tokens=1, capture_name="one-token-last")
-    after = clock()
-    assert calls(after, "run_batch/extend/capture") >= calls(before, "run_batch/extend/capture") + 2
+    after = clock()  # settled: the decode batch overlap launched beside its prefill, if any, ran before it finished
+    assert calls(after, "run_batch/extend/capture") >= calls(before, "run_batch/extend/capture") + 1
     assert calls(after, "run_batch/decode/capture") == calls(before, "run_batch/decode/capture")
     # 0.5.17's and 0.5.20's overlap schedulers do launch that decode batch (it took the capture path
     # before this change); 0.5.23 launches none for a request that ends in its prefill; the releases

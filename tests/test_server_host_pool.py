@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 
@@ -107,9 +108,11 @@ def test_short_host_rows_move_to_runs_of_their_own_request_so_the_steps_shared_b
     pool.free_segments()  # folds in the returned blocks: every step's block is back
     assert pool.stats()["used_bytes"] == runs_bytes and ledger.held_bytes == 3 * 2 * RUN_ROWS * 32
     for i, cap in enumerate(caps):
+        cap.seal()  # a run's rows are final when it closes
         assert [c.start for c in cap.chunks] == [100, 100 + RUN_ROWS]
         assert torch.equal(torch.cat([c.rows for c in cap.chunks]), torch.stack(want[i]))
     caps[0].add(500, torch.ones(1, 16, dtype=torch.bfloat16))  # not the next position (a retraction): a new run
+    caps[0].seal()
     assert [c.start for c in caps[0].chunks][-1] == 500 and caps[0].chunks[-1].rows.shape[0] == 1
     for cap in caps:
         cap.release()
@@ -120,3 +123,61 @@ def test_short_host_rows_move_to_runs_of_their_own_request_so_the_steps_shared_b
     lone = RequestCapture(rid="x", name="x", ledger=ledger, pool=full)
     lone.add(7, step[0:1])  # no room for a run: the view of the step's block is kept, counted
     assert lone.chunks[0].rows.data_ptr() == step.data_ptr() and full.stats()["fallbacks"] == 1
+
+
+def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_as_one_by_one():
+    from sglang_capture.server.copy_counts import CopyCounts
+    from sglang_capture.server.decode_rows import DecodeRows
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.server.ledger import HostMemoryLedger
+    from sglang_capture.server.request_capture import RUN_ROWS, RequestCapture
+
+    pool, ledger, counts = HostPool(8 << 20, pin=False), HostMemoryLedger(8 << 20), CopyCounts()
+    batched = DecodeRows(pool, counts)
+    one_by_one = [RequestCapture(rid=f"a{i}", name=f"a{i}", ledger=ledger, pool=pool) for i in range(3)]
+    together = [RequestCapture(rid=f"b{i}", name=f"b{i}", ledger=ledger, pool=pool) for i in range(3)]
+    torch.manual_seed(0)
+    position = [10, 20, 30]
+    for step in range(RUN_ROWS + 7):
+        stride = 1 + step % 3  # an EAGLE-3 verify pass: a block of draft rows per request, some accepted
+        block = pool.take(torch.randn(3 * stride, 16).to(torch.bfloat16))
+        for i in range(3):
+            accept = 1 + (step + i) % stride
+            if step == RUN_ROWS + 3 and i == 1:
+                position[i] += 100  # retracted and decoded again elsewhere: a new run
+            one_by_one[i].add(position[i], block[i * stride:i * stride + accept])
+            assert batched.take(together[i], position[i], block, i * stride, accept)
+            position[i] += accept
+        del block  # the reservations keep the step's rows until the copy
+        batched.flush()
+    for a, b in zip(one_by_one, together, strict=True):
+        a.seal()
+        b.seal()
+        assert [c.start for c in a.chunks] == [c.start for c in b.chunks] and len(b.chunks) >= 2
+        for ca, cb in zip(a.chunks, b.chunks, strict=True):
+            assert torch.equal(ca.rows, cb.rows) and pool.offset_of(cb.rows) is not None
+    assert counts.decode_scatters == RUN_ROWS + 7 and counts.decode_rows_scattered == sum(
+        c.rows.shape[0] for b in together for c in b.chunks)
+
+
+def test_decode_rows_that_cannot_be_scattered_are_refused_so_the_seam_adds_them_itself():
+    from sglang_capture.server.copy_counts import CopyCounts
+    from sglang_capture.server.decode_rows import DecodeRows
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.server.ledger import HostMemoryLedger
+    from sglang_capture.server.request_capture import RequestCapture
+
+    pool, ledger = HostPool(1 << 20, pin=False), HostMemoryLedger(1 << 20)
+    rows = DecodeRows(pool, CopyCounts())
+    plain = RequestCapture(rid="p", name="p", ledger=ledger, pool=pool)
+    fp8 = RequestCapture(rid="f", name="f", ledger=ledger, pool=pool, fp8_block=8)
+    step = torch.randn(4, 16).to(torch.bfloat16)
+    assert not rows.take(plain, 0, step.t().contiguous().t(), 0, 1)  # not contiguous
+    assert not rows.take(fp8, 0, step, 0, 1)  # an FP8 capture's rows not packed yet: packed by add()
+    assert not rows.take(plain, 0, step, 0, 40)  # more rows than a run holds
+    full = HostPool(4096, pin=False)
+    held = full.alloc((4096,), torch.uint8)  # noqa: F841  (the pool is full while it lives)
+    lone = RequestCapture(rid="x", name="x", ledger=ledger, pool=full)
+    assert not DecodeRows(full, CopyCounts()).take(lone, 0, step, 0, 1)  # no room for a run
+    with pytest.raises(ValueError, match="lie outside the pool"):
+        pool.scatter_rows(step, [0], [pool.size_bytes - 8])

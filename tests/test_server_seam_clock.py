@@ -18,3 +18,24 @@ def test_seam_clock_accounts_calls_and_time_per_seam_and_kind():
     assert set(stats) == {"run_batch/capture", "run_batch/plain"}
     assert stats["run_batch/capture"]["calls"] == 1 and stats["run_batch/plain"]["calls"] == 2
     assert stats["run_batch/plain"]["s"] >= 0.01 and stats["run_batch/plain"]["us_per_call"] >= 5000
+
+
+def test_gc_pauses_are_counted_per_generation_while_installed_and_not_after():
+    import gc
+
+    from sglang_capture.server.seam_clock import GcPauses
+
+    pauses = GcPauses()
+    pauses.install()
+    pauses.install()  # idempotent: one callback, one count per collection
+    try:
+        gc.collect(2)
+        gc.collect(0)
+        stats = pauses.stats()
+        assert stats["gen2"]["calls"] == 1 and stats["gen0"]["calls"] >= 1
+        assert stats["gen2"]["s"] >= 0 and stats["gen2"]["max_ms"] >= 0
+    finally:
+        pauses.uninstall()
+    assert pauses not in gc.callbacks
+    gc.collect(2)
+    assert pauses.stats()["gen2"]["calls"] == 1

@@ -49,6 +49,7 @@ _LEGACY_STATS = re.compile(r"writer-h[0-9a-f]{8}\.\d+\.[0-9a-f]{8}$")
 # rewritten for STATS_STALE_S is retired even when its lock can be taken, which on a mount whose
 # locks stay on each machine does not prove its server gone (two machines may share a host name).
 STATS_REFRESH_S = 60.0
+STATS_MIN_INTERVAL_S = 0.25  # and at most once per this; the last counters follow the last job within ~1.5 s
 STATS_STALE_S = 600.0
 # The counters of a stats file, declared once: how the history combines each over processes ("sum"
 # or "peak"). The writer pool counts the first table itself (server/writer_pool.py, ``stats``) and
@@ -298,11 +299,24 @@ def writer_stats(capture_dir: str) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def read_stats(capture_dir: str) -> Dict[str, Any]:
+def read_stats(capture_dir: str, settled: bool = False, timeout_s: float = 15.0) -> Dict[str, Any]:
     """The newest writer stats file in ``capture_dir`` ({} before the first file; a server that
-    ran there before may have left its own)."""
-    files = glob.glob(os.path.join(capture_dir, INDEX_DIR, STATS_PREFIX + "*.json"))
-    if not files:
-        return {}
-    with open(max(files, key=os.path.getmtime)) as f:
-        return json.load(f)
+    ran there before may have left its own). ``settled``: wait up to ``timeout_s`` for one written
+    after the newest outcome record, so that it counts every request answered so far (a live
+    server rewrites the file at most once per ``STATS_MIN_INTERVAL_S``, and once more within a
+    second or two of its last outcome)."""
+    deadline = time.monotonic() + timeout_s
+    index = os.path.join(capture_dir, INDEX_DIR)
+    while True:
+        files = glob.glob(os.path.join(index, STATS_PREFIX + "*.json"))
+        doc: Dict[str, Any] = {}
+        if files:
+            with open(max(files, key=os.path.getmtime)) as f:
+                doc = json.load(f)
+        if not settled or time.monotonic() > deadline:
+            return doc
+        records = [e for e in os.scandir(index) if e.name.endswith(".json") and not e.name.startswith("_")] \
+            if os.path.isdir(index) else []
+        if doc.get("time", 0.0) >= max((e.stat().st_mtime for e in records), default=0.0):
+            return doc
+        time.sleep(0.1)

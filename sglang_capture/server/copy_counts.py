@@ -1,6 +1,7 @@
 """Counters of the copies of captured rows to the host, declared once.
 
-The copy hook (hooks/transfer.py) and a request's capture (request_capture.py) count into one
+The copy hook (hooks/transfer.py), a request's capture (request_capture.py) and the decode rows'
+copy (decode_rows.py) count into one
 ``CopyCounts`` per scheduler process; the writer's stats file shows them as ``result_copy``
 (core/capture_dir.py: StatsFile), where they say whether the row selection and the FP8 packing
 on the device are doing their job under real traffic.
@@ -21,6 +22,8 @@ class CopyCounts:
     gathered_in_forward: int = 0  # batches whose rows were selected inside the forward
     fp8_packed_before_copy_rows: int = 0  # FP8 rows packed on the device, before the copy
     fp8_packed_per_request_rows: int = 0  # FP8 rows packed on the host, on the scheduler thread
+    decode_rows_scattered: int = 0  # decode rows copied into their runs with the step's others (decode_rows.py)
+    decode_scatters: int = 0  # the copies that did it (one per step and source tensor)
 
     def count_copy(self, batch_rows: int, copied_rows: int, in_forward: bool) -> None:
         """Account one capture batch's copy to the host."""

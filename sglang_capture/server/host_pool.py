@@ -142,6 +142,22 @@ class HostPool:
         view = self._array[start:start + nbytes]
         return torch.from_numpy(view).view(dtype).view(shape), view, start, size
 
+    def scatter_rows(self, source: torch.Tensor, rows: List[int], offsets: List[int]) -> None:
+        """Copy row ``rows[k]`` of the contiguous host tensor ``source`` to byte offset ``offsets[k]``
+        of the region, for every k, in one numpy call: rows bound for blocks all over the pool
+        (a decode step's rows, each into its own request's run) cost one memcpy each and no
+        Python per row. The caller owns the blocks the offsets point into."""
+        src = source.view(torch.uint8).numpy() if source.dtype != torch.uint8 else source.numpy()
+        src = src.reshape(source.shape[0], -1)
+        row_bytes = src.shape[1]
+        if max(offsets) + row_bytes > self.size_bytes or min(offsets) < 0:
+            raise ValueError(f"rows of {row_bytes} bytes at offsets {min(offsets)}..{max(offsets)} lie outside "
+                             f"the pool's {self.size_bytes} bytes")
+        # every byte offset of the region as the start of a row: rows land wherever their block lies
+        region_rows = numpy.lib.stride_tricks.as_strided(self._array, shape=(self.size_bytes - row_bytes + 1, row_bytes),
+                                                         strides=(1, 1))
+        region_rows[offsets] = src if len(rows) == src.shape[0] and rows == list(range(len(rows))) else src[rows]
+
     def offset_of(self, t: torch.Tensor) -> Optional[int]:
         """Where a contiguous host tensor lies in the region, or None when it is not in it."""
         off = t.data_ptr() - self.base_ptr

@@ -94,6 +94,8 @@ class CaptureInstrumentor:
             setattr(parent, attribute, original)
         self._originals.clear()
         self._instrumented = False
+        if self._scheduler is not None:
+            self._scheduler.gc_pauses.uninstall()
         self._config = self._scheduler = None
 
 

@@ -11,7 +11,9 @@ run of the request's own: a decode step's block holds one row of every capture r
 batch, so keeping views of it would keep each neighbour's rows alive until the longest of them
 is written, and a long generation beside a stream of short ones would hold the batch's rows of
 every step it lived through, far beyond ``--capture-max-pending-mb``. A run is a pool block of
-``RUN_ROWS`` rows; copying a row costs one row's bytes of memcpy on the scheduler thread.
+``RUN_ROWS`` rows; copying a row costs one row's bytes of memcpy on the scheduler thread. A decode
+step's rows are placed here one request at a time (``place``) but copied together (decode_rows.py);
+a run's chunk gets its rows when the run closes (a new run, ``seal``).
 """
 from __future__ import annotations
 
@@ -44,18 +46,28 @@ class RowChunk:
 RUN_ROWS = 32  # rows per run, and the most rows copied into one: a run's unused tail is below this
 
 
-@dataclass
 class _Run:
-    """A pool block filling with one request's consecutive short rows."""
+    """A pool block filling with one request's consecutive short rows (its facts kept as plain
+    attributes: ``takes`` runs for every decode row)."""
 
-    buffer: torch.Tensor  # [capacity, width]
-    chunk: RowChunk  # its chunk in the request: rows = buffer[:used]
-    used: int = 0
+    __slots__ = ("buffer", "chunk", "offset", "used", "capacity", "dtype", "row_shape", "row_bytes")
 
-    def takes(self, position: int, rows: torch.Tensor) -> bool:
-        b = self.buffer
-        return (self.chunk.start + self.used == position and self.used + rows.shape[0] <= b.shape[0]
-                and rows.dtype == b.dtype and tuple(rows.shape[1:]) == tuple(b.shape[1:]))
+    def __init__(self, buffer: torch.Tensor, start: int, offset: Optional[int]) -> None:
+        self.buffer = buffer  # [capacity, width]
+        self.chunk = RowChunk(start, buffer[:0])  # its chunk in the request: rows = buffer[:used], set at close
+        self.offset = offset  # the buffer's byte offset in the pool region
+        self.used = 0
+        self.capacity = buffer.shape[0]
+        self.dtype = buffer.dtype
+        self.row_shape = tuple(buffer.shape[1:])
+        self.row_bytes = buffer.stride(0) * buffer.element_size()
+
+    def takes(self, position: int, n: int, dtype: torch.dtype, row_shape: Tuple[int, ...]) -> bool:
+        return (self.chunk.start + self.used == position and self.used + n <= self.capacity
+                and dtype == self.dtype and row_shape == self.row_shape)
+
+    def close(self) -> None:
+        self.chunk.rows = self.buffer[:self.used]
 
 
 def _to_host(rows: torch.Tensor, pool: Optional[HostPool]) -> Tuple[torch.Tensor, Any]:
@@ -108,31 +120,50 @@ class RequestCapture:
         device are packed (FP8) and copied into the pool first."""
         read_on_current_stream(rows)  # device rows of another stream are read below (pack, copy)
         rows = self._packed(rows)
-        if rows.device.type == "cpu" and rows.shape[0] <= RUN_ROWS and self._append_to_run(start, rows):
-            return
+        if rows.device.type == "cpu" and rows.shape[0] <= RUN_ROWS:
+            run = self._run_for(start, rows.shape[0], rows.dtype, tuple(rows.shape[1:]))
+            if run is not None:
+                run.buffer[run.used:run.used + rows.shape[0]].copy_(rows)
+                run.used += rows.shape[0]
+                return
         ready = None
         if rows.device.type == "cuda":
             rows, ready = _to_host(rows, self.pool)
         self.ledger.hold(rows)
         self.chunks.append(RowChunk(start, rows, ready))
 
-    def _append_to_run(self, start: int, rows: torch.Tensor) -> bool:
-        """Copy host rows into the run (a new one when they do not continue it); False when the
-        pool has no room for a run (counted there): the caller then keeps the view."""
-        run = self._run
-        if run is None or not run.takes(start, rows):
-            buffer = self.pool.alloc((RUN_ROWS, *rows.shape[1:]), rows.dtype) if self.pool is not None else None
-            if buffer is None:
-                self._run = None
-                return False
-            self.ledger.hold(buffer)
-            run = self._run = _Run(buffer, RowChunk(start, buffer[:0]))
-            self.chunks.append(run.chunk)
-        n = rows.shape[0]
-        run.buffer[run.used:run.used + n].copy_(rows)
+    def place(self, start: int, n: int, dtype: torch.dtype, row_shape: Tuple[int, ...]
+              ) -> Optional[Tuple[torch.Tensor, int]]:
+        """Room for ``n`` host rows of ``dtype`` and ``row_shape`` at position ``start`` in this
+        request's run: the run's buffer and the pool byte offset of the first row. The caller
+        copies the rows there before the request is sealed (``DecodeRows``, which keeps the
+        buffer meanwhile). None when they cannot go into a run (too many rows, no pool room: the
+        caller then ``add``s them)."""
+        if n > RUN_ROWS or self.pool is None:
+            return None
+        run = self._run_for(start, n, dtype, row_shape)
+        if run is None or run.offset is None:
+            return None
+        at = run.offset + run.used * run.row_bytes
         run.used += n
-        run.chunk.rows = run.buffer[:run.used]
-        return True
+        return run.buffer, at
+
+    def _run_for(self, start: int, n: int, dtype: torch.dtype, row_shape: Tuple[int, ...]) -> Optional[_Run]:
+        """The run that ``n`` rows at ``start`` continue (a new one when they do not continue the
+        current run), or None when the pool has no room for one (counted there)."""
+        run = self._run
+        if run is not None and run.takes(start, n, dtype, row_shape):
+            return run
+        if run is not None:
+            run.close()
+        buffer = self.pool.alloc((RUN_ROWS, *row_shape), dtype) if self.pool is not None else None
+        if buffer is None:
+            self._run = None
+            return None
+        self.ledger.hold(buffer)
+        run = self._run = _Run(buffer, start, self.pool.offset_of(buffer))
+        self.chunks.append(run.chunk)
+        return run
 
     def _packed(self, rows: torch.Tensor) -> torch.Tensor:
         """FP8 rows the copy hook did not pack on the device (its pool was full, or they came
@@ -145,6 +176,9 @@ class RequestCapture:
 
     def seal(self) -> None:
         """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""
+        if self._run is not None:
+            self._run.close()
+            self._run = None
         if self.finalizer is not None:
             self.finalizer.detach()
             self.finalizer = None

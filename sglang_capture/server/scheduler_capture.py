@@ -25,12 +25,13 @@ from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.server.aux_capture import AUX_ATTR, AuxCapture
 from sglang_capture.server.batch_rows import BatchRows, ResultRows
 from sglang_capture.server.copy_counts import CopyCounts
+from sglang_capture.server.decode_rows import DecodeRows
 from sglang_capture.server.host_pool import HostPool
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.node_budget import NodeBudget
 from sglang_capture.server.pd_prefill import chunk_like_any_request, decode_rows_error, is_pd_prefill
 from sglang_capture.server.request_capture import CAPTURE_ATTR, RequestCapture
-from sglang_capture.server.seam_clock import SeamClock
+from sglang_capture.server.seam_clock import GcPauses, SeamClock
 from sglang_capture.server.writer_pool import CaptureJob, WriterPool
 
 logger = logging.getLogger(__name__)
@@ -78,12 +79,14 @@ class SchedulerCapture:
         self.pool: Optional[HostPool] = None  # set up with the model, on the writer rank
         self.copies = CopyCounts()
         self.clock = SeamClock()
+        self.gc_pauses = GcPauses()
         self.model: Optional[ModelInfo] = None
         self.aux: Optional[AuxCapture] = None  # set up with the model
         # the batch Scheduler.run_batch is launching, and the one whose result is being processed
         # (hooks/batch.py, hooks/results.py; batch_rows.py says why this is not on the tensors)
         self.launching: Optional[BatchRows] = None
         self.processing: Optional[ResultRows] = None
+        self.decode_rows: Optional[DecodeRows] = None  # with the pool: the decode rows of the result being processed
         self._is_writer: Optional[bool] = None
         self.pd_prefill = False  # a PD prefill server (pd_prefill.py), known once the model is loaded
         self._versions = {"sglang": installed_sglang_version(), "sglang_capture": __version__}
@@ -122,6 +125,7 @@ class SchedulerCapture:
             logger.info("sglang_capture: %s", budget.describe())
             self.ledger.cap_bytes = budget.pending_bytes
             self._make_pool(budget.pending_bytes, pin=str(runner.device).startswith("cuda"))
+            self.gc_pauses.install()
             self.writer.start(self.pool, budget.writers, self.stats)
 
     def _make_pool(self, size_bytes: int, pin: bool) -> None:
@@ -134,6 +138,7 @@ class SchedulerCapture:
                            "buffers. Lower --capture-max-pending-mb to get one", e)
             return
         atexit.register(self.pool.close)
+        self.decode_rows = DecodeRows(self.pool, self.copies)
         self.ledger.block_bytes = self.pool.block_bytes
         logger.info("sglang_capture: %d MiB of host memory for pending rows (%s, %.1f s)", self.pool.size_bytes >> 20,
                     "pinned" if self.pool.pinned else "not pinned", self.pool.setup_s)
@@ -141,7 +146,8 @@ class SchedulerCapture:
     def stats(self) -> Dict[str, Any]:
         """This process's counters for the writer's stats file (core/capture_dir.py: StatsFile)."""
         return {"host_pool": self.pool.stats() if self.pool else None, "result_copy": self.copies.as_dict(),
-                "aux_capture": self.aux.stats() if self.aux else None, "scheduler_thread": self.clock.stats()}
+                "aux_capture": self.aux.stats() if self.aux else None, "scheduler_thread": self.clock.stats(),
+                "gc_pauses": self.gc_pauses.stats()}
 
     def begin(self, req: Any) -> None:
         """Mark a new request for capture when its custom_params ask for it (all ranks alike)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from sglang_capture.core.capture_dir import (
+    STATS_MIN_INTERVAL_S,
     STATS_REFRESH_S,
     DirFds,
     StatsFile,
@@ -160,6 +161,7 @@ class WriterPool:
         self._dirs: Optional[DirFds] = None
         self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
         self._last_stats = 0.0
+        self._stats_stale = False  # a write was skipped for the interval: the idle loop makes it
         self._stats_file: Optional[StatsFile] = None
         self._next_sweep = 0.0  # of old outcome records: set by ``start``
         self._sweeping = False  # a sweep is queued or running: the next waits for it
@@ -241,6 +243,7 @@ class WriterPool:
         deadline = time.monotonic() + timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        self._dump_stats(min_interval_s=0.0)  # the final counters
         if self._stats_file is not None:
             self._stats_file.close()
             self._stats_file = None
@@ -260,7 +263,9 @@ class WriterPool:
             try:
                 job = self._queue.get(timeout=1.0)
             except queue.Empty:
-                if time.monotonic() - self._last_stats >= STATS_REFRESH_S:  # shows an idle server alive
+                since = time.monotonic() - self._last_stats
+                # the last counters once the jobs stop, and now and then an idle server shown alive
+                if (self._stats_stale and since >= STATS_MIN_INTERVAL_S) or since >= STATS_REFRESH_S:
                     self._dump_stats(min_interval_s=0.0)
                 continue
             if job is None:
@@ -274,6 +279,7 @@ class WriterPool:
                 continue
             if isinstance(job, OutcomeOnly):
                 self.record_outcome(job.rid, job.outcome)
+                self._dump_stats()
                 continue
             with self._lock:
                 self._queued -= 1
@@ -477,17 +483,22 @@ class WriterPool:
     def _path(self, job: CaptureJob) -> str:
         return os.path.join(self.config.capture_dir, job.capture.name + FILE_SUFFIX)
 
-    def _dump_stats(self, min_interval_s: float = 1.0) -> None:
+    def _dump_stats(self, min_interval_s: float = STATS_MIN_INTERVAL_S) -> None:
         """Write this process's ``.index/_writer-*.json`` (counters, queue depth, held and peak host memory)
-        at most once a second, and whenever the queue drains, for monitoring and benchmarks."""
+        at most once per ``min_interval_s``, for monitoring and benchmarks; a write skipped for the
+        interval is made by an idle hand-off thread within a second or two. Writing it whenever the
+        queue drained took the hand-off threads' time (and the GIL the scheduler thread needs)
+        after nearly every job under decode-heavy capture (bench/RESULTS.md, r62)."""
         stats_file = self._stats_file
         if stats_file is None:  # the capture dir was unusable at start, or the pool is closed
             return
         now = time.monotonic()
         with self._lock:
-            if now - self._last_stats < min_interval_s and self._queued:
+            if now - self._last_stats < min_interval_s:
+                self._stats_stale = True
                 return
             self._last_stats = now
+            self._stats_stale = False
             doc = {**self.stats, "queue": self._queued, "busy": self._busy,
                    "held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
                    "cap_bytes": self.ledger.cap_bytes, "back_pressure_waits": self.ledger.waits,

@@ -25,6 +25,8 @@ def batch_result_context(state: SchedulerCapture, wrapped: Any, instance: Any, a
     try:
         return state.clock.timed(f"process_result/{mode}", batch_captures(batch), lambda: wrapped(*args, **kwargs))
     finally:
+        if state.decode_rows is not None:
+            state.decode_rows.flush()  # SGLang streams the outputs inside; this is for a path that did not
         state.processing = None
 
 
@@ -117,5 +119,8 @@ def take_decode_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args:
         found = _rows_of(state, req, capture, hidden, start, accept)
         if found is not None:
             row, processing = found
-            capture.add(position, processing.source(hidden, capture)[row:row + accept])
+            source = processing.source(hidden, capture)
+            # copied with the step's other decode rows before anything is sealed (decode_rows.py)
+            if state.decode_rows is None or not state.decode_rows.take(capture, position, source, row, accept):
+                capture.add(position, source[row:row + accept])
     return None
