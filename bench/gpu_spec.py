@@ -45,6 +45,7 @@ import torch
 from e2e_probes import py_spy_window  # bench/ is on sys.path: this script lives there
 
 import sglang_capture
+from sglang_capture.core.capture_dir import read_stats, writer_stats
 from sglang_capture.core.layers import draft_capture_layers, read_draft_eagle3_ids
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.testbed.cpu import has_nvidia_driver, server_env
@@ -53,10 +54,11 @@ from sglang_capture.testbed.server import Server, start_server, stop_server
 GPU_ARGS = ("--attention-backend triton --grammar-backend none --cuda-graph-max-bs 64 --mem-fraction-static 0.88 "
             "--max-total-tokens 120000 --max-running-requests 64").split()
 SETTINGS = {"chain": ["--speculative-eagle-topk", "1", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"],
-            "tree": ["--speculative-eagle-topk", "4", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"]}
-# chain drafting with Python's own GIL switch interval in the scheduler process (5 ms, not the
-# package's 1 ms): whether the hand-off threads' GIL turns cost the scheduler thread
-SETTINGS["chain-si5"] = [*SETTINGS["chain"], "--capture-switch-interval-ms", "0"]
+            "tree": ["--speculative-eagle-topk", "4", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"],
+            # chain drafting with Python's own GIL switch interval in the scheduler process (5 ms, not
+            # the package's 1 ms): whether the hand-off threads' GIL turns cost the scheduler thread
+            "chain-si5": ["--speculative-eagle-topk", "1", "--speculative-num-steps", "3", "--speculative-num-draft-tokens",
+                          "4", "--capture-switch-interval-ms", "0"]}
 MIN_COS = 0.999
 MIN_RATIO = 0.95
 
@@ -175,9 +177,10 @@ def throughput(server: Server, ps: List[List[int]], windows: int, concurrency: i
     """Closed-loop clients, ``concurrency`` of them, in windows of ``seconds`` rotating the kinds of
     traffic (``KINDS``): a window's rate counts the output tokens of the requests that started and
     ended in it (each client sends its next request as soon as one is answered, a client capture's
-    after its file is written), then the window drains before the next starts. The files of each
-    window are removed after it (the disk would not hold them all). ``spy_seconds``: py-spy samples
-    the scheduler in the first window of each kind (bench/e2e_probes.py), summaries under ``pyspy``."""
+    after its file is written), then the window drains, and the writers finish its files, before the
+    next starts. Each window's files are removed after it (the disk would not hold them all).
+    ``spy_seconds``: py-spy samples the scheduler in the first window of each kind
+    (bench/e2e_probes.py), summaries under ``pyspy``."""
     load = [ps[i % len(ps)][:256] for i in range(concurrency)]
     rates: Dict[str, List[float]] = {k: [] for k in KINDS}
     spied: Dict = {}
@@ -205,6 +208,7 @@ def throughput(server: Server, ps: List[List[int]], windows: int, concurrency: i
             if spy is not None:
                 spy.join()
             rates[kind].append(total / seconds)
+            drain(server)  # an operator window's files are still being written when its responses are in
             for f in glob.glob(os.path.join(server.capture_dir, "*" + FILE_SUFFIX)):
                 os.remove(f)
         log(f"{setting} window {w}: " + ", ".join(f"{k} {rates[k][-1]:.0f}" for k in KINDS) + " tok/s")
@@ -212,17 +216,19 @@ def throughput(server: Server, ps: List[List[int]], windows: int, concurrency: i
     ratios = {k: round(statistics.median(rates[k]) / plain, 4) for k in KINDS[:2]}
     return {"windows": windows, "seconds": seconds, "concurrency": concurrency, "tokens": tokens,
             "tok_s": {k: [round(x) for x in v] for k, v in rates.items()}, "ratio_of_medians": ratios,
-            "pass": ratios["operator"] >= MIN_RATIO, "stats": writer_stats(server), **spied}
+            "pass": ratios["operator"] >= MIN_RATIO, "stats": drain(server), **spied}
 
 
-def writer_stats(server: Server) -> Dict:
-    """The server's writer stats files (one per writing scheduler), after a moment for a refresh."""
-    time.sleep(3)
-    out = {}
-    for f in glob.glob(os.path.join(server.capture_dir, ".index", "_writer-*.json")):
-        with open(f) as fh:
-            out[os.path.basename(f)] = json.load(fh)
-    return out
+def drain(server: Server, timeout_s: float = 120.0) -> Dict:
+    """Wait until the server's writers have nothing queued or in hand (so that one window's
+    writing does not run into the next), and return its stats files by name."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        read_stats(server.capture_dir, settled=True)
+        stats = {os.path.basename(p): s for p, s in writer_stats(server.capture_dir).items()}
+        if all(s.get("queue", 0) == 0 and s.get("busy", 0) == 0 for s in stats.values()) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.5)
 
 
 def main(a: argparse.Namespace) -> int:

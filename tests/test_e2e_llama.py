@@ -82,7 +82,7 @@ def _host_pool_stats(server) -> dict:
 def test_hidden_states_go_through_the_host_pool_and_stay_exact(llama, tiny_models):
     body = _body(" ".join(PROMPTS) * 3)
     body["sampling_params"]["custom_params"] = {"capture": True, "capture_name": "through-the-pool"}
-    before = _host_pool_stats(llama).get("blocks", 0)
+    before = (read_stats(llama.capture_dir, settled=True).get("host_pool") or {}).get("blocks", 0)
     out = llama.generate(body).json()
     assert out["meta_info"]["capture"]["status"] == "ok"
     data = sglang_capture.load(out["meta_info"]["capture"]["path"])
@@ -120,7 +120,7 @@ def test_a_long_generation_beside_a_stream_of_short_ones_stays_under_the_host_me
     from concurrent.futures import ThreadPoolExecutor
 
     long_done = threading.Event()
-    written_before = read_stats(llama_fp8.capture_dir).get("written", 0)
+    written_before = read_stats(llama_fp8.capture_dir, settled=True).get("written", 0)
 
     def short_stream(i: int) -> int:
         n = 0
@@ -192,7 +192,7 @@ def test_fp8_captures_beside_sglang_json_requests_in_one_batch_stay_exact_for_bo
     FP8 captures' rows are packed into a second copy before the copy (never per request after it)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    before = read_stats(llama_fp8.capture_dir)["result_copy"]
+    before = read_stats(llama_fp8.capture_dir, settled=True)["result_copy"]
     texts = [f"{PROMPTS[i % 2]} {i}" for i in range(6)]
     with ThreadPoolExecutor(12) as pool:
         caps = [pool.submit(_capture, llama_fp8, t, f"beside-json-{i}") for i, t in enumerate(texts)]

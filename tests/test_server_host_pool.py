@@ -160,7 +160,7 @@ def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_
         c.rows.shape[0] for b in together for c in b.chunks)
 
 
-def test_decode_rows_that_cannot_be_scattered_are_refused_so_the_seam_adds_them_itself():
+def test_decode_rows_that_cannot_be_scattered_are_refused_so_the_seam_adds_them_itself_or_kept_as_views():
     from sglang_capture.server.copy_counts import CopyCounts
     from sglang_capture.server.decode_rows import DecodeRows
     from sglang_capture.server.host_pool import HostPool
@@ -178,6 +178,7 @@ def test_decode_rows_that_cannot_be_scattered_are_refused_so_the_seam_adds_them_
     full = HostPool(4096, pin=False)
     held = full.alloc((4096,), torch.uint8)  # noqa: F841  (the pool is full while it lives)
     lone = RequestCapture(rid="x", name="x", ledger=ledger, pool=full)
-    assert not DecodeRows(full, CopyCounts()).take(lone, 0, step, 0, 1)  # no room for a run
+    assert DecodeRows(full, CopyCounts()).take(lone, 0, step, 0, 1)  # no room for a run: the step's view is kept
+    assert lone.chunks[0].rows.data_ptr() == step.data_ptr() and full.stats()["fallbacks"] == 1  # one try, counted once
     with pytest.raises(ValueError, match="lie outside the pool"):
         pool.scatter_rows(step, [0], [pool.size_bytes - 8])

@@ -23,7 +23,7 @@ def test_seam_clock_accounts_calls_and_time_per_seam_and_kind():
 def test_gc_pauses_are_counted_per_generation_while_installed_and_not_after():
     import gc
 
-    from sglang_capture.server.seam_clock import GcPauses
+    from sglang_capture.server.gc_pauses import GcPauses
 
     pauses = GcPauses()
     pauses.install()
@@ -32,6 +32,7 @@ def test_gc_pauses_are_counted_per_generation_while_installed_and_not_after():
         gc.collect(2)
         gc.collect(0)
         stats = pauses.stats()
+        assert set(stats) == {"gen0", "gen1", "gen2"}
         assert stats["gen2"]["calls"] == 1 and stats["gen0"]["calls"] >= 1
         assert stats["gen2"]["s"] >= 0 and stats["gen2"]["max_ms"] >= 0
     finally:

@@ -308,15 +308,35 @@ def read_stats(capture_dir: str, settled: bool = False, timeout_s: float = 15.0)
     deadline = time.monotonic() + timeout_s
     index = os.path.join(capture_dir, INDEX_DIR)
     while True:
-        files = glob.glob(os.path.join(index, STATS_PREFIX + "*.json"))
         doc: Dict[str, Any] = {}
-        if files:
-            with open(max(files, key=os.path.getmtime)) as f:
-                doc = json.load(f)
+        try:
+            files = glob.glob(os.path.join(index, STATS_PREFIX + "*.json"))
+            if files:
+                with open(max(files, key=os.path.getmtime)) as f:
+                    doc = json.load(f)
+        except (OSError, ValueError):  # retired or being replaced at this moment: read again
+            if not settled:
+                raise
         if not settled or time.monotonic() > deadline:
             return doc
-        records = [e for e in os.scandir(index) if e.name.endswith(".json") and not e.name.startswith("_")] \
-            if os.path.isdir(index) else []
-        if doc.get("time", 0.0) >= max((e.stat().st_mtime for e in records), default=0.0):
+        if doc.get("time", 0.0) >= _newest_record_mtime(index):
             return doc
         time.sleep(0.1)
+
+
+def _newest_record_mtime(index: str) -> float:
+    """The newest outcome record's modification time in ``index`` (0 without one). A file's
+    time comes from a clock a few milliseconds coarse: a record written just after a stats file
+    can look as old as it, which only matters for the writer counters of that one record."""
+    newest = 0.0
+    try:
+        entries = list(os.scandir(index))
+    except OSError:
+        return newest
+    for entry in entries:
+        if is_record(entry.name):
+            try:
+                newest = max(newest, entry.stat().st_mtime)
+            except OSError:  # swept or retired meanwhile
+                pass
+    return newest

@@ -10,8 +10,11 @@ step: at 64 decoding requests that roughly doubled the step time of a small mode
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+
+from sglang_capture.server.request_capture import RUN_ROWS
 
 if TYPE_CHECKING:
     import torch
@@ -47,14 +50,16 @@ class DecodeRows:
         False when they cannot be batched (the caller then adds them itself)."""
         src = self._pending.get(id(source))
         if src is None:
-            src = self._pending[id(source)] = _Source(
-                source, tuple(source.shape[1:]), source.stride(0) * source.element_size() if source.dim() else 0,
-                source.device.type == "cpu" and source.dim() > 1 and source.is_contiguous())
-        if not src.batchable or (capture.is_fp8 and source.element_size() != 1):
+            batchable = source.device.type == "cpu" and source.dim() > 1 and source.is_contiguous()
+            row_shape = tuple(source.shape[1:])
+            row_bytes = math.prod(row_shape) * source.element_size()
+            src = self._pending[id(source)] = _Source(source, row_shape, row_bytes, batchable)
+        if not src.batchable or n > RUN_ROWS or (capture.is_fp8 and source.element_size() != 1):
             return False
         placed = capture.place(start, n, source.dtype, src.row_shape)
-        if placed is None:
-            return False
+        if placed is None:  # no room in the pool for a run (counted there): the view of the step's block
+            capture.keep(start, source[row:row + n])
+            return True
         buffer, at = placed
         src.rows.extend(range(row, row + n))
         src.offsets.extend(range(at, at + n * src.row_bytes, src.row_bytes))

@@ -63,10 +63,12 @@ class _Run:
         self.row_bytes = buffer.stride(0) * buffer.element_size()
 
     def takes(self, position: int, n: int, dtype: torch.dtype, row_shape: Tuple[int, ...]) -> bool:
+        """Whether ``n`` rows at ``position`` continue this run and fit in it."""
         return (self.chunk.start + self.used == position and self.used + n <= self.capacity
                 and dtype == self.dtype and row_shape == self.row_shape)
 
     def close(self) -> None:
+        """No more rows come: the chunk's rows are the ones used (reserved rows included)."""
         self.chunk.rows = self.buffer[:self.used]
 
 
@@ -129,6 +131,10 @@ class RequestCapture:
         ready = None
         if rows.device.type == "cuda":
             rows, ready = _to_host(rows, self.pool)
+        self.keep(start, rows, ready)
+
+    def keep(self, start: int, rows: torch.Tensor, ready: Optional[Any] = None) -> None:
+        """Keep ``rows`` as they are (a view of their batch's block when they are host rows)."""
         self.ledger.hold(rows)
         self.chunks.append(RowChunk(start, rows, ready))
 
@@ -137,8 +143,8 @@ class RequestCapture:
         """Room for ``n`` host rows of ``dtype`` and ``row_shape`` at position ``start`` in this
         request's run: the run's buffer and the pool byte offset of the first row. The caller
         copies the rows there before the request is sealed (``DecodeRows``, which keeps the
-        buffer meanwhile). None when they cannot go into a run (too many rows, no pool room: the
-        caller then ``add``s them)."""
+        buffer meanwhile). None when they cannot go into a run: more than ``RUN_ROWS`` rows, no
+        pool, or no room in it for a new run (counted there; the caller then ``keep``s them)."""
         if n > RUN_ROWS or self.pool is None:
             return None
         run = self._run_for(start, n, dtype, row_shape)

@@ -26,12 +26,13 @@ from sglang_capture.server.aux_capture import AUX_ATTR, AuxCapture
 from sglang_capture.server.batch_rows import BatchRows, ResultRows
 from sglang_capture.server.copy_counts import CopyCounts
 from sglang_capture.server.decode_rows import DecodeRows
+from sglang_capture.server.gc_pauses import GcPauses
 from sglang_capture.server.host_pool import HostPool
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.node_budget import NodeBudget
 from sglang_capture.server.pd_prefill import chunk_like_any_request, decode_rows_error, is_pd_prefill
 from sglang_capture.server.request_capture import CAPTURE_ATTR, RequestCapture
-from sglang_capture.server.seam_clock import GcPauses, SeamClock
+from sglang_capture.server.seam_clock import SeamClock
 from sglang_capture.server.writer_pool import CaptureJob, WriterPool
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,10 @@ class SchedulerCapture:
         self.ledger.block_bytes = self.pool.block_bytes
         logger.info("sglang_capture: %d MiB of host memory for pending rows (%s, %.1f s)", self.pool.size_bytes >> 20,
                     "pinned" if self.pool.pinned else "not pinned", self.pool.setup_s)
+
+    def stop_watching_gc(self) -> None:
+        """Remove the garbage-collector hook (``uninstrument``)."""
+        self.gc_pauses.uninstall()
 
     def stats(self) -> Dict[str, Any]:
         """This process's counters for the writer's stats file (core/capture_dir.py: StatsFile)."""

@@ -157,6 +157,7 @@ class WriterPool:
         self._threads: List[threading.Thread] = []
         self._children: Dict[int, WriterChild] = {}
         self._lock = threading.Lock()
+        self._stats_write = threading.Lock()  # one rewrite at a time: a newer file is never overwritten by an older one
         self._busy = 0
         self._dirs: Optional[DirFds] = None
         self._queued = 0  # jobs submitted and not yet picked up (the queue also holds stop markers)
@@ -492,19 +493,33 @@ class WriterPool:
         stats_file = self._stats_file
         if stats_file is None:  # the capture dir was unusable at start, or the pool is closed
             return
-        now = time.monotonic()
+        if not self._stats_write.acquire(blocking=min_interval_s == 0.0):
+            self._stats_stale = True  # another thread is rewriting it; the idle loop follows up
+            return
+        try:
+            self._write_stats(stats_file, min_interval_s)
+        finally:
+            self._stats_write.release()
+
+    def _write_stats(self, stats_file: StatsFile, min_interval_s: float) -> None:
         with self._lock:
+            now = time.monotonic()
             if now - self._last_stats < min_interval_s:
                 self._stats_stale = True
                 return
             self._last_stats = now
             self._stats_stale = False
+        try:
+            extra = self._extra_stats()
+        except Exception as e:  # noqa: BLE001 - monitoring must never end a hand-off thread
+            extra = {"extra_stats_error": error_text(e)}
+        with self._lock:
             doc = {**self.stats, "queue": self._queued, "busy": self._busy,
                    "held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
                    "cap_bytes": self.ledger.cap_bytes, "back_pressure_waits": self.ledger.waits,
                    "durability": self.config.durability,
                    "writer_pids": sorted(c.pid for c in self._children.values() if c.alive()),
-                   **self._extra_stats(),
+                   **extra,
                    "pinned": _cuda_stats("host_memory_stats", _PINNED_KEYS),
                    "device_allocator": _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS),
                    "time": time.time()}

@@ -22,11 +22,17 @@ def batch_result_context(state: SchedulerCapture, wrapped: Any, instance: Any, a
     result = args[1] if len(args) > 1 else kwargs["result"]
     mode = batch.forward_mode.name.lower()
     state.processing = ResultRows.of(batch, result)
+
+    def process() -> Any:
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            if state.decode_rows is not None:
+                state.decode_rows.flush()  # the step's rows of requests that did not finish in it
+
     try:
-        return state.clock.timed(f"process_result/{mode}", batch_captures(batch), lambda: wrapped(*args, **kwargs))
+        return state.clock.timed(f"process_result/{mode}", batch_captures(batch), process)
     finally:
-        if state.decode_rows is not None:
-            state.decode_rows.flush()  # SGLang streams the outputs inside; this is for a path that did not
         state.processing = None
 
 
