@@ -75,14 +75,14 @@ def test_plain_launch_server_stays_unpatched(plain, tmp_path):
     assert "sglang_capture: capturing" not in plain.log()
 
 
-def _host_pool_stats(server) -> dict:
-    return read_stats(server.capture_dir).get("host_pool") or {}
+def _host_pool_stats(server, settled: bool = False) -> dict:
+    return read_stats(server.capture_dir, settled).get("host_pool") or {}
 
 
 def test_hidden_states_go_through_the_host_pool_and_stay_exact(llama, tiny_models):
     body = _body(" ".join(PROMPTS) * 3)
     body["sampling_params"]["custom_params"] = {"capture": True, "capture_name": "through-the-pool"}
-    before = (read_stats(llama.capture_dir, settled=True).get("host_pool") or {}).get("blocks", 0)
+    before = _host_pool_stats(llama, settled=True).get("blocks", 0)
     out = llama.generate(body).json()
     assert out["meta_info"]["capture"]["status"] == "ok"
     data = sglang_capture.load(out["meta_info"]["capture"]["path"])

@@ -30,5 +30,4 @@ class SeamClock:
     def stats(self) -> Dict[str, Dict[str, float]]:
         """Per account: calls, total seconds and microseconds per call."""
         return {k: {"calls": int(n), "s": round(s, 4), "us_per_call": round(1e6 * s / n, 1) if n else 0.0}
-                for k, (n, s) in sorted(list(self._totals.items()))}
-
+                for k, (n, s) in sorted(self._totals.items())}
