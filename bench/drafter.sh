@@ -17,11 +17,18 @@
 #   4. train  carry [dist]                   source .devkit/env.sh; bash bench/drafter.sh train $OUT
 #      (waits up to 550 s; if it says training is not done yet, run it again)
 #   5. serve  carry [dist]                   source .devkit/env.sh; bash bench/drafter.sh serve $OUT
+# The flywheel (issue 38, item 4) after prep with STAGES="regen capture" FEATURES=bf16 CAPTURE_DTYPES=bf16:
+#   5. fly    carry [dist]                   source .devkit/env.sh; bash bench/drafter.sh fly $OUT
+#      (waits for the bf16 draft, serves it and captures the answers, captures them prefill-only; the
+#      two trainings then run on in the background)
+#   6. flyserve carry [dist]                 source .devkit/env.sh; bash bench/drafter.sh flyserve $OUT
 # Knobs (NAME=VALUE arguments after OUT, or environment): SAMPLES (2000), ANSWER_TOKENS (384),
-# TRAIN_BUDGET_S (660), TEST_PROMPTS (200); carry: TRAIN_PROMPTS (the training prompts written; SAMPLES).
+# TRAIN_BUDGET_S (660), TRAIN_STEPS (0: sized to the budget), TEST_PROMPTS (200), STAGES (prep's:
+# "regen capture baseline"), FEATURES (the drafts trained and served: bf16,fp8,baseline), CAPTURE_DTYPES
+# (bf16,fp8); carry: TRAIN_PROMPTS (the training prompts written; SAMPLES).
 set -o pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/phases.sh"
-parse_phase_args "usage: bash bench/drafter.sh carry|kit|part|prep|train|serve OUT [NAME=VALUE ...]   (carry: no OUT)" carry "$@"
+parse_phase_args "usage: bash bench/drafter.sh carry|kit|part|prep|train|serve|fly|flyserve OUT [NAME=VALUE ...]   (carry: no OUT)" carry "$@"
 case $PHASE in
   carry)
     carry_smollm2_gguf "${TRAIN_PROMPTS:-${SAMPLES:-2000}}" "${TEST_PROMPTS:-200}"
@@ -44,21 +51,45 @@ cd /tmp  # python -m in the repo root would import the tree, not the installed w
 M=$W/model
 run() { python "$R/bench/drafter_run.py" "$@" --model $M --train-prompts $W/prompts-train.jsonl \
   --test-prompts $W/prompts-test.jsonl --samples ${SAMPLES:-2000} --answer-tokens ${ANSWER_TOKENS:-384} \
-  --train-budget-s ${TRAIN_BUDGET_S:-660}; }
+  --train-budget-s ${TRAIN_BUDGET_S:-660} --train-steps ${TRAIN_STEPS:-0} --features ${FEATURES:-bf16,fp8,baseline} \
+  --capture-dtypes ${CAPTURE_DTYPES:-bf16,fp8}; }
+# wait_for STAGE: until the background run of STAGE is done (at most 550 s), or it is gone
+wait_for() {
+  for _ in $(seq 1 110); do [ -e $W/.done-$1 ] && break; pgrep -f "drafter_run.py $1" > /dev/null || break; sleep 5; done
+  tail -5 $W/$1-stage.log
+  [ -e $W/.done-$1 ]
+}
+# in_background STAGE: run STAGE past the end of this call (its log: $W/STAGE-stage.log)
+in_background() {
+  setsid nohup bash -c "$(declare -f run); M=$M W=$W R=$R; run $1 $W" > $W/$1-stage.log 2>&1 < /dev/null &
+  echo "$1 started in the background"
+}
 case $PHASE in
   prep)
     join_smollm2_gguf $R/.carry-b
     cp $R/.carry-b/prompts/prompts-train.jsonl $W/ && head -n ${TEST_PROMPTS:-200} $R/.carry-b/prompts/prompts-test.jsonl > $W/prompts-test.jsonl
     PYTHONPATH=$PYTHONPATH:$GGUF_DIR python -m sglang_capture.testbed.real_model $M || exit 1
-    for stage in regen capture baseline; do run $stage $W 2>&1 | tee -a $W/drafter.log | grep -v "it/s\]" | tail -4; done
-    [ -e $W/.done-baseline ] || exit 1
-    setsid nohup bash -c "$(declare -f run); M=$M W=$W R=$R; run train $W" > $W/train-stage.log 2>&1 < /dev/null &
-    echo "training started in the background"
+    STAGES=${STAGES:-regen capture baseline}
+    for stage in $STAGES; do run $stage $W 2>&1 | tee -a $W/drafter.log | grep -v "it/s\]" | tail -4; done
+    [ -e $W/.done-${STAGES##* } ] || exit 1
+    in_background train
     ;;
   train)
-    for _ in $(seq 1 110); do [ -e $W/.done-train ] && break; pgrep -f "drafter_run.py train" > /dev/null || break; sleep 5; done
-    tail -5 $W/train-stage.log; grep -h "step" $W/train-bf16.log | tail -2 | cut -c1-300
-    [ -e $W/.done-train ]
+    wait_for train; rc=$?; grep -h "step" $W/train-bf16.log | tail -2 | cut -c1-300
+    [ $rc = 0 ]
+    ;;
+  fly)
+    wait_for train || { echo "the bf16 draft's training is not done"; exit 1; }
+    eagle_deep_gemm
+    run flywheel $W 2>&1 | tee -a $W/drafter.log | grep -v "it/s\]" | tail -8
+    [ -e $W/.done-flywheel ] || exit 1
+    in_background flytrain
+    ;;
+  flyserve)
+    wait_for flytrain || { echo "the flywheel's trainings are not done"; exit 1; }
+    eagle_deep_gemm
+    run flyserve $W --mirror $OUT 2>&1 | tee -a $W/drafter.log | tail -12
+    [ -e $W/.done-flyserve ]
     ;;
   serve)
     [ -e $W/.done-train ] || { echo "training not done"; tail -20 $W/train-stage.log; exit 1; }
@@ -68,9 +99,9 @@ case $PHASE in
     ;;
 esac
 rc=$?
-for f in regen capture baseline train serve; do cp $W/$f.json "$OUT/drafter-$f.json" 2>/dev/null; done
+for f in regen capture baseline train serve flywheel flytrain flyserve; do cp $W/$f.json "$OUT/drafter-$f.json" 2>/dev/null; done
 cp $W/draft_config.json "$OUT/" 2>/dev/null
 tar -C $W -czf "$OUT/logs-$PHASE.tgz" --exclude='*.msgpack' --exclude='*.ckpt' --exclude='model' --exclude='draft-*' \
-  --exclude='train-bf16' --exclude='train-fp8' --exclude='train-baseline' --exclude='target-view' --exclude='cache-*' \
+  --exclude='train-bf16' --exclude='train-fp8' --exclude='train-baseline' --exclude='train-flywheel' --exclude='train-prefill' --exclude='target-view' --exclude='cache-*' \
   --exclude='capture-server' . 2>/dev/null
 exit $rc

@@ -22,6 +22,19 @@ Stages (bench/drafter.sh chains them over device calls; WORK keeps every stage's
               3 steps / top-k 1 / 4 draft tokens and at SGLang's default for Llama; the held-out
               prompts at temperature 0: mean acceptance length (per request, completion tokens /
               ``spec_verify_ct``) and output tok/s. WORK/drafter_results.json.
+
+The flywheel (issue 38, item 4) follows ``train`` of the bf16 draft alone (``--features bf16``):
+
+``flywheel``  the target served through the launcher with that draft (3 / 1 / 4); every training
+              prompt sent once at temperature 0 asking for its file (loss on the answer only), so
+              the answers come from the target through speculation and the rows of the prompt and
+              of every accepted token from its extend and verify passes: WORK/caps-flywheel. Then
+              each file's whole token sequence captured prefill-only on a launcher without
+              speculation (``capture_prefill``, what ``extract`` sends; the same loss mask):
+              WORK/caps-prefill. Rows compared per column (0.1st-percentile cosine, also without each
+              row's 4 largest channels), both verified and exported: WORK/ckpt-{flywheel,prefill}.
+``flytrain``  ``train`` for the two (same steps, seed, config and vocab mapping as the bf16 draft).
+``flyserve``  ``serve`` of the three drafts; bar: flywheel >= 0.97 x prefill at every setting.
 """
 from __future__ import annotations
 
@@ -41,6 +54,7 @@ from typing import Dict, List, Optional
 
 import requests
 
+from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.testbed.cpu import server_env
 from sglang_capture.testbed.once import cache_dir
 from sglang_capture.testbed.server import Server, start_server, stop_server
@@ -52,6 +66,8 @@ from sglang_capture.testbed.server import Server, start_server, stop_server
 GPU_ARGS = ("--attention-backend triton --grammar-backend none --cuda-graph-max-bs 64 --mem-fraction-static 0.93 "
             "--max-total-tokens 131072")
 FEATURES = ("bf16", "fp8", "baseline")
+FLY_FEATURES = ("flywheel", "prefill")  # flytrain's runs; flyserve serves them beside the bf16 draft
+FLY_SETTING = "s3k1d4"  # the flywheel's served setting: chain drafting
 SETTINGS = {"s3k1d4": "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
             "default": ""}  # SGLang 0.5.17 picks (5, 4, 8) for LlamaForCausalLM by itself
 
@@ -135,7 +151,7 @@ def capture(a: argparse.Namespace) -> None:
                       *shlex.split(a.server_args)], a.work, "capture", server_dir)
     info: Dict = {}
     try:
-        for dtype in ("bf16", "fp8"):
+        for dtype in a.capture_dtypes:
             caps = os.path.join(a.work, f"caps-{dtype}")
             t0 = time.monotonic()
             out = _cli("extract", conv, "--server", server.url, "--out", caps, "--concurrency", str(a.concurrency),
@@ -148,7 +164,7 @@ def capture(a: argparse.Namespace) -> None:
             log(f"capture {dtype}: {summary}")
     finally:
         stop_server(server)
-    for dtype in ("bf16", "fp8"):
+    for dtype in a.capture_dtypes:
         caps, ckpt = os.path.join(a.work, f"caps-{dtype}"), os.path.join(a.work, f"ckpt-{dtype}")
         info[dtype]["verify"] = _cli("verify", caps, "--no-progress").strip().splitlines()[-1]
         info[dtype]["export"] = _cli("export", "--format", "specforge", caps, ckpt, "--no-progress").strip()
@@ -266,9 +282,9 @@ def _probe(a: argparse.Namespace, view: str) -> Dict:
     """Seconds per training step (and to the first step) of one run, from its step lines. Logged
     every quarter of the probe, as the real runs log rarely: a step line per step costs a device
     sync and made r49's probe read 0.151 s a step against 0.091 s in the runs."""
-    config = _run_config(a, "bf16", a.probe_steps, view, log_interval=max(1, a.probe_steps // 4))
+    config = _run_config(a, a.features[0], a.probe_steps, view, log_interval=max(1, a.probe_steps // 4))
     t0, seen = time.monotonic(), {}
-    with open(os.path.join(a.work, "train-bf16-probe.log"), "w") as logf:
+    with open(os.path.join(a.work, f"train-{a.features[0]}-probe.log"), "w") as logf:
         p = subprocess.Popen([*shlex.split(a.specforge), "train", "-c", config], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         for line in p.stdout:
@@ -278,7 +294,7 @@ def _probe(a: argparse.Namespace, view: str) -> Dict:
                 seen[int(m.group(1))] = time.monotonic() - t0
         rc = p.wait()
     if rc != 0 or len(seen) < 2:
-        raise SystemExit(f"probe training failed ({rc}); see {a.work}/train-bf16-probe.log")
+        raise SystemExit(f"probe training failed ({rc}); see {a.work}/train-{a.features[0]}-probe.log")
     first, last = min(seen), max(seen)
     step_s = (seen[last] - seen[first]) / (last - first)
     return {"steps": last, "step_s": round(step_s, 4), "startup_s": round(seen[first] - first * step_s, 1),
@@ -303,23 +319,23 @@ def train(a: argparse.Namespace) -> None:
                                                 target_vocab_size=t["vocab_size"])
         d2t, t2d = process_token_dict_to_mappings(counts, a.draft_vocab, t["vocab_size"])
         torch.save({"d2t": d2t, "t2d": t2d}, vocab)
-    samples = len(glob.glob(os.path.join(a.work, "ckpt-bf16", "*.ckpt")))
+    samples = len(glob.glob(os.path.join(a.work, f"ckpt-{a.features[0]}", "*.ckpt")))
     steps = a.train_steps
     probe = {}
     if steps <= 0:  # size the runs: one run of PROBE steps, each step's line timed as it is printed
         probe = _probe(a, view)
         steps = int((a.train_budget_s - probe["startup_s"]) / (probe["step_s"] * a.parallel_slowdown))
-        shutil.rmtree(os.path.join(a.work, "train-bf16"), ignore_errors=True)
+        shutil.rmtree(os.path.join(a.work, f"train-{a.features[0]}"), ignore_errors=True)
     steps = max(1, min(steps, a.epochs * samples))
     log(f"train: {steps} steps per run ({steps / samples:.2f} epochs of {samples} samples); probe {probe}")
     t0 = time.monotonic()
-    procs = {f: _train_proc(a, f, steps, view) for f in FEATURES}
+    procs = {f: _train_proc(a, f, steps, view) for f in a.features}
     rcs = {f: p.wait() for f, p in procs.items()}
     seconds = time.monotonic() - t0
     if any(rcs.values()):
         raise SystemExit(f"training failed: {rcs}; see {a.work}/train-*.log")
     exported = {}
-    for f in FEATURES:
+    for f in a.features:
         ckpt = os.path.join(a.work, f"train-{f}", f"draft-{f}-latest")
         out = os.path.join(a.work, f"draft-{f}")
         r = subprocess.run([*shlex.split(a.specforge), "export", "--to", "sglang", "--checkpoint", ckpt, "--draft-config",
@@ -328,17 +344,129 @@ def train(a: argparse.Namespace) -> None:
         if r.returncode != 0:
             raise SystemExit(f"specforge export {f} failed:\n{r.stderr[-3000:]}")
         exported[f] = json.load(open(os.path.join(out, "config.json"))).get("eagle_config")
-    _mark(a.work, "train", {"steps": steps, "samples": samples, "epochs": round(steps / samples, 3),
+    _mark(a.work, a.stage, {"steps": steps, "features": list(a.features), "samples": samples, "epochs": round(steps / samples, 3),
                             "seconds": round(seconds, 1), "probe": probe, "exported_eagle_config": exported,
                             "train_budget_s": a.train_budget_s, "parallel_slowdown": a.parallel_slowdown,
                             "lr": a.lr, "max_length": a.max_length, "draft_vocab": a.draft_vocab})
-    log(f"train: 3 runs of {steps} steps in {seconds:.0f} s; exported {list(exported)}")
+    log(f"{a.stage}: {len(procs)} runs of {steps} steps in {seconds:.0f} s; exported {list(exported)}")
+
+
+def _capture_answer(server: Server, ids: List[int], name: str, max_new: int) -> dict:
+    """One training prompt answered through speculation, its file asked for: loss on the answer
+    only (an empty prompt mask), as a prefill-only capture of the conversation trains on it."""
+    params = {"max_new_tokens": max_new, "temperature": 0,
+              "custom_params": {"capture": True, "capture_name": name, "capture_loss_mask": []}}
+    r = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": params}, timeout=600)
+    r.raise_for_status()
+    meta = r.json()["meta_info"]
+    if meta.get("capture", {}).get("status") != "ok":
+        raise SystemExit(f"flywheel capture {name}: {meta.get('capture')}")
+    return meta
+
+
+def _compare_rows(fly_dir: str, pre_dir: str, names: List[str]) -> Dict:
+    """Each flywheel file's rows against the prefill-only capture of its sequence, per column."""
+    import torch
+    from gpu_spec import MIN_COS, cosines  # bench/ is on sys.path: this script lives there
+
+    import sglang_capture
+
+    per_col: Dict[str, List] = {}
+    rows = 0
+    for name in names:
+        mine = sglang_capture.load(os.path.join(fly_dir, name + FILE_SUFFIX))
+        theirs = sglang_capture.load(os.path.join(pre_dir, name + FILE_SUFFIX))
+        n, h = mine["aux_hidden_states"].shape[0], mine["hidden_size"]
+        seq = mine["input_ids"].tolist() + mine["output_ids"].tolist()[:n - mine["input_ids"].numel()]
+        if theirs["input_ids"].tolist() != seq or theirs["aux_hidden_states"].shape[0] != n:
+            raise SystemExit(f"flywheel {name}: the prefill-only capture holds another sequence")
+        if list(theirs["layers"]) != list(mine["layers"]):
+            raise SystemExit(f"flywheel {name}: layers {mine['layers']} against {theirs['layers']} prefill-only")
+        rows += n
+        cols = {f"aux{k}": (mine["aux_hidden_states"][:, k * h:(k + 1) * h], theirs["aux_hidden_states"][:, k * h:(k + 1) * h])
+                for k in range(mine["aux_hidden_states"].shape[1] // h)}
+        cols["final"] = (mine["last_hidden_states"], theirs["last_hidden_states"])
+        for col, (x, y) in cols.items():
+            for kind, v in cosines(x, y).items():
+                per_col.setdefault(f"{col}/{kind}", []).append(v)
+    stats = {}
+    for key, vs in per_col.items():
+        v = torch.cat(vs)
+        stats[key] = {"p0.1": round(float(torch.quantile(v, 0.001)), 6), "min": round(float(v.min()), 6)}
+    return {"files": len(names), "rows": rows, "columns": stats, "bar": MIN_COS,
+            "pass": all(st["p0.1"] >= MIN_COS for st in stats.values())}
+
+
+def flywheel(a: argparse.Namespace) -> None:
+    """Round two of the flywheel: the training prompts answered by the target speculating with
+    the bf16 draft, captured as they are served; the same sequences captured prefill-only."""
+    from transformers import AutoTokenizer
+
+    from sglang_capture.tools.client import capture_prefill, discover
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    prompts = _read_jsonl(a.train_prompts)[:a.samples]
+    ids = {p["id"]: _chat_ids(tok, p["prompt"]) for p in prompts}
+    fly_dir, pre_dir = os.path.join(a.work, "caps-flywheel"), os.path.join(a.work, "caps-prefill")
+    draft = os.path.join(a.work, "draft-bf16")
+    os.makedirs(fly_dir, exist_ok=True)
+    os.makedirs(pre_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", fly_dir, "--model-path", a.model,
+           *shlex.split(a.server_args), "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+           *shlex.split(SETTINGS[FLY_SETTING]), *shlex.split(a.spec_backend_args)]
+    server = _server(cmd, a.work, "flywheel", fly_dir)
+    try:
+        warm = list(ids.values())[:a.concurrency]  # first batches compile kernels: not part of the figure
+        with cf.ThreadPoolExecutor(a.concurrency) as pool:
+            list(pool.map(lambda x: _generate(server, x, 32), warm))
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(a.concurrency) as pool:
+            metas = dict(zip(ids, pool.map(lambda k: _capture_answer(server, ids[k], k, a.answer_tokens), ids),
+                             strict=True))
+        fly_s = time.monotonic() - t0
+    finally:
+        stop_server(server)
+    fly_rows = sum(m["capture"]["rows"] for m in metas.values())
+    info: Dict = {"samples": len(metas), "setting": FLY_SETTING, "draft": "draft-bf16",
+                  "flywheel": {"seconds": round(fly_s, 1), "rows": fly_rows, "rows_per_s": round(fly_rows / fly_s),
+                               "generated_tokens": sum(m["completion_tokens"] for m in metas.values()),
+                               **acceptance(list(metas.values()))}}
+    log(f"flywheel: {len(metas)} answers captured through speculation, {fly_rows:,} rows in {fly_s:.0f} s; "
+        f"{info['flywheel']}")
+    import sglang_capture
+
+    sequences = {}
+    for name in metas:
+        d = sglang_capture.load(os.path.join(fly_dir, name + FILE_SUFFIX), tensors=("input_ids", "output_ids"))
+        prompt = d["input_ids"].tolist()
+        sequences[name] = (prompt + d["output_ids"].tolist())[:metas[name]["capture"]["rows"]], len(prompt)
+    server = _server([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", pre_dir, "--model-path", a.model,
+                      "--capture-layers-from-draft", draft, *shlex.split(a.server_args)], a.work, "prefill", pre_dir)
+    try:
+        info_srv = discover(server.url)
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(a.concurrency) as pool:
+            list(pool.map(lambda k: capture_prefill(info_srv, sequences[k][0], k, [(sequences[k][1], len(sequences[k][0]))],
+                                                    600), sequences))
+        pre_s = time.monotonic() - t0
+    finally:
+        stop_server(server)
+    info["prefill"] = {"seconds": round(pre_s, 1), "rows": fly_rows, "rows_per_s": round(fly_rows / pre_s)}
+    info["rows"] = _compare_rows(fly_dir, pre_dir, sorted(metas))
+    log(f"flywheel rows against prefill-only: {json.dumps(info['rows'])}")
+    for feature, caps in (("flywheel", fly_dir), ("prefill", pre_dir)):
+        ckpt = os.path.join(a.work, f"ckpt-{feature}")
+        info[feature]["verify"] = _cli("verify", caps, "--no-progress").strip().splitlines()[-1]
+        info[feature]["export"] = _cli("export", "--format", "specforge", caps, ckpt, "--no-progress").strip()
+        log(f"{feature}: {info[feature]['verify']}")
+    _mark(a.work, "flywheel", info)
 
 
 def _spec_cmd(a: argparse.Namespace, draft: Optional[str], setting: str) -> List[str]:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, *shlex.split(a.server_args)]
     if draft is not None:
-        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft, *shlex.split(SETTINGS[setting])]
+        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft, *shlex.split(SETTINGS[setting]),
+                *shlex.split(a.spec_backend_args)]
     return cmd
 
 
@@ -367,15 +495,20 @@ def acceptance(metas: List[Dict]) -> Dict:
 
 BARS = {"bf16 / baseline": ("bf16", "baseline", 0.97), "fp8 / bf16": ("fp8", "bf16", 0.97)}
 MIN_ACCEPTANCE = ("bf16-s3k1d4", 1.5)
+# issue 38, item 4: the draft trained on the flywheel's captures against the one trained on
+# prefill-only captures of the same token sequences
+FLY_BARS = {"flywheel / prefill": ("flywheel", "prefill", 0.97)}
 
 
-def verdicts(configs: Dict[str, Dict]) -> Dict[str, Dict]:
-    """Issue 27's bars on a serve record's configs: each draft's mean acceptance length against
-    the one it must match (ratio >= 0.97) at every setting, and bf16 at 3/1/4 against 1.5. Every
-    bar is present: one whose configuration was not measured fails and names what is missing."""
+def verdicts(configs: Dict[str, Dict], bars: Dict[str, tuple] = BARS,
+             minimum: Optional[tuple] = MIN_ACCEPTANCE) -> Dict[str, Dict]:
+    """Issue 27's bars (issue 38's with ``FLY_BARS`` and no minimum) on a serve record's configs:
+    each draft's mean acceptance length against the one it must match (ratio >= 0.97) at every
+    setting, and bf16 at 3/1/4 against 1.5. Every bar is present: one whose configuration was
+    not measured fails and names what is missing."""
     mean = lambda name: configs.get(name, {}).get("acceptance", {}).get("mean_acceptance_length")
     out: Dict[str, Dict] = {}
-    for label, (num, den, bar) in BARS.items():
+    for label, (num, den, bar) in bars.items():
         for setting in SETTINGS:
             names = (f"{num}-{setting}", f"{den}-{setting}")
             missing = [n for n in names if mean(n) is None]
@@ -384,7 +517,9 @@ def verdicts(configs: Dict[str, Dict]) -> Dict[str, Dict]:
             else:
                 ratio = round(mean(names[0]) / mean(names[1]), 4)
                 out[f"{label} ({setting})"] = {"ratio": ratio, "bar": bar, "pass": ratio >= bar}
-    name, bar = MIN_ACCEPTANCE
+    if minimum is None:
+        return out
+    name, bar = minimum
     value = mean(name)
     out[f"{name} mean acceptance length"] = ({"value": value, "bar": bar, "pass": value >= bar} if value is not None
                                              else {"bar": bar, "pass": False, "missing": [name]})
@@ -398,7 +533,10 @@ def serve(a: argparse.Namespace) -> None:
 
     tok = AutoTokenizer.from_pretrained(a.model)
     prompts = [_chat_ids(tok, p["prompt"]) for p in _read_jsonl(a.test_prompts)]
-    configs = [("target", None, "")] + [(f"{f}-{s}", os.path.join(a.work, f"draft-{f}"), s) for f in FEATURES for s in SETTINGS]
+    fly = a.stage == "flyserve"
+    drafts = ("bf16", *FLY_FEATURES) if fly else a.features
+    configs = ([] if fly else [("target", None, "")]) + [(f"{f}-{s}", os.path.join(a.work, f"draft-{f}"), s)
+                                                          for f in drafts for s in SETTINGS]
     def start(c) -> object:
         try:
             return _server(_spec_cmd(a, c[1], c[2]), a.work, f"serve-{c[0]}")
@@ -425,7 +563,7 @@ def serve(a: argparse.Namespace) -> None:
             results["configs"][name] = r
             log(f"{name}: {json.dumps(r)}")
             if a.mirror:  # what was measured survives a call cut off at its time limit
-                with open(os.path.join(a.mirror, "drafter-serve-partial.json"), "w") as f:
+                with open(os.path.join(a.mirror, f"drafter-{a.stage}-partial.json"), "w") as f:
                     json.dump(results, f, indent=1)
     finally:
         for server in servers.values():
@@ -435,13 +573,13 @@ def serve(a: argparse.Namespace) -> None:
         for k in ("acceptance", "bs1"):
             if target:
                 r[k]["speedup_vs_target"] = round(r[k]["output_tok_per_s"] / target[k]["output_tok_per_s"], 3)
-    results["verdicts"] = verdicts(results["configs"])
-    _mark(a.work, "serve", results)
+    results["verdicts"] = verdicts(results["configs"], FLY_BARS, None) if fly else verdicts(results["configs"])
+    _mark(a.work, a.stage, results)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=("regen", "capture", "baseline", "train", "serve"))
+    ap.add_argument("stage", choices=("regen", "capture", "baseline", "train", "serve", "flywheel", "flytrain", "flyserve"))
     ap.add_argument("work")
     ap.add_argument("--model", required=True, help="target checkpoint (bf16 safetensors)")
     ap.add_argument("--train-prompts", default="")
@@ -465,13 +603,21 @@ def main() -> int:
     ap.add_argument("--eval-tokens", type=int, default=256, help="max new tokens per held-out prompt")
     ap.add_argument("--mirror", default="", help="serve: also write the results so far here after each configuration")
     ap.add_argument("--bs1-prompts", type=int, default=20, help="held-out prompts also run one at a time (tok/s at batch 1)")
+    ap.add_argument("--features", default=",".join(FEATURES),
+                    help="train, serve: the feature sets (WORK/ckpt-NAME); flytrain: always flywheel,prefill")
+    ap.add_argument("--capture-dtypes", default="bf16,fp8", help="capture: the dtypes extracted")
+    ap.add_argument("--spec-backend-args", default="",
+                    help="flags for every speculative server (a CPU dry run passes the test bed's EAGLE backends)")
     a = ap.parse_args()
+    a.features = FLY_FEATURES if a.stage == "flytrain" else tuple(a.features.split(","))
+    a.capture_dtypes = tuple(a.capture_dtypes.split(","))
     os.makedirs(a.work, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if _done(a.work, a.stage):
         log(f"{a.stage}: already done")
         return 0
-    {"regen": regen, "capture": capture, "baseline": baseline, "train": train, "serve": serve}[a.stage](a)
+    {"regen": regen, "capture": capture, "baseline": baseline, "train": train, "serve": serve, "flywheel": flywheel,
+     "flytrain": train, "flyserve": serve}[a.stage](a)
     return 0
 
 

@@ -251,6 +251,22 @@ def test_drafter_verdicts_apply_issue_27_bars_to_the_recorded_run_and_catch_a_sh
     assert v["bf16 / baseline (default)"]["missing"] == ["bf16-default", "baseline-default"]
 
 
+def test_flywheel_verdicts_compare_the_flywheel_draft_with_the_prefill_draft_of_the_recorded_run():
+    import drafter_run
+
+    record = json.load(open(os.path.join(BENCH, "results", "drafter-flywheel-smollm2-h200-2026-12-04-r64.json")))
+    v = drafter_run.verdicts(record["flyserve"]["configs"], drafter_run.FLY_BARS, None)
+    assert v == {"flywheel / prefill (s3k1d4)": {"ratio": 0.9824, "bar": 0.97, "pass": True},
+                 "flywheel / prefill (default)": {"ratio": 1.0055, "bar": 0.97, "pass": True}}
+    assert v == record["flyserve"]["verdicts"]
+    assert record["flywheel"]["rows"]["pass"] and record["flywheel"]["rows"]["rows"] == 308075
+    short = {"flywheel-s3k1d4": {"acceptance": {"mean_acceptance_length": 1.3}},
+             "prefill-s3k1d4": {"acceptance": {"mean_acceptance_length": 1.4}}}
+    v = drafter_run.verdicts(short, drafter_run.FLY_BARS, None)
+    assert v["flywheel / prefill (s3k1d4)"] == {"ratio": 0.9286, "bar": 0.97, "pass": False}
+    assert v["flywheel / prefill (default)"]["missing"] == ["flywheel-default", "prefill-default"]
+
+
 def test_drafter_prompts_are_whole_objects_up_to_the_cut_first_human_turns_without_duplicates(tmp_path):
     import drafter_data
 

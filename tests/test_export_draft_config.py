@@ -24,7 +24,7 @@ PUBLISHED_KIMI_DRAFT = {"architectures": ["LlamaForCausalLMEagle3"],
                         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True}}
 
 
-def _captures(directory, layers, arch="KimiK25ForConditionalGeneration", num_layers=61, n=2):
+def _captures(directory, layers, arch="KimiK25ForConditionalGeneration", num_layers=61, n=2, loss_mask=True):
     os.makedirs(directory, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     for k in range(n):
@@ -34,8 +34,9 @@ def _captures(directory, layers, arch="KimiK25ForConditionalGeneration", num_lay
         rows = fmt.row_count(P, G)
         tensors = {"input_ids": torch.arange(P, dtype=torch.int64), "output_ids": torch.arange(G, dtype=torch.int64),
                    "aux_hidden_states": torch.randn(rows, len(layers) * H, generator=g).to(torch.bfloat16),
-                   "last_hidden_states": torch.randn(rows, H, generator=g).to(torch.bfloat16),
-                   "loss_mask": torch.ones(P, dtype=torch.int64)}
+                   "last_hidden_states": torch.randn(rows, H, generator=g).to(torch.bfloat16)}
+        if loss_mask:
+            tensors["loss_mask"] = torch.ones(P, dtype=torch.int64)
         with open(os.path.join(directory, f"s{k}{FILE_SUFFIX}"), "wb") as f:
             fmt.write_capture(f, meta, tensors, fmt.Codec())
     return str(directory)
@@ -172,3 +173,20 @@ def test_capture_layers_from_draft_bad_file_or_ids_is_one_actionable_line(tmp_pa
     with pytest.raises(ConfigError, match=why) as e:
         resolve_capture_layers(config, 61, "KimiK25ForConditionalGeneration")
     assert "\n" not in str(e.value) and str(e.value).startswith("--capture-layers-from-draft ")
+
+
+def test_export_of_files_without_a_loss_mask_trains_on_answers_only_or_every_token_as_asked(tmp_path):
+    plain = _captures(tmp_path / "plain", [3, 31, 59], n=1, loss_mask=False)  # as the operator captures a request
+    r, errors = _export(plain, tmp_path / "refused")
+    assert r.exit_code == 1 and len(errors) == 1 and "--answers-only" in errors[0] and "--all-tokens" in errors[0]
+    masks = {}
+    for flag in ("--answers-only", "--all-tokens"):
+        r, _ = _export(plain, tmp_path / flag, flag)
+        assert r.exit_code == 0, r.output
+        masks[flag] = torch.load(tmp_path / flag / "s0.ckpt")["loss_mask"].tolist()
+    assert masks["--answers-only"] == [0, 0, 0, 0, 0, 1]  # 5 prompt tokens, the one generated token fed back
+    assert masks["--all-tokens"] == [1] * 6
+    r, errors = _export(plain, tmp_path / "both", "--answers-only", "--all-tokens")
+    assert r.exit_code == 1 and errors == ["Error: --all-tokens and --answers-only exclude each other: pick one for "
+                                           "files without a loss mask"]
+    assert not (tmp_path / "both").exists()

@@ -119,20 +119,26 @@ def verify(directory: str, workers: int, no_progress: bool) -> None:
 @cli.command()
 @click.option("--format", "fmt", type=click.Choice(["specforge"]), required=True, help="Target trainer's format.")
 @click.option("--all-tokens", is_flag=True, help="Files without a loss mask: train on every token.")
+@click.option("--answers-only", is_flag=True,
+              help="Files without a loss mask (requests the operator captured): train on the generated tokens only.")
 @click.option("--draft-config", "draft_config", default=None, type=click.Path(),
               help="An existing EAGLE-3 drafter config.json (or its directory) to train further: refuse it, "
                    "before writing anything, unless SGLang serving it captures the layers DIR holds.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, exists=True))
 @click.argument("out", metavar="OUT", type=click.Path(file_okay=False))
-def export(fmt: str, all_tokens: bool, draft_config: Optional[str], no_progress: bool, directory: str,
-           out: str) -> None:
+def export(fmt: str, all_tokens: bool, answers_only: bool, draft_config: Optional[str], no_progress: bool,
+           directory: str, out: str) -> None:
     """Write DIR's samples as a trainer's offline files into OUT, with the drafter config
     fragment (OUT/eagle3_draft_config_fragment.json) that makes SGLang capture the same layers."""
     from sglang_capture.tools.export_specforge import ExportError, draft_fragment, export_specforge
 
+    if all_tokens and answers_only:
+        raise click.ClickException("--all-tokens and --answers-only exclude each other: pick one for files without a "
+                                   "loss mask")
     try:
-        report = export_specforge(directory, out, all_tokens, progress=not no_progress, draft_config=draft_config)
+        report = export_specforge(directory, out, all_tokens, progress=not no_progress, draft_config=draft_config,
+                                  answers_only=answers_only)
     except (ExportError, CaptureFileError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{report.written} SpecForge samples written to {out} ({report.skipped} already there)")

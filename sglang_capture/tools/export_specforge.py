@@ -101,8 +101,10 @@ def check_draft_config(path: str, layers: List[int], architecture: str, num_laye
                    f"the files' layers ({EAGLE3_IDS_KEY} {given})")
 
 
-def to_specforge(d: dict, path: str, all_tokens: bool) -> dict:
-    """One loaded capture as SpecForge's sample dict."""
+def to_specforge(d: dict, path: str, all_tokens: bool, answers_only: bool = False) -> dict:
+    """One loaded capture as SpecForge's sample dict. A file without a loss mask (a request the
+    operator captured, or one that sent none) trains on every token with ``all_tokens``, on its
+    generated tokens only with ``answers_only``, and is refused otherwise."""
     if len(d["layers"]) != 3:
         raise ExportError(f"{path}: EAGLE-3 needs 3 aux layers, this file has {len(d['layers'])} ({d['layers']})")
     if d.get("last_hidden_states") is None:
@@ -113,9 +115,14 @@ def to_specforge(d: dict, path: str, all_tokens: bool) -> dict:
         prompt_mask = d["loss_mask"].to(torch.int64)
     elif all_tokens:
         prompt_mask = torch.ones(P, dtype=torch.int64)
+    elif answers_only:
+        if ids.numel() == P:
+            raise ExportError(f"{path}: no loss_mask and no generated token to train on (--answers-only); "
+                              "pass --all-tokens to train on its prompt")
+        prompt_mask = torch.zeros(P, dtype=torch.int64)
     else:
-        raise ExportError(f"{path}: no loss_mask (not written by 'sglang-capture extract'); "
-                          "pass --all-tokens to train on every token")
+        raise ExportError(f"{path}: no loss_mask (not written by 'sglang-capture extract'); pass --answers-only "
+                          "to train on its generated tokens, or --all-tokens to train on every token")
     mask = torch.cat([prompt_mask, torch.ones(ids.numel() - P, dtype=torch.int64)])
     return {
         "input_ids": ids.contiguous(),
@@ -126,7 +133,7 @@ def to_specforge(d: dict, path: str, all_tokens: bool) -> dict:
 
 
 def export_specforge(directory: str, out: str, all_tokens: bool = False, progress: bool = True,
-                     draft_config: Optional[str] = None) -> ExportReport:
+                     draft_config: Optional[str] = None, answers_only: bool = False) -> ExportReport:
     """Write ``OUT/<sample>.ckpt`` for every capture file of ``directory``, and the drafter
     config fragment for its layers; with ``draft_config`` first refuse (ExportError) a drafter
     config for which SGLang would capture other layers than the files hold."""
@@ -164,7 +171,7 @@ def export_specforge(directory: str, out: str, all_tokens: bool = False, progres
         if d["aux_hidden_states"].dtype != SPECFORGE_DTYPE and not report.note:
             report.note = (f"captures are {d['aux_hidden_states'].dtype}; SpecForge files are bf16, "
                            "so hidden states were rounded to bf16")
-        sample = to_specforge(d, path, all_tokens)
+        sample = to_specforge(d, path, all_tokens, answers_only)
         replace_atomic(dst, lambda f, sample=sample: torch.save(sample, f))
         report.written += 1
     if report.eagle_ids is not None:
