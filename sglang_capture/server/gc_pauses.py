@@ -5,6 +5,11 @@ the objects of its generations: a full one walks everything SGLang keeps alive (
 collections of up to 0.89 s under decode-heavy capture, bench/RESULTS.md r63). Capture keeps
 objects alive for a while (rows waiting for a writer), so it can make the collector run, and pause
 the scheduler, more often; ``gc_pauses`` in the writer stats shows whether it does.
+
+``--capture-gc-freeze`` shortens the full collections: ``freeze`` moves every object alive after
+the first batch (the model, SGLang's bookkeeping, the CUDA graphs') out of the collector's
+generations for good, as SGLang's ``/freeze_gc`` endpoint does, so a full collection walks only
+what was created since.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ class GcPauses:
         # every key exists from the start: the callback runs in whichever thread collects, and must
         # not grow the dict while a hand-off thread reads it for the stats file
         self._totals: Dict[str, List[float]] = {g: [0, 0.0, 0.0] for g in GENERATIONS}
+        self.frozen = 0  # objects moved out of the collector's reach by ``freeze``
 
     def __call__(self, phase: str, info: Dict[str, Any]) -> None:
         """The ``gc.callbacks`` hook: ``start`` and ``stop`` of one collection."""
@@ -43,11 +49,23 @@ class GcPauses:
             gc.callbacks.append(self)
 
     def uninstall(self) -> None:
-        """Stop counting (idempotent)."""
+        """Stop counting, and give frozen objects back to the collector (idempotent)."""
         if self in gc.callbacks:
             gc.callbacks.remove(self)
+        if self.frozen:
+            gc.unfreeze()
+            self.frozen = 0
 
-    def stats(self) -> Dict[str, Dict[str, float]]:
-        """Per generation: collections, total seconds, the longest in ms."""
-        return {k: {"calls": int(n), "s": round(s, 4), "max_ms": round(1e3 * m, 2)}
-                for k, (n, s, m) in ((g, tuple(self._totals[g])) for g in GENERATIONS)}
+    def freeze(self) -> int:
+        """Move every object alive now out of the collector's generations (``gc.freeze``, O(1));
+        returns how many the collector no longer walks."""
+        gc.freeze()
+        self.frozen = gc.get_freeze_count()
+        return self.frozen
+
+    def stats(self) -> Dict[str, Any]:
+        """Per generation: collections, total seconds, the longest in ms; and the objects frozen."""
+        out: Dict[str, Any] = {k: {"calls": int(n), "s": round(s, 4), "max_ms": round(1e3 * m, 2)}
+                               for k, (n, s, m) in ((g, tuple(self._totals[g])) for g in GENERATIONS)}
+        out["frozen_objects"] = self.frozen
+        return out

@@ -81,6 +81,7 @@ class SchedulerCapture:
         self.copies = CopyCounts()
         self.clock = SeamClock()
         self.gc_pauses = GcPauses()
+        self.gc_freeze_pending = config.gc_freeze  # --capture-gc-freeze: done after the first batch's result
         self.model: Optional[ModelInfo] = None
         self.aux: Optional[AuxCapture] = None  # set up with the model
         # the batch Scheduler.run_batch is launching, and the one whose result is being processed
@@ -145,8 +146,16 @@ class SchedulerCapture:
                     "pinned" if self.pool.pinned else "not pinned", self.pool.setup_s)
 
     def stop_watching_gc(self) -> None:
-        """Remove the garbage-collector hook (``uninstrument``)."""
+        """Remove the garbage-collector hook and unfreeze what it froze (``uninstrument``)."""
+        self.gc_freeze_pending = False
         self.gc_pauses.uninstall()
+
+    def freeze_gc(self) -> None:
+        """``--capture-gc-freeze``, once: the server has loaded, captured its CUDA graphs and run a batch,
+        so what is alive now lives as long as the process (gc_pauses.py)."""
+        self.gc_freeze_pending = False
+        logger.info("sglang_capture: %d objects frozen out of the garbage collector's full collections",
+                    self.gc_pauses.freeze())
 
     def stats(self) -> Dict[str, Any]:
         """This process's counters for the writer's stats file (core/capture_dir.py: StatsFile)."""
