@@ -366,35 +366,22 @@ def _capture_answer(server: Server, ids: List[int], name: str, max_new: int) -> 
 
 def _compare_rows(fly_dir: str, pre_dir: str, names: List[str]) -> Dict:
     """Each flywheel file's rows against the prefill-only capture of its sequence, per column."""
-    import torch
-    from gpu_spec import MIN_COS, cosines  # bench/ is on sys.path: this script lives there
+    from gpu_spec import ColumnCosines  # bench/ is on sys.path: this script lives there
 
     import sglang_capture
 
-    per_col: Dict[str, List] = {}
-    rows = 0
+    compared = ColumnCosines()
     for name in names:
         mine = sglang_capture.load(os.path.join(fly_dir, name + FILE_SUFFIX))
         theirs = sglang_capture.load(os.path.join(pre_dir, name + FILE_SUFFIX))
-        n, h = mine["aux_hidden_states"].shape[0], mine["hidden_size"]
+        n = mine["aux_hidden_states"].shape[0]
         seq = mine["input_ids"].tolist() + mine["output_ids"].tolist()[:n - mine["input_ids"].numel()]
         if theirs["input_ids"].tolist() != seq or theirs["aux_hidden_states"].shape[0] != n:
             raise SystemExit(f"flywheel {name}: the prefill-only capture holds another sequence")
         if list(theirs["layers"]) != list(mine["layers"]):
             raise SystemExit(f"flywheel {name}: layers {mine['layers']} against {theirs['layers']} prefill-only")
-        rows += n
-        cols = {f"aux{k}": (mine["aux_hidden_states"][:, k * h:(k + 1) * h], theirs["aux_hidden_states"][:, k * h:(k + 1) * h])
-                for k in range(mine["aux_hidden_states"].shape[1] // h)}
-        cols["final"] = (mine["last_hidden_states"], theirs["last_hidden_states"])
-        for col, (x, y) in cols.items():
-            for kind, v in cosines(x, y).items():
-                per_col.setdefault(f"{col}/{kind}", []).append(v)
-    stats = {}
-    for key, vs in per_col.items():
-        v = torch.cat(vs)
-        stats[key] = {"p0.1": round(float(torch.quantile(v, 0.001)), 6), "min": round(float(v.min()), 6)}
-    return {"files": len(names), "rows": rows, "columns": stats, "bar": MIN_COS,
-            "pass": all(st["p0.1"] >= MIN_COS for st in stats.values())}
+        compared.add(mine, theirs, n)
+    return compared.result()
 
 
 def flywheel(a: argparse.Namespace) -> None:

@@ -124,10 +124,39 @@ def cosines(x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
             "cos_top4_out": torch.nn.functional.cosine_similarity(x * keep, y * keep, dim=-1).cpu()}
 
 
+class ColumnCosines:
+    """Row cosines of captures against references of the same sequences, per column (each aux
+    layer, final), with and without each row's 4 largest channels (also bench/drafter_run.py)."""
+
+    def __init__(self) -> None:
+        self.per_col: Dict[str, List[torch.Tensor]] = {}
+        self.files = self.rows = 0
+
+    def add(self, mine: Dict, theirs: Dict, n: int) -> None:
+        """The first ``n`` rows of two loaded captures of one sequence."""
+        h = mine["hidden_size"]
+        cols = {f"aux{k}": (mine["aux_hidden_states"][:n, k * h:(k + 1) * h], theirs["aux_hidden_states"][:n, k * h:(k + 1) * h])
+                for k in range(mine["aux_hidden_states"].shape[1] // h)}
+        cols["final"] = (mine["last_hidden_states"][:n], theirs["last_hidden_states"][:n])
+        for col, (x, y) in cols.items():
+            for kind, v in cosines(x, y).items():
+                self.per_col.setdefault(f"{col}/{kind}", []).append(v)
+        self.files += 1
+        self.rows += n
+
+    def result(self) -> Dict:
+        """0.1st-percentile and lowest cosine per column; pass when every 0.1st percentile reaches MIN_COS."""
+        stats = {}
+        for key, vs in self.per_col.items():
+            v = torch.cat(vs)
+            stats[key] = {"p0.1": round(float(torch.quantile(v, 0.001)), 6), "min": round(float(v.min()), 6)}
+        return {"files": self.files, "rows": self.rows, "columns": stats, "bar": MIN_COS,
+                "pass": all(s["p0.1"] >= MIN_COS for s in stats.values())}
+
+
 def check_rows(spec: Server, ref: Server, outs: List[Dict], setting: str) -> Dict:
     """Every speculative capture against a prefill-only capture of its whole sequence on ``ref``."""
-    per_col: Dict[str, List[torch.Tensor]] = {}
-    rows = 0
+    compared = ColumnCosines()
     for i, out in enumerate(outs):
         cap = out["meta_info"]["capture"]
         if cap["status"] != "ok":
@@ -138,20 +167,8 @@ def check_rows(spec: Server, ref: Server, outs: List[Dict], setting: str) -> Dic
         n = mine["aux_hidden_states"].shape[0]
         if n != len(ids) - 1 or theirs["input_ids"].tolist() != ids:
             raise RuntimeError(f"{setting} capture {i}: {n} rows for {len(ids)} tokens")
-        rows += n
-        h = mine["hidden_size"]
-        cols = {f"aux{k}": (mine["aux_hidden_states"][:, k * h:(k + 1) * h], theirs["aux_hidden_states"][:n, k * h:(k + 1) * h])
-                for k in range(mine["aux_hidden_states"].shape[1] // h)}
-        cols["final"] = (mine["last_hidden_states"], theirs["last_hidden_states"][:n])
-        for col, (x, y) in cols.items():
-            for kind, v in cosines(x, y).items():
-                per_col.setdefault(f"{col}/{kind}", []).append(v)
-    stats = {}
-    for key, vs in per_col.items():
-        v = torch.cat(vs)
-        stats[key] = {"p0.1": round(float(torch.quantile(v, 0.001)), 6), "min": round(float(v.min()), 6)}
-    return {"files": len(outs), "rows": rows, "columns": stats,
-            "pass": all(s["p0.1"] >= MIN_COS for s in stats.values())}
+        compared.add(mine, theirs, n)
+    return compared.result()
 
 
 def check_tokens(server: Server, ps: List[List[int]], tokens: int, setting: str, alone: int = 8) -> tuple:
