@@ -20,7 +20,8 @@
 # The flywheel (issue 38, item 4) after prep with STAGES="regen capture" FEATURES=bf16 CAPTURE_DTYPES=bf16:
 #   5. fly    carry [dist]                   source .devkit/env.sh; bash bench/drafter.sh fly $OUT
 #      (waits for the bf16 draft, serves it and captures the answers, captures them prefill-only; the
-#      two trainings then run on in the background)
+#      two trainings then run on in the background, as many steps as the bf16 draft's). The wait and the
+#      stage share one call: set TRAIN_STEPS (r64: 1200) or run `train` until it is done first.
 #   6. flyserve carry [dist]                 source .devkit/env.sh; bash bench/drafter.sh flyserve $OUT
 # Knobs (NAME=VALUE arguments after OUT, or environment): SAMPLES (2000), ANSWER_TOKENS (384),
 # TRAIN_BUDGET_S (660), TRAIN_STEPS (0: sized to the budget), TEST_PROMPTS (200), STAGES (prep's:
@@ -69,9 +70,9 @@ case $PHASE in
     join_smollm2_gguf $R/.carry-b
     cp $R/.carry-b/prompts/prompts-train.jsonl $W/ && head -n ${TEST_PROMPTS:-200} $R/.carry-b/prompts/prompts-test.jsonl > $W/prompts-test.jsonl
     PYTHONPATH=$PYTHONPATH:$GGUF_DIR python -m sglang_capture.testbed.real_model $M || exit 1
-    STAGES=${STAGES:-regen capture baseline}
-    for stage in $STAGES; do run $stage $W 2>&1 | tee -a $W/drafter.log | grep -v "it/s\]" | tail -4; done
-    [ -e $W/.done-${STAGES##* } ] || exit 1
+    read -ra stages <<< "${STAGES:-regen capture baseline}"
+    for stage in "${stages[@]}"; do run $stage $W 2>&1 | tee -a $W/drafter.log | grep -v "it/s\]" | tail -4; done
+    [ -e $W/.done-${stages[-1]} ] || exit 1
     in_background train
     ;;
   train)

@@ -321,6 +321,8 @@ def train(a: argparse.Namespace) -> None:
         torch.save({"d2t": d2t, "t2d": t2d}, vocab)
     samples = len(glob.glob(os.path.join(a.work, f"ckpt-{a.features[0]}", "*.ckpt")))
     steps = a.train_steps
+    if a.stage == "flytrain" and steps <= 0:  # the flywheel's drafts train as long as the draft that served
+        steps = json.load(open(os.path.join(a.work, "train.json")))["steps"]
     probe = {}
     if steps <= 0:  # size the runs: one run of PROBE steps, each step's line timed as it is printed
         probe = _probe(a, view)
@@ -377,11 +379,18 @@ def _compare_rows(fly_dir: str, pre_dir: str, names: List[str]) -> Dict:
         n = mine["aux_hidden_states"].shape[0]
         seq = mine["input_ids"].tolist() + mine["output_ids"].tolist()[:n - mine["input_ids"].numel()]
         if theirs["input_ids"].tolist() != seq or theirs["aux_hidden_states"].shape[0] != n:
-            raise SystemExit(f"flywheel {name}: the prefill-only capture holds another sequence")
+            raise SystemExit(f"flywheel {name}: the prefill-only capture holds {theirs['input_ids'].numel()} tokens and "
+                             f"{theirs['aux_hidden_states'].shape[0]} rows, the flywheel file {len(seq)} and {n}")
         if list(theirs["layers"]) != list(mine["layers"]):
             raise SystemExit(f"flywheel {name}: layers {mine['layers']} against {theirs['layers']} prefill-only")
         compared.add(mine, theirs, n)
     return compared.result()
+
+
+def _answer_span(seq: List[int], prompt_len: int) -> List[tuple]:
+    """The loss span of a prefill-only capture of ``seq``: its answer's tokens (none when the answer
+    was a single token, which has no row)."""
+    return [(prompt_len, len(seq))] if len(seq) > prompt_len else []
 
 
 def flywheel(a: argparse.Namespace) -> None:
@@ -396,8 +405,10 @@ def flywheel(a: argparse.Namespace) -> None:
     ids = {p["id"]: _chat_ids(tok, p["prompt"]) for p in prompts}
     fly_dir, pre_dir = os.path.join(a.work, "caps-flywheel"), os.path.join(a.work, "caps-prefill")
     draft = os.path.join(a.work, "draft-bf16")
-    os.makedirs(fly_dir, exist_ok=True)
-    os.makedirs(pre_dir, exist_ok=True)
+    for stale in (fly_dir, pre_dir, os.path.join(a.work, "ckpt-flywheel"), os.path.join(a.work, "ckpt-prefill")):
+        shutil.rmtree(stale, ignore_errors=True)  # a call cut off before: the writers refuse existing names
+    os.makedirs(fly_dir)
+    os.makedirs(pre_dir)
     cmd = [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", fly_dir, "--model-path", a.model,
            *shlex.split(a.server_args), "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
            *shlex.split(SETTINGS[FLY_SETTING]), *shlex.split(a.spec_backend_args)]
@@ -433,14 +444,16 @@ def flywheel(a: argparse.Namespace) -> None:
         info_srv = discover(server.url)
         t0 = time.monotonic()
         with cf.ThreadPoolExecutor(a.concurrency) as pool:
-            list(pool.map(lambda k: capture_prefill(info_srv, sequences[k][0], k, [(sequences[k][1], len(sequences[k][0]))],
-                                                    600), sequences))
+            list(pool.map(lambda k: capture_prefill(info_srv, sequences[k][0], k, _answer_span(*sequences[k]), 600),
+                          sequences))
         pre_s = time.monotonic() - t0
     finally:
         stop_server(server)
+    # the same rows: _compare_rows checks every file's row count against its flywheel file
     info["prefill"] = {"seconds": round(pre_s, 1), "rows": fly_rows, "rows_per_s": round(fly_rows / pre_s)}
     info["rows"] = _compare_rows(fly_dir, pre_dir, sorted(metas))
-    log(f"flywheel rows against prefill-only: {json.dumps(info['rows'])}")
+    log(f"{'PASS' if info['rows']['pass'] else 'FAIL'} flywheel rows against prefill-only (bar "
+        f"{info['rows']['bar']}): {json.dumps(info['rows'])}")
     for feature, caps in (("flywheel", fly_dir), ("prefill", pre_dir)):
         ckpt = os.path.join(a.work, f"ckpt-{feature}")
         info[feature]["verify"] = _cli("verify", caps, "--no-progress").strip().splitlines()[-1]

@@ -290,11 +290,12 @@ def main(a: argparse.Namespace) -> int:
             log(f"{'PASS' if tp['pass'] else 'FAIL'} {s} throughput over none: {tp['ratio_of_medians']} ({tp['tok_s']})")
     finally:
         res["pass"] = bool(ok)
-        # before the servers stop: SGLang's shutdown can outlast the call's time limit (r65 lost its record so)
-        with open(os.path.join(a.out, "gpu_spec.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        for s in servers.values():
-            stop_server(s)
+        try:  # before the servers stop: SGLang's shutdown can outlast the call's time limit (r65 lost its record so)
+            with open(os.path.join(a.out, "gpu_spec.json"), "w") as f:
+                json.dump(res, f, indent=1)
+        finally:
+            for s in servers.values():
+                stop_server(s)
     return 0 if ok else 1
 
 

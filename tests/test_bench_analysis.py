@@ -267,6 +267,53 @@ def test_flywheel_verdicts_compare_the_flywheel_draft_with_the_prefill_draft_of_
     assert v["flywheel / prefill (default)"]["missing"] == ["flywheel-default", "prefill-default"]
 
 
+def test_flywheel_and_prefill_only_files_of_one_sequence_export_the_same_ids_and_loss_mask():
+    """The flywheel's file (prompt P, answer G, mask of P zeros: ``capture_loss_mask: []``) and the prefill-only
+    capture of its P + G - 1 fed tokens (one sampled token, the answer span as its mask) train on the same tokens."""
+    import torch
+    from drafter_run import _answer_span
+
+    from sglang_capture.core.format import row_count
+    from sglang_capture.core.loss_mask import mask_from_spans
+    from sglang_capture.tools.export_specforge import to_specforge
+
+    P, G, H = 5, 4, 2
+    prompt, answer = list(range(10, 10 + P)), list(range(50, 50 + G))
+    rows = row_count(P, G)
+    states = {"layers": [1, 2, 3], "aux_hidden_states": torch.randn(rows, 3 * H), "last_hidden_states": torch.randn(rows, H)}
+    fly = {**states, "input_ids": torch.tensor(prompt), "output_ids": torch.tensor(answer),
+           "loss_mask": torch.tensor(mask_from_spans([], P))}
+    seq = (prompt + answer)[:rows]
+    pre = {**states, "input_ids": torch.tensor(seq), "output_ids": torch.tensor([7]),
+           "loss_mask": torch.tensor(mask_from_spans(_answer_span(seq, P), len(seq)))}
+    a, b = to_specforge(fly, "fly", False), to_specforge(pre, "pre", False)
+    assert a["input_ids"].tolist() == b["input_ids"].tolist() == seq
+    assert a["loss_mask"].tolist() == b["loss_mask"].tolist() == [0] * P + [1] * (G - 1)
+    assert _answer_span(prompt, P) == []  # answered in one token: no row, no span (an empty one is refused)
+
+
+def test_column_cosines_take_each_aux_layer_and_the_final_state_apart_and_fail_on_one_bad_column():
+    import torch
+    from gpu_spec import MIN_COS, ColumnCosines
+
+    H, n = 8, 200
+    g = torch.Generator().manual_seed(0)
+    mine = {"hidden_size": H, "aux_hidden_states": torch.randn(n, 3 * H, generator=g),
+            "last_hidden_states": torch.randn(n, H, generator=g)}
+    close = {k: v + 1e-4 * torch.randn(v.shape, generator=g) if torch.is_tensor(v) else v for k, v in mine.items()}
+    compared = ColumnCosines()
+    compared.add(mine, close, n)
+    good = compared.result()
+    assert good["files"] == 1 and good["rows"] == n and good["pass"] and good["bar"] == MIN_COS
+    assert set(good["columns"]) == {f"{c}/{k}" for c in ("aux0", "aux1", "aux2", "final") for k in ("cos", "cos_top4_out")}
+    far = {**close, "aux_hidden_states": close["aux_hidden_states"].clone()}
+    far["aux_hidden_states"][:, H:2 * H] = torch.randn(n, H, generator=g)  # layer 1's rows are another sequence's
+    compared.add(mine, far, n)
+    bad = compared.result()
+    assert not bad["pass"] and bad["rows"] == 2 * n
+    assert bad["columns"]["aux1/cos"]["p0.1"] < 0.5 and bad["columns"]["aux0/cos"]["p0.1"] >= MIN_COS
+
+
 def test_drafter_prompts_are_whole_objects_up_to_the_cut_first_human_turns_without_duplicates(tmp_path):
     import drafter_data
 

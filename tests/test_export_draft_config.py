@@ -24,11 +24,12 @@ PUBLISHED_KIMI_DRAFT = {"architectures": ["LlamaForCausalLMEagle3"],
                         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True}}
 
 
-def _captures(directory, layers, arch="KimiK25ForConditionalGeneration", num_layers=61, n=2, loss_mask=True):
+def _captures(directory, layers, arch="KimiK25ForConditionalGeneration", num_layers=61, n=2, loss_mask=True,
+              generated=2, first=0):
     os.makedirs(directory, exist_ok=True)
     g = torch.Generator().manual_seed(0)
-    for k in range(n):
-        P, G = 5, 2
+    for k in range(first, first + n):
+        P, G = 5, generated
         meta = {"rid": f"r{k}", "layers": layers, "layer_convention": "x", "hidden_size": H, "model": "m",
                 "sglang_version": "0.5.17", "schema": fmt.SCHEMA, "architecture": arch, "num_layers": num_layers}
         rows = fmt.row_count(P, G)
@@ -186,6 +187,13 @@ def test_export_of_files_without_a_loss_mask_trains_on_answers_only_or_every_tok
         masks[flag] = torch.load(tmp_path / flag / "s0.ckpt")["loss_mask"].tolist()
     assert masks["--answers-only"] == [0, 0, 0, 0, 0, 1]  # 5 prompt tokens, the one generated token fed back
     assert masks["--all-tokens"] == [1] * 6
+    _captures(tmp_path / "plain", [3, 31, 59], n=1, loss_mask=False, generated=1, first=1)  # answered in one token
+    _captures(tmp_path / "plain", [3, 31, 59], n=1, generated=2, first=2)  # a request that sent its mask: kept
+    r, _ = _export(plain, tmp_path / "mixed", "--answers-only")
+    assert r.exit_code == 0 and "1 SpecForge samples written" not in r.output, r.output
+    assert "2 SpecForge samples written" in r.output and "1 without a generated token to train on left out" in r.output
+    assert sorted(os.listdir(tmp_path / "mixed")) == ["eagle3_draft_config_fragment.json", "s0.ckpt", "s2.ckpt"]
+    assert torch.load(tmp_path / "mixed" / "s2.ckpt")["loss_mask"].tolist() == [1] * 6  # its own mask, not zeros
     r, errors = _export(plain, tmp_path / "both", "--answers-only", "--all-tokens")
     assert r.exit_code == 1 and errors == ["Error: --all-tokens and --answers-only exclude each other: pick one for "
                                            "files without a loss mask"]

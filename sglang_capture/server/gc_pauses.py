@@ -9,7 +9,10 @@ the scheduler, more often; ``gc_pauses`` in the writer stats shows whether it do
 ``--capture-gc-freeze`` shortens the full collections: ``freeze`` moves every object alive after
 the first batch (the model, SGLang's bookkeeping, the CUDA graphs') out of the collector's
 generations for good, as SGLang's ``/freeze_gc`` endpoint does, so a full collection walks only
-what was created since.
+what was created since. Python has one frozen set per process: SGLang's own unfreeze (after
+recapturing CUDA graphs on ``update_weights_from_disk``) gives those objects back to the collector
+(``frozen_objects`` still says how many were frozen), and ``uninstall`` gives back whatever is
+frozen then, SGLang's ``/freeze_gc`` included.
 """
 from __future__ import annotations
 

@@ -133,15 +133,14 @@ def export(fmt: str, all_tokens: bool, answers_only: bool, draft_config: Optiona
     fragment (OUT/eagle3_draft_config_fragment.json) that makes SGLang capture the same layers."""
     from sglang_capture.tools.export_specforge import ExportError, draft_fragment, export_specforge
 
-    if all_tokens and answers_only:
-        raise click.ClickException("--all-tokens and --answers-only exclude each other: pick one for files without a "
-                                   "loss mask")
     try:
         report = export_specforge(directory, out, all_tokens, progress=not no_progress, draft_config=draft_config,
                                   answers_only=answers_only)
     except (ExportError, CaptureFileError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"{report.written} SpecForge samples written to {out} ({report.skipped} already there)")
+    without = (f"; {report.without_answer} without a generated token to train on left out (--answers-only)"
+               if report.without_answer else "")
+    click.echo(f"{report.written} SpecForge samples written to {out} ({report.skipped} already there{without})")
     if report.note:
         click.echo(f"note: {report.note}", err=True)
     if report.draft_check:

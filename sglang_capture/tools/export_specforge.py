@@ -60,6 +60,7 @@ class ExportError(ValueError):
 class ExportReport:
     written: int = 0
     skipped: int = 0
+    without_answer: int = 0  # --answers-only: files without a loss mask and without a generated token fed back
     layers: Optional[List[int]] = None
     architecture: str = ""
     eagle_ids: Optional[List[int]] = None
@@ -101,6 +102,10 @@ def check_draft_config(path: str, layers: List[int], architecture: str, num_laye
                    f"the files' layers ({EAGLE3_IDS_KEY} {given})")
 
 
+class NoAnswer(ExportError):
+    """``--answers-only`` on a file without a loss mask whose request fed back no generated token."""
+
+
 def to_specforge(d: dict, path: str, all_tokens: bool, answers_only: bool = False) -> dict:
     """One loaded capture as SpecForge's sample dict. A file without a loss mask (a request the
     operator captured, or one that sent none) trains on every token with ``all_tokens``, on its
@@ -117,8 +122,7 @@ def to_specforge(d: dict, path: str, all_tokens: bool, answers_only: bool = Fals
         prompt_mask = torch.ones(P, dtype=torch.int64)
     elif answers_only:
         if ids.numel() == P:
-            raise ExportError(f"{path}: no loss_mask and no generated token to train on (--answers-only); "
-                              "pass --all-tokens to train on its prompt")
+            raise NoAnswer(f"{path}: no loss_mask and no generated token fed back: nothing to train on")
         prompt_mask = torch.zeros(P, dtype=torch.int64)
     else:
         raise ExportError(f"{path}: no loss_mask (not written by 'sglang-capture extract'); pass --answers-only "
@@ -139,6 +143,8 @@ def export_specforge(directory: str, out: str, all_tokens: bool = False, progres
     config for which SGLang would capture other layers than the files hold."""
     from tqdm import tqdm
 
+    if all_tokens and answers_only:
+        raise ExportError("--all-tokens and --answers-only exclude each other: pick one for files without a loss mask")
     files = sample_files(directory)
     if not files:
         raise ExportError(f"{directory} has no capture files")
@@ -171,7 +177,11 @@ def export_specforge(directory: str, out: str, all_tokens: bool = False, progres
         if d["aux_hidden_states"].dtype != SPECFORGE_DTYPE and not report.note:
             report.note = (f"captures are {d['aux_hidden_states'].dtype}; SpecForge files are bf16, "
                            "so hidden states were rounded to bf16")
-        sample = to_specforge(d, path, all_tokens, answers_only)
+        try:
+            sample = to_specforge(d, path, all_tokens, answers_only)
+        except NoAnswer:  # a request answered in one token (max_new_tokens 1, an immediate end of sequence)
+            report.without_answer += 1
+            continue
         replace_atomic(dst, lambda f, sample=sample: torch.save(sample, f))
         report.written += 1
     if report.eagle_ids is not None:
