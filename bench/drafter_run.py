@@ -100,8 +100,10 @@ def _chat_ids(tokenizer, prompt: str) -> List[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def _generate(server: Server, ids: List[int], max_new: int, timeout: float = 600) -> dict:
+def _generate(server: Server, ids: List[int], max_new: int, timeout: float = 600, custom: Optional[dict] = None) -> dict:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
+    if custom is not None:
+        body["sampling_params"]["custom_params"] = custom
     r = requests.post(server.url + "/generate", json=body, timeout=timeout)
     r.raise_for_status()
     return r.json()
@@ -356,11 +358,8 @@ def train(a: argparse.Namespace) -> None:
 def _capture_answer(server: Server, ids: List[int], name: str, max_new: int) -> dict:
     """One training prompt answered through speculation, its file asked for: loss on the answer
     only (an empty prompt mask), as a prefill-only capture of the conversation trains on it."""
-    params = {"max_new_tokens": max_new, "temperature": 0,
-              "custom_params": {"capture": True, "capture_name": name, "capture_loss_mask": []}}
-    r = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": params}, timeout=600)
-    r.raise_for_status()
-    meta = r.json()["meta_info"]
+    custom = {"capture": True, "capture_name": name, "capture_loss_mask": []}
+    meta = _generate(server, ids, max_new, custom=custom)["meta_info"]
     if meta.get("capture", {}).get("status") != "ok":
         raise SystemExit(f"flywheel capture {name}: {meta.get('capture')}")
     return meta
