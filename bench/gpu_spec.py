@@ -58,13 +58,10 @@ SETTINGS = {"chain": ["--speculative-eagle-topk", "1", "--speculative-num-steps"
             # chain drafting with Python's own GIL switch interval in the scheduler process (5 ms, not
             # the package's 1 ms): whether the hand-off threads' GIL turns cost the scheduler thread
             "chain-si5": ["--speculative-eagle-topk", "1", "--speculative-num-steps", "3", "--speculative-num-draft-tokens",
-                          "4", "--capture-switch-interval-ms", "0"],
-            # chain drafting with the scheduler's start-up heap frozen out of the garbage collector (r63's
-            # full collections paused the scheduler for up to 0.89 s)
-            "chain-gcf": ["--speculative-eagle-topk", "1", "--speculative-num-steps", "3", "--speculative-num-draft-tokens",
-                          "4", "--capture-gc-freeze"]}
+                          "4", "--capture-switch-interval-ms", "0"]}
 MIN_COS = 0.999
 MIN_RATIO = 0.95
+FRESH_TOKENS = 256  # prompt tokens of each throughput request
 
 
 def log(msg: str) -> None:
@@ -91,14 +88,28 @@ def start(name: str, target: str, work: str, captures: str, extra: List[str]) ->
     return start_server(cmd, env, os.path.join(work, f"{name}.log"), capture_dir)
 
 
-def prompts(target: str, n: int, seed: int = 0) -> List[List[int]]:
-    """Token-id prompts of 16 to 1,500 tokens (long ones are prefilled in several chunks)."""
+def vocab_of(target: str) -> List[int]:
+    """The target's token ids, the first 8 (special tokens) left out."""
     from transformers import AutoTokenizer
 
-    vocab = sorted(AutoTokenizer.from_pretrained(target).get_vocab().values())
+    return sorted(AutoTokenizer.from_pretrained(target).get_vocab().values())[8:]
+
+
+def prompts(vocab: List[int], n: int, seed: int = 0) -> List[List[int]]:
+    """Token-id prompts of 16 to 1,500 tokens (long ones are prefilled in several chunks)."""
     rng = random.Random(seed)
     lengths = [16, 64, 300, 1500] + [rng.randint(16, 800) for _ in range(n - 4)]
-    return [[rng.choice(vocab[8:]) for _ in range(k)] for k in lengths[:n]]
+    return [[rng.choice(vocab) for _ in range(k)] for k in lengths[:n]]
+
+
+def fresh_prompt(vocab: List[int], key: str, length: int = FRESH_TOKENS) -> List[int]:
+    """A prompt of its own for each throughput request (``key`` names it). Reused prompts made the
+    comparison unfair: requests that do not capture read their prompt from the radix cache after its
+    first use, while a capture request never does (its private namespace), so the windows without
+    capture prefilled a fraction of the tokens the capturing ones did (r66: 49-56k tokens per 10 s
+    read from the cache, against about 45k prefilled anew)."""
+    rng = random.Random(key)
+    return [rng.choice(vocab) for _ in range(length)]
 
 
 def generate(server: Server, ids: List[int], tokens: int, name: str = "", operator: bool = False) -> Dict:
@@ -193,42 +204,47 @@ def check_tokens(server: Server, ps: List[List[int]], tokens: int, setting: str,
 KINDS = ("operator", "client", "plain")
 
 
-def throughput(server: Server, ps: List[List[int]], windows: int, concurrency: int, tokens: int, seconds: float,
+def throughput(server: Server, vocab: List[int], windows: int, concurrency: int, tokens: int, seconds: float,
                setting: str, spy_seconds: float = 0.0, spy_dir: str = "") -> Dict:
     """Closed-loop clients, ``concurrency`` of them, in windows of ``seconds`` rotating the kinds of
-    traffic (``KINDS``): a window's rate counts the output tokens of the requests that started and
-    ended in it (each client sends its next request as soon as one is answered, a client capture's
-    after its file is written), then the window drains, and the writers finish its files, before the
-    next starts. Each window's files are removed after it (the disk would not hold them all).
+    traffic (``KINDS``): each client sends its next request as soon as one is answered (a client
+    capture's after its file is written) until ``seconds`` have passed; a window's rate is the output
+    tokens of every request it started over the time until the last one was answered. (Counting only
+    the requests answered within ``seconds`` read whole rounds of the 64 clients: with rounds of 1-2 s,
+    4 against 5 of them in 10 s, a 0.8 that was not there.) Then the writers finish the window's
+    files before the next starts. Each window's files are removed after it (the disk would not hold them all).
+    Every request has a prompt of its own (``fresh_prompt``), so no kind of window reads the radix cache.
     ``spy_seconds``: py-spy samples the scheduler in the first window of each kind
     (bench/e2e_probes.py), summaries under ``pyspy``."""
-    load = [ps[i % len(ps)][:256] for i in range(concurrency)]
     rates: Dict[str, List[float]] = {k: [] for k in KINDS}
+    durations: Dict[str, List[float]] = {k: [] for k in KINDS}
     spied: Dict = {}
     for w in range(windows):
         for kind in KINDS[w % 3:] + KINDS[:w % 3]:
             t0 = time.perf_counter()
             stop = t0 + seconds
 
-            def client(i: int, kind: str = kind, w: int = w, stop: float = stop) -> int:
+            def client(i: int, kind: str = kind, w: int = w, stop: float = stop) -> tuple:
                 done, n = 0, 0
                 while time.perf_counter() < stop:
-                    out = generate(server, load[i], tokens, f"tp-{setting}-{w}-{i}-{n}" if kind == "client" else "",
+                    key = f"{setting}-{kind}-{w}-{i}-{n}"
+                    out = generate(server, fresh_prompt(vocab, key), tokens, f"tp-{key}" if kind == "client" else "",
                                    operator=kind == "operator")
                     n += 1
                     if kind == "client" and out["meta_info"]["capture"]["status"] != "ok":
                         raise RuntimeError(f"throughput window {w}: {out['meta_info']['capture']}")
-                    if time.perf_counter() <= stop:
-                        done += out["meta_info"]["completion_tokens"]
-                return done
+                    done += out["meta_info"]["completion_tokens"]
+                return done, time.perf_counter()
 
             spy = (py_spy_window(server, f"{setting}-{kind}", spy_seconds, spy_dir, spied)
                    if spy_seconds > 0 and w < len(KINDS) and kind == KINDS[w] else None)
             with ThreadPoolExecutor(concurrency) as pool:
-                total = sum(pool.map(client, range(concurrency)))
+                done = list(pool.map(client, range(concurrency)))
             if spy is not None:
                 spy.join()
-            rates[kind].append(total / seconds)
+            lasted = max(end for _, end in done) - t0
+            rates[kind].append(sum(n for n, _ in done) / lasted)
+            durations[kind].append(round(lasted, 2))
             drain(server)  # an operator window's files are still being written when its responses are in
             for f in glob.glob(os.path.join(server.capture_dir, "*" + FILE_SUFFIX)):
                 os.remove(f)
@@ -236,7 +252,7 @@ def throughput(server: Server, ps: List[List[int]], windows: int, concurrency: i
     plain = statistics.median(rates["plain"])
     ratios = {k: round(statistics.median(rates[k]) / plain, 4) for k in KINDS[:2]}
     return {"windows": windows, "seconds": seconds, "concurrency": concurrency, "tokens": tokens,
-            "tok_s": {k: [round(x) for x in v] for k, v in rates.items()}, "ratio_of_medians": ratios,
+            "tok_s": {k: [round(x) for x in v] for k, v in rates.items()}, "window_s": durations, "ratio_of_medians": ratios,
             "pass": ratios["operator"] >= MIN_RATIO, "stats": drain(server), **spied}
 
 
@@ -273,7 +289,8 @@ def main(a: argparse.Namespace) -> int:
     res: Dict = {"pair": a.pair, "server_args": " ".join(GPU_ARGS), "settings": {s: " ".join(SETTINGS[s]) for s in settings}}
     ok = True
     try:
-        ps = prompts(target, a.prompts)
+        vocab = vocab_of(target)
+        ps = prompts(vocab, a.prompts)
         for s in settings:
             tokens, captured = check_tokens(servers[s], ps, a.tokens, s)
             rows = check_rows(servers[s], servers["ref"], captured, s)
@@ -283,7 +300,7 @@ def main(a: argparse.Namespace) -> int:
             log(f"{'PASS' if rows['pass'] else 'FAIL'} {s} rows: {rows['files']} files, {rows['rows']} rows, "
                 + ", ".join(f"{k} {v['p0.1']}" for k, v in rows["columns"].items()))
         for s in a.throughput_on.split(","):
-            tp = throughput(servers[s], ps, a.windows, a.concurrency, a.window_tokens, a.window_seconds, s,
+            tp = throughput(servers[s], vocab, a.windows, a.concurrency, a.window_tokens, a.window_seconds, s,
                             a.py_spy_seconds, os.path.join(a.out, "pyspy"))
             res.setdefault(s, {})["throughput"] = tp
             ok &= tp["pass"] or s == "ref"  # the reference (no speculation) is context, not a bar

@@ -142,7 +142,7 @@ def test_the_e2e_benchmark_runs_the_mixed_load_on_cpu_servers_and_checks_its_tar
 
     out = tmp_path / "e2e"
     cmd = [sys.executable, os.path.join(BENCH, "e2e.py"), tiny_models["tiny-dsv3"], str(out), "--tokens", "64",
-           "--concurrency", "4", "--seconds", "4", "--capture-rate", "2", "--phases", "capture_ab,prefix_ab,capacity,mixed",
+           "--concurrency", "4", "--seconds", "2", "--capture-rate", "2", "--phases", "capture_ab,prefix_ab,capacity,mixed",
            "--mixed-rounds", "1", "--ab-rounds", "1",
            "--mixed-rates", "2", "--client-procs", "2", "--capture-dir", str(tmp_path / "caps"),
            "--capture-args", "--capture-layers 1,2,3 --capture-writers 2", "--request-variants", '{"capture_dtype": "fp8"}',

@@ -125,15 +125,17 @@ def test_short_host_rows_move_to_runs_of_their_own_request_so_the_steps_shared_b
     assert lone.chunks[0].rows.data_ptr() == step.data_ptr() and full.stats()["fallbacks"] == 1
 
 
-def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_as_one_by_one():
+@pytest.mark.parametrize("on", ["copier", "scheduler"])
+def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_as_one_by_one(on):
     from sglang_capture.server.copy_counts import CopyCounts
-    from sglang_capture.server.decode_rows import DecodeRows
+    from sglang_capture.server.decode_rows import CopyTicket, DecodeRows, RowCopier
     from sglang_capture.server.host_pool import HostPool
     from sglang_capture.server.ledger import HostMemoryLedger
     from sglang_capture.server.request_capture import RUN_ROWS, RequestCapture
 
     pool, ledger, counts = HostPool(8 << 20, pin=False), HostMemoryLedger(8 << 20), CopyCounts()
-    batched = DecodeRows(pool, counts)
+    copier = RowCopier(pool, counts) if on == "copier" else None
+    batched = DecodeRows(pool, counts, copier)
     one_by_one = [RequestCapture(rid=f"a{i}", name=f"a{i}", ledger=ledger, pool=pool) for i in range(3)]
     together = [RequestCapture(rid=f"b{i}", name=f"b{i}", ledger=ledger, pool=pool) for i in range(3)]
     torch.manual_seed(0)
@@ -155,7 +157,14 @@ def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_
         b.seal()
         assert [c.start for c in a.chunks] == [c.start for c in b.chunks] and len(b.chunks) >= 2
         for ca, cb in zip(a.chunks, b.chunks, strict=True):
+            if copier is not None:  # what the hand-off thread does before a writer reads the run
+                assert isinstance(cb.ready, CopyTicket) and cb.ready.seqs
+                cb.ready.synchronize()
+            else:
+                assert cb.ready is None
             assert torch.equal(ca.rows, cb.rows) and pool.offset_of(cb.rows) is not None
+    if copier is not None:
+        copier.close()
     assert counts.decode_scatters == RUN_ROWS + 7 and counts.decode_rows_scattered == sum(
         c.rows.shape[0] for b in together for c in b.chunks)
 
@@ -182,3 +191,80 @@ def test_decode_rows_that_cannot_be_scattered_are_refused_so_the_seam_adds_them_
     assert lone.chunks[0].rows.data_ptr() == step.data_ptr() and full.stats()["fallbacks"] == 1  # one try, counted once
     with pytest.raises(ValueError, match="lie outside the pool"):
         pool.scatter_rows(step, [0], [pool.size_bytes - 8])
+
+
+def _decode_step(pool, rows, caps, position):
+    """One decode step's rows (a row per capture) reserved in ``rows``, then flushed."""
+    block = pool.take(torch.randn(len(caps), 16).to(torch.bfloat16))
+    for i, cap in enumerate(caps):
+        assert rows.take(cap, position, block, i, 1)
+    rows.flush()
+    return block.clone()
+
+
+def test_a_failed_row_copy_fails_only_the_runs_that_had_rows_in_it():
+    from sglang_capture.server.copy_counts import CopyCounts
+    from sglang_capture.server.decode_rows import DecodeRows, RowCopier
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.server.ledger import HostMemoryLedger
+    from sglang_capture.server.request_capture import RequestCapture
+
+    pool, ledger, counts = HostPool(4 << 20, pin=False), HostMemoryLedger(4 << 20), CopyCounts()
+    calls = []
+    scatter = pool.scatter_rows
+
+    def second_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("injected")
+        scatter(*args)
+
+    pool.scatter_rows = second_fails
+    copier = RowCopier(pool, counts)
+    rows = DecodeRows(pool, counts, copier)
+    early = RequestCapture(rid="e", name="e", ledger=ledger, pool=pool)
+    late = RequestCapture(rid="l", name="l", ledger=ledger, pool=pool)
+    want = _decode_step(pool, rows, [early], 0)  # flush 1: copied
+    _decode_step(pool, rows, [late], 0)  # flush 2: fails
+    for cap in (early, late):
+        cap.seal()
+    early.chunks[0].ready.synchronize()
+    assert torch.equal(early.chunks[0].rows, want)
+    with pytest.raises(RuntimeError, match="could not be copied into their run: OSError: injected"):
+        late.chunks[0].ready.synchronize()
+    copier.close()
+
+
+def test_the_scheduler_waits_for_a_copier_that_falls_behind_and_a_closed_copier_leaves_the_copy_to_the_flush():
+    from sglang_capture.server.copy_counts import CopyCounts
+    from sglang_capture.server.decode_rows import DecodeRows, RowCopier
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.server.ledger import HostMemoryLedger
+    from sglang_capture.server.request_capture import RequestCapture
+
+    pool, ledger, counts = HostPool(4 << 20, pin=False), HostMemoryLedger(4 << 20), CopyCounts()
+    go = threading.Event()
+    scatter = pool.scatter_rows
+
+    def slow(*args):
+        go.wait(10)
+        scatter(*args)
+
+    pool.scatter_rows = slow
+    copier = RowCopier(pool, counts, max_behind=2)
+    rows = DecodeRows(pool, counts, copier)
+    cap = RequestCapture(rid="c", name="c", ledger=ledger, pool=pool)
+    want = []
+    steps = threading.Thread(target=lambda: want.extend(_decode_step(pool, rows, [cap], p) for p in range(3)))
+    steps.start()
+    time.sleep(0.5)
+    assert steps.is_alive() and counts.decode_copy_waits == 1  # the third flush waits: two are queued
+    go.set()
+    steps.join(10)
+    copier.close()
+    assert counts.decode_scatters == 3 and not copier._thread.is_alive()
+    want.append(_decode_step(pool, rows, [cap], 3))  # after close: copied in the flush itself
+    assert counts.decode_scatters == 4
+    cap.seal()
+    cap.chunks[0].ready.synchronize()
+    assert torch.equal(cap.chunks[0].rows, torch.cat(want))

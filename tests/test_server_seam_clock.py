@@ -32,7 +32,7 @@ def test_gc_pauses_are_counted_per_generation_while_installed_and_not_after():
         gc.collect(2)
         gc.collect(0)
         stats = pauses.stats()
-        assert set(stats) == {"gen0", "gen1", "gen2", "frozen_objects"} and stats["frozen_objects"] == 0
+        assert set(stats) == {"gen0", "gen1", "gen2"}
         assert stats["gen2"]["calls"] == 1 and stats["gen0"]["calls"] >= 1
         assert stats["gen2"]["s"] >= 0 and stats["gen2"]["max_ms"] >= 0
     finally:
@@ -40,24 +40,3 @@ def test_gc_pauses_are_counted_per_generation_while_installed_and_not_after():
     assert pauses not in gc.callbacks
     gc.collect(2)
     assert pauses.stats()["gen2"]["calls"] == 1
-
-
-def test_gc_freeze_takes_live_objects_out_of_the_collectors_generations_until_uninstall():
-    import gc
-
-    from sglang_capture.server.gc_pauses import GcPauses
-
-    pauses = GcPauses()
-    pauses.install()
-    alive = [[k] for k in range(1000)]  # tracked containers, alive at the freeze
-    try:
-        frozen = pauses.freeze()
-        assert frozen == gc.get_freeze_count() >= 1000 and pauses.stats()["frozen_objects"] == frozen
-        walked = {id(o) for o in gc.get_objects()}  # what a full collection walks
-        assert not any(id(o) in walked for o in alive)
-        later = [0]
-        assert id(later) in {id(o) for o in gc.get_objects()}  # objects made after the freeze are collected as usual
-    finally:
-        pauses.uninstall()
-    assert gc.get_freeze_count() == 0 and pauses.stats()["frozen_objects"] == 0
-    assert id(alive[0]) in {id(o) for o in gc.get_objects()}

@@ -120,10 +120,6 @@ class CaptureConfig:
                                    "process, -1 = all cores).", type=int, default=0)
     switch_interval_ms: float = option("--capture-switch-interval-ms", "GIL switch interval of the scheduler "
                                        "process once writers run (0 = leave Python's 5 ms).", type=float, default=1.0)
-    gc_freeze: bool = option("--capture-gc-freeze/--capture-no-gc-freeze", "Once the scheduler has run its first "
-                             "batch, move everything alive in its process out of the garbage collector's reach "
-                             "(gc.freeze(), what SGLang's /freeze_gc does): full collections then walk only what came "
-                             "later, instead of pausing the scheduler for up to a second.", default=False)
     durability: str = option("--capture-durability", "How files reach the disk before a response says ok: file "
                              "(fsync each file and its name), none (no flush: a power loss can lose the last files).",
                              choices=DURABILITY_MODES, default="file")

@@ -14,7 +14,8 @@ from typing import Dict
 
 @dataclass
 class CopyCounts:
-    """Result copies of capture batches (scheduler thread only, so plain ints)."""
+    """Result copies of capture batches: plain ints, each written by one thread (the scheduler's,
+    or the row copier's for ``decode_rows_scattered`` and ``decode_scatters``)."""
 
     batches: int = 0  # capture batches whose rows went to the host through the package's pool
     batch_rows: int = 0  # rows those batches had
@@ -23,7 +24,8 @@ class CopyCounts:
     fp8_packed_before_copy_rows: int = 0  # FP8 rows packed on the device, before the copy
     fp8_packed_per_request_rows: int = 0  # FP8 rows packed on the host, on the scheduler thread
     decode_rows_scattered: int = 0  # decode rows copied into their runs with the step's others (decode_rows.py)
-    decode_scatters: int = 0  # the copies that did it (one per step and source tensor)
+    decode_scatters: int = 0  # the copies that did it (one per flush and source tensor)
+    decode_copy_waits: int = 0  # flushes that waited for the row copier to catch up (decode_rows.py)
 
     def count_copy(self, batch_rows: int, copied_rows: int, in_forward: bool) -> None:
         """Account one capture batch's copy to the host."""

@@ -1,19 +1,27 @@
-"""Decode rows of one batch result, copied into their requests' runs together.
+"""Decode rows of one batch result, copied into their requests' runs together, off the scheduler thread.
 
 A decode step hands every capture request of the batch a few rows (one, or an EAGLE-3 verify
 pass's accepted ones). Copying each request's rows into its run as they arrive
 (``RequestCapture.add``) costs the scheduler thread a few tensor operations per request and
-step: 2.7 ms per 64-request step in isolation, against 0.7 ms this way (the scheduler's whole
-result seam and the H200's throughput did not change measurably: bench/results/
-gpu_spec-eagle3-h200-2026-12-03-r63.md). Here the result seam only reserves each request's place in its run
-(``RequestCapture.place``, plain Python); ``flush`` then copies all of the step's rows with one
-``HostPool.scatter_rows`` per source tensor, before any of the requests is sealed.
+step: 2.7 ms per 64-request step in isolation, against 0.7 ms as one scatter (bench/RESULTS.md).
+Here the result seam only reserves each request's place in its run (``RequestCapture.place``, plain
+Python); ``flush`` hands the step's reservations to the ``RowCopier`` thread, which copies them with
+one ``HostPool.scatter_rows`` per source tensor while the scheduler goes on with the next batch.
+
+A run that took rows this way carries a ``CopyTicket`` as its chunk's ``ready``: the hand-off
+thread waits on it (``describe_chunks``) before a writer process reads the run, as it waits on a
+device copy's event. The copies run in submission order; a failed copy fails only the runs that
+had rows in it. The copier falls at most ``MAX_BEHIND`` flushes behind: then the scheduler waits
+(``decode_copy_waits`` in the writer stats), so pending rows stay bounded.
 """
 from __future__ import annotations
 
+import collections
+import logging
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
 
 from sglang_capture.server.request_capture import RUN_ROWS
 
@@ -23,6 +31,10 @@ if TYPE_CHECKING:
     from sglang_capture.server.copy_counts import CopyCounts
     from sglang_capture.server.host_pool import HostPool
     from sglang_capture.server.request_capture import RequestCapture
+
+logger = logging.getLogger(__name__)
+
+MAX_BEHIND = 8  # flushes the copier may have queued before the scheduler waits for it
 
 
 @dataclass
@@ -38,13 +50,119 @@ class _Source:
     buffers: List[Any] = field(default_factory=list)  # the runs written to, kept until the copy
 
 
+class CopyClosed(RuntimeError):
+    """The copier is closed (server exit, ``uninstrument``): rows are copied in place instead."""
+
+
+class RowCopier:
+    """A thread copying flushed decode rows into their runs, one flush after another."""
+
+    def __init__(self, pool: HostPool, counts: CopyCounts, max_behind: int = MAX_BEHIND) -> None:
+        self.pool = pool
+        self.counts = counts
+        self.max_behind = max_behind
+        self._cond = threading.Condition()
+        self._queue: Deque[Optional[Tuple[int, List[_Source]]]] = collections.deque()
+        self._submitted = 0  # sequence number of the last flush handed over
+        self._done = 0  # of the last one copied (or failed)
+        self._failed: Dict[int, str] = {}
+        self._closed: Optional[str] = None  # why no more copies are taken
+        self._thread = threading.Thread(target=self._loop, name="sglang-capture-rows", daemon=True)
+        self._thread.start()
+
+    def submit(self, sources: List[_Source]) -> int:
+        """Queue one flush's copies (scheduler thread); its sequence number. Waits while the
+        copier is ``max_behind`` flushes behind. Raises ``CopyClosed`` once closed."""
+        with self._cond:
+            if self._submitted - self._done >= self.max_behind and self._closed is None:
+                self.counts.decode_copy_waits += 1
+                while self._submitted - self._done >= self.max_behind and self._closed is None:
+                    self._cond.wait()
+            if self._closed is not None:
+                raise CopyClosed(self._closed)
+            self._submitted += 1
+            self._queue.append((self._submitted, sources))
+            self._cond.notify_all()
+            return self._submitted
+
+    def wait(self, seqs: Set[int], poll_s: float = 1.0) -> None:
+        """Return once every flush in ``seqs`` is copied (a hand-off thread, before a writer reads
+        the runs); raises naming why when one of them failed or can no longer be copied."""
+        if not seqs:
+            return
+        last = max(seqs)
+        with self._cond:
+            while self._done < last:
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"decode rows were not copied: the copy thread is gone ({self._closed or 'it died'})")
+                self._cond.wait(poll_s)
+            failed = sorted(self._failed[s] for s in seqs if s in self._failed)
+        if failed:
+            raise RuntimeError(f"decode rows could not be copied into their run: {failed[0]}")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Copy what is queued, then stop (idempotent): later flushes are copied in place."""
+        with self._cond:
+            if self._closed is None:
+                self._closed = "the capture's row copier was closed"
+                self._queue.append(None)
+                self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                item = self._queue.popleft()
+            if item is None:
+                return
+            seq, sources = item
+            error = None
+            try:
+                copy_sources(self.pool, self.counts, sources)
+            except Exception as e:  # noqa: BLE001 - a failed copy fails its runs, never this thread
+                error = f"{type(e).__name__}: {e}"
+                logger.error("sglang_capture: decode rows of flush %d not copied: %s", seq, error)
+            with self._cond:
+                if error is not None:
+                    self._failed[seq] = error
+                self._done = seq
+                self._cond.notify_all()
+
+
+def copy_sources(pool: HostPool, counts: CopyCounts, sources: List[_Source]) -> None:
+    """One ``scatter_rows`` per source tensor: every reserved row to its place in its run."""
+    for src in sources:
+        pool.scatter_rows(src.tensor, src.rows, src.offsets)
+        counts.decode_rows_scattered += len(src.rows)
+        counts.decode_scatters += 1
+
+
+class CopyTicket:
+    """A run's ``ready`` while rows of it are copied on the ``RowCopier`` thread: the flushes it had rows in."""
+
+    __slots__ = ("copier", "seqs")
+
+    def __init__(self, copier: RowCopier) -> None:
+        self.copier = copier
+        self.seqs: Set[int] = set()
+
+    def synchronize(self) -> None:
+        """Wait until the run's rows are all in place (``describe_chunks``, as for a device copy's event)."""
+        self.copier.wait(self.seqs)
+
+
 class DecodeRows:
     """Rows placed but not yet copied, per source tensor (scheduler thread)."""
 
-    def __init__(self, pool: HostPool, counts: CopyCounts) -> None:
+    def __init__(self, pool: HostPool, counts: CopyCounts, copier: Optional[RowCopier] = None) -> None:
         self.pool = pool
         self.counts = counts
+        self.copier = copier  # None: each flush copies on the scheduler thread
         self._pending: Dict[int, _Source] = {}
+        self._tickets: List[CopyTicket] = []  # the runs this flush's rows go to
 
     def take(self, capture: RequestCapture, start: int, source: torch.Tensor, row: int, n: int) -> bool:
         """Reserve ``n`` rows of ``source`` from ``row`` on for ``capture``'s positions from ``start``;
@@ -61,17 +179,31 @@ class DecodeRows:
         if placed is None:  # no room in the pool for a run (counted there): the view of the step's block
             capture.keep(start, source[row:row + n])
             return True
-        buffer, at = placed
+        buffer, at, chunk = placed
         src.rows.extend(range(row, row + n))
         src.offsets.extend(range(at, at + n * src.row_bytes, src.row_bytes))
         src.buffers.append(buffer)
+        if self.copier is not None:
+            if not isinstance(chunk.ready, CopyTicket):
+                chunk.ready = CopyTicket(self.copier)
+            self._tickets.append(chunk.ready)
         return True
 
     def flush(self) -> None:
-        """Copy every reserved row to its place (before the requests are sealed, and at the step's end)."""
+        """Hand every reserved row to the copier (before the requests are sealed, and at the step's
+        end); without one, or once it is closed, copy them here."""
         pending, self._pending = self._pending, {}
-        for src in pending.values():
-            if src.rows:
-                self.pool.scatter_rows(src.tensor, src.rows, src.offsets)
-                self.counts.decode_rows_scattered += len(src.rows)
-                self.counts.decode_scatters += 1
+        tickets, self._tickets = self._tickets, []
+        sources = [src for src in pending.values() if src.rows]
+        if not sources:
+            return
+        if self.copier is not None:
+            try:
+                seq = self.copier.submit(sources)
+            except CopyClosed:
+                pass
+            else:
+                for ticket in tickets:
+                    ticket.seqs.add(seq)
+                return
+        copy_sources(self.pool, self.counts, sources)

@@ -2,17 +2,11 @@
 
 A collection stops every thread of the process, the scheduler's too, for as long as it walks
 the objects of its generations: a full one walks everything SGLang keeps alive (on the H200, full
-collections of up to 0.89 s under decode-heavy capture, bench/RESULTS.md r63). Capture keeps
-objects alive for a while (rows waiting for a writer), so it can make the collector run, and pause
-the scheduler, more often; ``gc_pauses`` in the writer stats shows whether it does.
-
-``--capture-gc-freeze`` shortens the full collections: ``freeze`` moves every object alive after
-the first batch (the model, SGLang's bookkeeping, the CUDA graphs') out of the collector's
-generations for good, as SGLang's ``/freeze_gc`` endpoint does, so a full collection walks only
-what was created since. Python has one frozen set per process: SGLang's own unfreeze (after
-recapturing CUDA graphs on ``update_weights_from_disk``) gives those objects back to the collector
-(``frozen_objects`` still says how many were frozen), and ``uninstall`` gives back whatever is
-frozen then, SGLang's ``/freeze_gc`` included.
+collections of 4.3-5.2 s). Capture keeps objects alive for a while (rows waiting for a writer), so
+it could make the collector run, and pause the scheduler, more often; ``gc_pauses`` in the writer
+stats shows whether it does. Counting starts with the first batch result (scheduler_capture.py:
+``watch_gc``): the full collections SGLang itself runs around CUDA-graph capture at start-up are
+not traffic's (on the H200, all 10 of r67's full collections were those).
 """
 from __future__ import annotations
 
@@ -31,7 +25,6 @@ class GcPauses:
         # every key exists from the start: the callback runs in whichever thread collects, and must
         # not grow the dict while a hand-off thread reads it for the stats file
         self._totals: Dict[str, List[float]] = {g: [0, 0.0, 0.0] for g in GENERATIONS}
-        self.frozen = 0  # objects moved out of the collector's reach by ``freeze``
 
     def __call__(self, phase: str, info: Dict[str, Any]) -> None:
         """The ``gc.callbacks`` hook: ``start`` and ``stop`` of one collection."""
@@ -52,23 +45,11 @@ class GcPauses:
             gc.callbacks.append(self)
 
     def uninstall(self) -> None:
-        """Stop counting, and give frozen objects back to the collector (idempotent)."""
+        """Stop counting (idempotent)."""
         if self in gc.callbacks:
             gc.callbacks.remove(self)
-        if self.frozen:
-            gc.unfreeze()
-            self.frozen = 0
-
-    def freeze(self) -> int:
-        """Move every object alive now out of the collector's generations (``gc.freeze``, O(1));
-        returns how many the collector no longer walks."""
-        gc.freeze()
-        self.frozen = gc.get_freeze_count()
-        return self.frozen
 
     def stats(self) -> Dict[str, Any]:
-        """Per generation: collections, total seconds, the longest in ms; and the objects frozen."""
-        out: Dict[str, Any] = {k: {"calls": int(n), "s": round(s, 4), "max_ms": round(1e3 * m, 2)}
-                               for k, (n, s, m) in ((g, tuple(self._totals[g])) for g in GENERATIONS)}
-        out["frozen_objects"] = self.frozen
-        return out
+        """Per generation: collections, total seconds, the longest in ms."""
+        return {k: {"calls": int(n), "s": round(s, 4), "max_ms": round(1e3 * m, 2)}
+                for k, (n, s, m) in ((g, tuple(self._totals[g])) for g in GENERATIONS)}

@@ -95,7 +95,7 @@ class CaptureInstrumentor:
         self._originals.clear()
         self._instrumented = False
         if self._scheduler is not None:
-            self._scheduler.stop_watching_gc()
+            self._scheduler.stop()
         self._config = self._scheduler = None
 
 

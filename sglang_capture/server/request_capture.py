@@ -12,7 +12,8 @@ batch, so keeping views of it would keep each neighbour's rows alive until the l
 is written, and a long generation beside a stream of short ones would hold the batch's rows of
 every step it lived through, far beyond ``--capture-max-pending-mb``. A run is a pool block of
 ``RUN_ROWS`` rows; copying a row costs one row's bytes of memcpy on the scheduler thread. A decode
-step's rows are placed here one request at a time (``place``) but copied together (decode_rows.py);
+step's rows are placed here one request at a time (``place``) but copied together, on a thread of
+their own (decode_rows.py);
 a run's chunk gets its rows when the run closes (a new run, ``seal``).
 """
 from __future__ import annotations
@@ -40,7 +41,9 @@ class RowChunk:
 
     start: int
     rows: torch.Tensor
-    ready: Optional[Any] = None  # a torch.cuda.Event for a device-to-host copy not yet waited on
+    # what to wait on before the rows are read: a torch.cuda.Event of a device-to-host copy, or
+    # a decode_rows.CopyTicket of rows copied into a run on the copy thread
+    ready: Optional[Any] = None
 
 
 RUN_ROWS = 32  # rows per run, and the most rows copied into one: a run's unused tail is below this
@@ -139,12 +142,13 @@ class RequestCapture:
         self.chunks.append(RowChunk(start, rows, ready))
 
     def place(self, start: int, n: int, dtype: torch.dtype, row_shape: Tuple[int, ...]
-              ) -> Optional[Tuple[torch.Tensor, int]]:
+              ) -> Optional[Tuple[torch.Tensor, int, RowChunk]]:
         """Room for ``n`` host rows of ``dtype`` and ``row_shape`` at position ``start`` in this
-        request's run: the run's buffer and the pool byte offset of the first row. The caller
-        copies the rows there before the request is sealed (``DecodeRows``, which keeps the
-        buffer meanwhile). None when they cannot go into a run: more than ``RUN_ROWS`` rows, no
-        pool, or no room in it for a new run (counted there; the caller then ``keep``s them)."""
+        request's run: the run's buffer, the pool byte offset of the first row, and the run's chunk
+        (whose ``ready`` the caller sets while the copy is in flight). The caller has the rows
+        copied there (``DecodeRows``, which keeps the buffer meanwhile). None when they cannot go
+        into a run: more than ``RUN_ROWS`` rows, no pool, or no room in it for a new run (counted
+        there; the caller then ``keep``s them)."""
         if n > RUN_ROWS or self.pool is None:
             return None
         run = self._run_for(start, n, dtype, row_shape)
@@ -152,7 +156,7 @@ class RequestCapture:
             return None
         at = run.offset + run.used * run.row_bytes
         run.used += n
-        return run.buffer, at
+        return run.buffer, at, run.chunk
 
     def _run_for(self, start: int, n: int, dtype: torch.dtype, row_shape: Tuple[int, ...]) -> Optional[_Run]:
         """The run that ``n`` rows at ``start`` continue (a new one when they do not continue the

@@ -25,7 +25,7 @@ from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.server.aux_capture import AUX_ATTR, AuxCapture
 from sglang_capture.server.batch_rows import BatchRows, ResultRows
 from sglang_capture.server.copy_counts import CopyCounts
-from sglang_capture.server.decode_rows import DecodeRows
+from sglang_capture.server.decode_rows import DecodeRows, RowCopier
 from sglang_capture.server.gc_pauses import GcPauses
 from sglang_capture.server.host_pool import HostPool
 from sglang_capture.server.ledger import HostMemoryLedger
@@ -81,7 +81,7 @@ class SchedulerCapture:
         self.copies = CopyCounts()
         self.clock = SeamClock()
         self.gc_pauses = GcPauses()
-        self.gc_freeze_pending = config.gc_freeze  # --capture-gc-freeze: done after the first batch's result
+        self.gc_watch_pending = False  # set on the writer rank: gc_pauses counts from the first batch result
         self.model: Optional[ModelInfo] = None
         self.aux: Optional[AuxCapture] = None  # set up with the model
         # the batch Scheduler.run_batch is launching, and the one whose result is being processed
@@ -89,6 +89,7 @@ class SchedulerCapture:
         self.launching: Optional[BatchRows] = None
         self.processing: Optional[ResultRows] = None
         self.decode_rows: Optional[DecodeRows] = None  # with the pool: the decode rows of the result being processed
+        self.copier: Optional[RowCopier] = None  # with the pool: copies decode rows off the scheduler thread
         self._is_writer: Optional[bool] = None
         self.pd_prefill = False  # a PD prefill server (pd_prefill.py), known once the model is loaded
         self._versions = {"sglang": installed_sglang_version(), "sglang_capture": __version__}
@@ -127,7 +128,7 @@ class SchedulerCapture:
             logger.info("sglang_capture: %s", budget.describe())
             self.ledger.cap_bytes = budget.pending_bytes
             self._make_pool(budget.pending_bytes, pin=str(runner.device).startswith("cuda"))
-            self.gc_pauses.install()
+            self.gc_watch_pending = True
             self.writer.start(self.pool, budget.writers, self.stats)
 
     def _make_pool(self, size_bytes: int, pin: bool) -> None:
@@ -140,22 +141,26 @@ class SchedulerCapture:
                            "buffers. Lower --capture-max-pending-mb to get one", e)
             return
         atexit.register(self.pool.close)
-        self.decode_rows = DecodeRows(self.pool, self.copies)
+        self.copier = RowCopier(self.pool, self.copies)
+        atexit.register(self.copier.close)  # atexit runs last-in first: the copier stops before the pool
+        self.decode_rows = DecodeRows(self.pool, self.copies, self.copier)
         self.ledger.block_bytes = self.pool.block_bytes
         logger.info("sglang_capture: %d MiB of host memory for pending rows (%s, %.1f s)", self.pool.size_bytes >> 20,
                     "pinned" if self.pool.pinned else "not pinned", self.pool.setup_s)
 
-    def stop_watching_gc(self) -> None:
-        """Remove the garbage-collector hook and unfreeze what it froze (``uninstrument``)."""
-        self.gc_freeze_pending = False
-        self.gc_pauses.uninstall()
+    def watch_gc(self) -> None:
+        """Once, at the first batch result: count the garbage collector's pauses from here on (the
+        start-up's collections, around CUDA-graph capture, are SGLang's own: gc_pauses.py)."""
+        self.gc_watch_pending = False
+        self.gc_pauses.install()
 
-    def freeze_gc(self) -> None:
-        """``--capture-gc-freeze``, once: the server has loaded, captured its CUDA graphs and run a batch,
-        so what is alive now lives as long as the process (gc_pauses.py)."""
-        self.gc_freeze_pending = False
-        logger.info("sglang_capture: %d objects frozen out of the garbage collector's full collections",
-                    self.gc_pauses.freeze())
+    def stop(self) -> None:
+        """Stop the garbage-collector watch and the row copier this capture started (``uninstrument``):
+        rows flushed later are copied on the scheduler thread."""
+        self.gc_watch_pending = False
+        self.gc_pauses.uninstall()
+        if self.copier is not None:
+            self.copier.close()
 
     def stats(self) -> Dict[str, Any]:
         """This process's counters for the writer's stats file (core/capture_dir.py: StatsFile)."""

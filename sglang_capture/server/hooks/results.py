@@ -21,8 +21,8 @@ def batch_result_context(state: SchedulerCapture, wrapped: Any, instance: Any, a
     batch = args[0] if args else kwargs["batch"]
     result = args[1] if len(args) > 1 else kwargs["result"]
     mode = batch.forward_mode.name.lower()
-    if state.gc_freeze_pending:
-        state.freeze_gc()
+    if state.gc_watch_pending:
+        state.watch_gc()
     state.processing = ResultRows.of(batch, result)
 
     def process() -> Any:
