@@ -1,8 +1,8 @@
 """Capture on a GPU server that speculates with EAGLE-3 (issue 38, items 1-3), one H200.
 
     python bench/gpu_spec.py PAIR_DIR OUT_DIR [--prompts 24] [--tokens 160] [--windows 6]
-                             [--concurrency 64] [--window-tokens 128] [--window-seconds 12] [--settings chain,tree]
-                             [--throughput-on chain[,ref]]
+                             [--concurrency 64] [--window-tokens 128] [--window-seconds 12] [--warmup-seconds 4]
+                             [--settings chain,tree] [--throughput-on chain[,ref]]
 
 PAIR_DIR holds the test bed's EAGLE-3 pair (``python -m sglang_capture.testbed.tiny_models PAIR_DIR
 --arch llama_eagle3``: a random Llama whose layers add little, ``target/``, and a one-layer draft,
@@ -22,7 +22,8 @@ Per speculating server:
   windows of ``--window-seconds`` rotating three kinds of traffic: every request captured by the
   operator (the servers run ``--capture-fraction 1``: production traffic, answered without waiting
   for its file), every request asking for its file (``custom_params.capture``: each client waits
-  for the file before its next request), and none (``capture: false``); output tok/s per window,
+  for the file before its next request), and none (``capture: false``), after an uncounted window of
+  each (``--warmup-seconds``), each request with a prompt of its own; output tok/s per window,
   ratio of the medians to none; bar 0.95 for the operator's. The writer's stats (scheduler-thread
   time per seam, writer queue and times) after the windows go into the record.
 Prints a PASS/FAIL line per check and writes OUT_DIR/gpu_spec.json.
@@ -204,56 +205,65 @@ def check_tokens(server: Server, ps: List[List[int]], tokens: int, setting: str,
 KINDS = ("operator", "client", "plain")
 
 
-def throughput(server: Server, vocab: List[int], windows: int, concurrency: int, tokens: int, seconds: float,
-               setting: str, spy_seconds: float = 0.0, spy_dir: str = "") -> Dict:
-    """Closed-loop clients, ``concurrency`` of them, in windows of ``seconds`` rotating the kinds of
-    traffic (``KINDS``): each client sends its next request as soon as one is answered (a client
-    capture's after its file is written) until ``seconds`` have passed; a window's rate is the output
-    tokens of every request it started over the time until the last one was answered. (Counting only
-    the requests answered within ``seconds`` read whole rounds of the 64 clients: with rounds of 1-2 s,
-    4 against 5 of them in 10 s, a 0.8 that was not there.) Then the writers finish the window's
-    files before the next starts. Each window's files are removed after it (the disk would not hold them all).
+def window(server: Server, vocab: List[int], kind: str, name: str, concurrency: int, tokens: int, seconds: float) -> tuple:
+    """One window of ``kind`` traffic (``KINDS``): ``concurrency`` closed-loop clients, each sending its
+    next request as soon as one is answered (a client capture's after its file is written) until
+    ``seconds`` have passed. Returns the output tokens of every request it started and the time until
+    the last one was answered. (Counting only the requests answered within ``seconds`` read whole rounds
+    of the 64 clients: with rounds of 1-2 s, 4 against 5 of them in 10 s, a 0.8 that was not there.)
     Every request has a prompt of its own (``fresh_prompt``), so no kind of window reads the radix cache.
-    ``spy_seconds``: py-spy samples the scheduler in the first window of each kind
-    (bench/e2e_probes.py), summaries under ``pyspy``."""
+    The writers then finish the window's files, which are removed (the disk would not hold them all)."""
+    t0 = time.perf_counter()
+    stop = t0 + seconds
+
+    def client(i: int) -> tuple:
+        done, n = 0, 0
+        while time.perf_counter() < stop:
+            key = f"{name}-{i}-{n}"
+            out = generate(server, fresh_prompt(vocab, key), tokens, f"tp-{key}" if kind == "client" else "",
+                           operator=kind == "operator")
+            n += 1
+            if kind == "client" and out["meta_info"]["capture"]["status"] != "ok":
+                raise RuntimeError(f"throughput window {name}: {out['meta_info']['capture']}")
+            done += out["meta_info"]["completion_tokens"]
+        return done, time.perf_counter()
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        done = list(pool.map(client, range(concurrency)))
+    drain(server)  # an operator window's files are still being written when its responses are in
+    for f in glob.glob(os.path.join(server.capture_dir, "*" + FILE_SUFFIX)):
+        os.remove(f)
+    return sum(n for n, _ in done), max(end for _, end in done) - t0
+
+
+def throughput(server: Server, vocab: List[int], windows: int, concurrency: int, tokens: int, seconds: float,
+               setting: str, spy_seconds: float = 0.0, spy_dir: str = "", warmup_seconds: float = 0.0) -> Dict:
+    """``windows`` rounds of one ``window`` of each kind of traffic, rotating their order; a window's
+    rate is its tokens over its time. ``warmup_seconds``: first a window of each kind that is not
+    counted (r72's first window, the server's first batches of 64 new prompts, read a quarter of the
+    rate of the others). ``spy_seconds``: py-spy samples the scheduler in the first window of each
+    kind (bench/e2e_probes.py), summaries under ``pyspy``."""
+    if warmup_seconds > 0:
+        for kind in KINDS:
+            window(server, vocab, kind, f"{setting}-{kind}-warmup", concurrency, tokens, warmup_seconds)
     rates: Dict[str, List[float]] = {k: [] for k in KINDS}
     durations: Dict[str, List[float]] = {k: [] for k in KINDS}
     spied: Dict = {}
     for w in range(windows):
         for kind in KINDS[w % 3:] + KINDS[:w % 3]:
-            t0 = time.perf_counter()
-            stop = t0 + seconds
-
-            def client(i: int, kind: str = kind, w: int = w, stop: float = stop) -> tuple:
-                done, n = 0, 0
-                while time.perf_counter() < stop:
-                    key = f"{setting}-{kind}-{w}-{i}-{n}"
-                    out = generate(server, fresh_prompt(vocab, key), tokens, f"tp-{key}" if kind == "client" else "",
-                                   operator=kind == "operator")
-                    n += 1
-                    if kind == "client" and out["meta_info"]["capture"]["status"] != "ok":
-                        raise RuntimeError(f"throughput window {w}: {out['meta_info']['capture']}")
-                    done += out["meta_info"]["completion_tokens"]
-                return done, time.perf_counter()
-
             spy = (py_spy_window(server, f"{setting}-{kind}", spy_seconds, spy_dir, spied)
                    if spy_seconds > 0 and w < len(KINDS) and kind == KINDS[w] else None)
-            with ThreadPoolExecutor(concurrency) as pool:
-                done = list(pool.map(client, range(concurrency)))
+            total, lasted = window(server, vocab, kind, f"{setting}-{kind}-{w}", concurrency, tokens, seconds)
             if spy is not None:
                 spy.join()
-            lasted = max(end for _, end in done) - t0
-            rates[kind].append(sum(n for n, _ in done) / lasted)
+            rates[kind].append(total / lasted)
             durations[kind].append(round(lasted, 2))
-            drain(server)  # an operator window's files are still being written when its responses are in
-            for f in glob.glob(os.path.join(server.capture_dir, "*" + FILE_SUFFIX)):
-                os.remove(f)
         log(f"{setting} window {w}: " + ", ".join(f"{k} {rates[k][-1]:.0f}" for k in KINDS) + " tok/s")
     plain = statistics.median(rates["plain"])
     ratios = {k: round(statistics.median(rates[k]) / plain, 4) for k in KINDS[:2]}
-    return {"windows": windows, "seconds": seconds, "concurrency": concurrency, "tokens": tokens,
-            "tok_s": {k: [round(x) for x in v] for k, v in rates.items()}, "window_s": durations, "ratio_of_medians": ratios,
-            "pass": ratios["operator"] >= MIN_RATIO, "stats": drain(server), **spied}
+    return {"windows": windows, "seconds": seconds, "warmup_seconds": warmup_seconds, "concurrency": concurrency,
+            "tokens": tokens, "tok_s": {k: [round(x) for x in v] for k, v in rates.items()}, "window_s": durations,
+            "ratio_of_medians": ratios, "pass": ratios["operator"] >= MIN_RATIO, "stats": drain(server), **spied}
 
 
 def drain(server: Server, timeout_s: float = 120.0) -> Dict:
@@ -301,7 +311,7 @@ def main(a: argparse.Namespace) -> int:
                 + ", ".join(f"{k} {v['p0.1']}" for k, v in rows["columns"].items()))
         for s in a.throughput_on.split(","):
             tp = throughput(servers[s], vocab, a.windows, a.concurrency, a.window_tokens, a.window_seconds, s,
-                            a.py_spy_seconds, os.path.join(a.out, "pyspy"))
+                            a.py_spy_seconds, os.path.join(a.out, "pyspy"), a.warmup_seconds)
             res.setdefault(s, {})["throughput"] = tp
             ok &= tp["pass"] or s == "ref"  # the reference (no speculation) is context, not a bar
             log(f"{'PASS' if tp['pass'] else 'FAIL'} {s} throughput over none: {tp['ratio_of_medians']} ({tp['tok_s']})")
@@ -326,6 +336,7 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--window-tokens", type=int, default=128)
     ap.add_argument("--window-seconds", type=float, default=12.0)
+    ap.add_argument("--warmup-seconds", type=float, default=4.0, help="an uncounted window of each kind first")
     ap.add_argument("--settings", default="chain,tree")
     ap.add_argument("--throughput-on", default="chain", help="servers measured for throughput: settings, and ref (the "
                     "same target without speculation, for context)")

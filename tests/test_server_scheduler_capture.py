@@ -54,3 +54,28 @@ def test_without_memory_for_the_pool_capture_goes_on_and_says_how_to_get_one(tmp
     assert state.pool is None
     assert "Lower --capture-max-pending-mb" in caplog.text
     state.writer.close()
+
+
+def test_stop_ends_the_gc_watch_and_the_row_copier_and_later_rows_are_copied_on_the_scheduler_thread(tmp_path):
+    """``uninstrument`` calls ``stop``: nothing of the capture may keep running in a process
+    that goes on serving without it (a callback in ``gc.callbacks``, the copy thread)."""
+    import gc
+
+    from sglang_capture.server.request_capture import RequestCapture
+    from sglang_capture.server.scheduler_capture import SchedulerCapture
+
+    state = SchedulerCapture(CaptureConfig(capture_dir=str(tmp_path)))
+    state._make_pool(1 << 20, pin=False)
+    assert state.copier is not None and state.copier._thread.is_alive()
+    state.watch_gc()
+    assert state.gc_pauses in gc.callbacks and not state.gc_watch_pending
+    state.stop()
+    state.stop()  # idempotent
+    assert state.gc_pauses not in gc.callbacks and not state.copier._thread.is_alive()
+    capture = RequestCapture(rid="r", name="r", ledger=state.ledger, pool=state.pool)
+    step = torch.randn(2, 8)
+    assert state.decode_rows.take(capture, 0, step, 1, 1)
+    state.decode_rows.flush()  # the copier is closed: copied here, at once
+    capture.seal()
+    assert not capture.chunks[0].ready.seqs and torch.equal(capture.chunks[0].rows, step[1:2])
+    state.writer.close()
