@@ -24,7 +24,9 @@ def env() -> Dict[str, str]:
     return server_env(CACHE)
 
 
-def _server_factory(tmp_path_factory, env) -> Iterator:
+def server_factory(tmp_path_factory, env) -> Iterator:
+    """Yields ``make(cmd, capture_dir, extra_env)``, which starts a server; each one started is stopped
+    when the generator is resumed or closed (a fixture's teardown, or ``close()``)."""
     started: List[Server] = []
 
     def make(cmd: List[str], capture_dir: str = "", extra_env: Optional[Dict[str, str]] = None) -> Server:
@@ -33,27 +35,29 @@ def _server_factory(tmp_path_factory, env) -> Iterator:
         started.append(server)
         return server
 
-    yield make
-    for server in started:
-        stop_server(server)
+    try:
+        yield make
+    finally:
+        for server in started:
+            stop_server(server)
 
 
 @pytest.fixture(scope="module")
 def make_server(tmp_path_factory, env) -> Iterator:
     """Servers that live as long as the test module."""
-    yield from _server_factory(tmp_path_factory, env)
+    yield from server_factory(tmp_path_factory, env)
 
 
 @pytest.fixture
 def make_test_server(tmp_path_factory, env) -> Iterator:
     """Servers stopped as soon as the test ends (heavy servers that must not overlap the next test's)."""
-    yield from _server_factory(tmp_path_factory, env)
+    yield from server_factory(tmp_path_factory, env)
 
 
 @pytest.fixture(scope="session")
 def make_session_server(tmp_path_factory, env) -> Iterator:
     """Servers shared by several modules (stopped at the end of the session)."""
-    yield from _server_factory(tmp_path_factory, env)
+    yield from server_factory(tmp_path_factory, env)
 
 
 @pytest.fixture(scope="session")

@@ -60,8 +60,8 @@ def _send(server, r: Dict, prefix: str = "", dtype: Optional[str] = None) -> Dic
 def _check_load(server, model: str, fp8: bool = False) -> List[Dict]:
     """Send the load concurrently; every capture ok, one file each, rows equal to transformers
     (``fp8``: each request asks for FP8 storage, and every row of every hidden-state vector is
-    within cos 0.999 of them)."""
-    reqs = _requests()
+    within cos 0.999 of them; half the single prompts, short and chunked, and every shared-prefix one)."""
+    reqs = [r for r in _requests() if not fp8 or r["i"] % 2 == 0 or r["i"] >= 18]
     prefix = "fp8-" if fp8 else ""
     with ThreadPoolExecutor(12) as pool:
         outs = list(pool.map(lambda r: _send(server, r, prefix, "fp8" if fp8 else None), reqs))
@@ -214,7 +214,7 @@ def test_a_plain_sglang_node_beside_a_launcher_node_is_refused_at_start(tiny_mod
     try:
         with pytest.raises(RuntimeError, match="server exited"):
             server = start_server(capture_cmd(model, capture_dir, "--capture-layers", "1,2,3", *_node_args(addr, 0)),
-                                  {**env, **TWO_RANKS, "SGLANG_CAPTURE_PEER_WAIT_S": "15"}, log, capture_dir)
+                                  {**env, **TWO_RANKS, "SGLANG_CAPTURE_PEER_WAIT_S": "6"}, log, capture_dir)
             stop_server(server)
         assert ("sglang_capture: rank(s) [1] of 2 run without the capture patches (a node started with plain "
                 "sglang.launch_server?)") in open(log).read()

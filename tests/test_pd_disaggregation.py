@@ -13,7 +13,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from sglang_capture.core.capture_dir import writer_stats
 from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd
 from sglang_capture.tools.client import ServerInfo, capture_prefill
+from tests.conftest import server_factory
 from tests.reference import max_abs_diff, min_block_cosines, min_row_cosine, reference_states
 from tests.test_extract_tools import cli, extract, make_conversations
 
@@ -55,18 +56,28 @@ PREFILL_PARALLEL = {"tp1": (1, [], None),
                                       {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"})}
 
 
+@pytest.fixture(scope="module")
+def decode_server(make_server, tiny_models) -> Server:
+    """One plain decode server for both prefill servers: each request names its prefill's bootstrap port."""
+    return make_server(plain_cmd(tiny_models["tiny-dsv3"], *PD_ARGS, "--disaggregation-mode", "decode"))
+
+
 @pytest.fixture(scope="module", params=list(PREFILL_PARALLEL))
-def pd(request, make_server, tiny_models, tmp_path_factory) -> PD:
+def pd(request, decode_server, tiny_models, tmp_path_factory, env) -> Iterator[PD]:
+    """A capture prefill server, stopped before the next param's starts (two cores run one at a time)."""
     model = tiny_models["tiny-dsv3"]
     capture_dir = str(tmp_path_factory.mktemp("pd-capture"))
     port = free_port()
-    dp_ranks, parallel, env = PREFILL_PARALLEL[request.param]
-    prefill = make_server(capture_cmd(model, capture_dir, "--capture-layers", ",".join(map(str, LAYERS)), *PD_ARGS,
-                                      *parallel, "--disaggregation-mode", "prefill",
-                                      "--disaggregation-bootstrap-port", str(port)),
-                          capture_dir, extra_env=env)
-    decode = make_server(plain_cmd(model, *PD_ARGS, "--disaggregation-mode", "decode"))
-    return PD(prefill, decode, port, model, dp_ranks)
+    dp_ranks, parallel, extra_env = PREFILL_PARALLEL[request.param]
+    servers = server_factory(tmp_path_factory, env)
+    make = next(servers)
+    try:
+        prefill = make(capture_cmd(model, capture_dir, "--capture-layers", ",".join(map(str, LAYERS)), *PD_ARGS,
+                                   *parallel, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                                   str(port)), capture_dir, extra_env=extra_env)
+        yield PD(prefill, decode_server, port, model, dp_ranks)
+    finally:
+        servers.close()
 
 
 def _prompt(seed: int, n: int) -> List[int]:
