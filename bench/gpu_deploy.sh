@@ -172,7 +172,7 @@ case $PHASE in
       { cat $W/mk.log; exit 1; }
     nvidia-smi -L > "$OUT/gpus.txt"
     eagle_deep_gemm
-    timeout "${SPEC_TIMEOUT:-480}" python "$R/bench/gpu_spec.py" /tmp/e3 $W/spec ${SPEC_ARGS:-} 2>&1 | tee "$OUT/spec.txt"
+    timeout "${SPEC_TIMEOUT:-540}" python "$R/bench/gpu_spec.py" /tmp/e3 $W/spec ${SPEC_ARGS:-} 2>&1 | tee "$OUT/spec.txt"
     rc=${PIPESTATUS[0]}
     cp $W/spec/gpu_spec.json "$OUT/" 2>/dev/null
     ;;

@@ -107,7 +107,7 @@ def fresh_prompt(vocab: List[int], key: str, length: int = FRESH_TOKENS) -> List
     """A prompt of its own for each throughput request (``key`` names it). Reused prompts made the
     comparison unfair: requests that do not capture read their prompt from the radix cache after its
     first use, while a capture request never does (its private namespace), so the windows without
-    capture prefilled a fraction of the tokens the capturing ones did (r66: 49-56k tokens per 10 s
+    capture prefilled a fraction of the tokens the capturing ones did (on the H200: 49-56k tokens per 10 s
     read from the cache, against about 45k prefilled anew)."""
     rng = random.Random(key)
     return [rng.choice(vocab) for _ in range(length)]
@@ -317,7 +317,7 @@ def main(a: argparse.Namespace) -> int:
             log(f"{'PASS' if tp['pass'] else 'FAIL'} {s} throughput over none: {tp['ratio_of_medians']} ({tp['tok_s']})")
     finally:
         res["pass"] = bool(ok)
-        try:  # before the servers stop: SGLang's shutdown can outlast the call's time limit (r65 lost its record so)
+        try:  # before the servers stop: SGLang's shutdown can outlast the call's time limit (a record was lost so)
             with open(os.path.join(a.out, "gpu_spec.json"), "w") as f:
                 json.dump(res, f, indent=1)
         finally:

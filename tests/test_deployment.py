@@ -60,8 +60,9 @@ def _send(server, r: Dict, prefix: str = "", dtype: Optional[str] = None) -> Dic
 def _check_load(server, model: str, fp8: bool = False) -> List[Dict]:
     """Send the load concurrently; every capture ok, one file each, rows equal to transformers
     (``fp8``: each request asks for FP8 storage, and every row of every hidden-state vector is
-    within cos 0.999 of them; half the single prompts, short and chunked, and every shared-prefix one)."""
-    reqs = [r for r in _requests() if not fp8 or r["i"] % 2 == 0 or r["i"] >= 18]
+    within cos 0.999 of them; half the single prompts, short and chunked, the plain ones beside them,
+    and every shared-prefix one)."""
+    reqs = [r for r in _requests() if not fp8 or r["i"] % 2 == 0 or not r["capture"] or r["i"] >= 18]
     prefix = "fp8-" if fp8 else ""
     with ThreadPoolExecutor(12) as pool:
         outs = list(pool.map(lambda r: _send(server, r, prefix, "fp8" if fp8 else None), reqs))

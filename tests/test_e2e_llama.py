@@ -92,7 +92,10 @@ def test_hidden_states_go_through_the_host_pool_and_stay_exact(llama, tiny_model
         assert time.monotonic() < deadline, f"host pool counters did not move: {pool}"
         time.sleep(0.05)
     assert pool["fallbacks"] == 0 and pool["size_bytes"] == 8192 << 20 and not pool["pinned"]
-    assert read_stats(llama.capture_dir)["inline_bytes"] == 0  # writer processes read the rows in the pool, by offset
+    stats = read_stats(llama.capture_dir, settled=True)
+    assert stats["inline_bytes"] == 0  # writer processes read the rows in the pool, by offset
+    assert stats["result_copy"]["decode_rows_scattered"] >= body["sampling_params"]["max_new_tokens"] - 1  # by the row copier
+    assert stats["gc_pauses"]["gen0"]["calls"] > 0  # the collector watched from the first batch result on (watch_gc)
     ids = data["input_ids"].tolist() + data["output_ids"].tolist()[:-1]
     aux, last = reference_states(tiny_models["tiny-llama"], torch.bfloat16, ids, data["layers"])
     assert min(min_block_cosines(data["aux_hidden_states"], aux, 256)) >= 0.999

@@ -33,6 +33,16 @@ def test_missing_capture_dir_exits_non_zero_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_removed_or_misspelt_capture_option_is_refused_in_one_line_not_passed_to_sglang(tmp_path):
+    result, lines = _launch("--capture-dir", str(tmp_path), "--capture-gc-freeze", "--model-path", "x")
+    assert result.exit_code != 0 and lines == ["Error: --capture-gc-freeze was removed: no full garbage collection runs "
+                                               "under traffic once the server is up (bench/RESULTS.md, r69-r72); drop "
+                                               "the option"]
+    result, lines = _launch("--capture-dir", str(tmp_path), "--model-path", "x", "--capture-writer=4")
+    assert result.exit_code != 0 and lines == ["Error: no such option --capture-writer; `python -m sglang_capture.launch "
+                                               "--help` lists the --capture-* options"]
+
+
 def test_capture_dir_that_is_a_file_or_unwritable(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")

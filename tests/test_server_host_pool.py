@@ -157,11 +157,8 @@ def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_
         b.seal()
         assert [c.start for c in a.chunks] == [c.start for c in b.chunks] and len(b.chunks) >= 2
         for ca, cb in zip(a.chunks, b.chunks, strict=True):
-            if copier is not None:  # what the hand-off thread does before a writer reads the run
-                assert isinstance(cb.ready, CopyTicket) and cb.ready.seqs
-                cb.ready.synchronize()
-            else:
-                assert cb.ready is None
+            assert isinstance(cb.ready, CopyTicket) and bool(cb.ready.seqs) == (copier is not None)
+            cb.ready.synchronize()  # what the hand-off thread does before a writer reads the run
             assert torch.equal(ca.rows, cb.rows) and pool.offset_of(cb.rows) is not None
     if copier is not None:
         copier.close()
@@ -235,32 +232,39 @@ def test_a_failed_row_copy_fails_only_the_runs_that_had_rows_in_it():
     copier.close()
 
 
-def test_the_scheduler_waits_for_a_copier_that_falls_behind_and_a_closed_copier_leaves_the_copy_to_the_flush():
+def _gated_copier(**kwargs):
+    """A pool whose scatters wait for ``go``, with its copier and decode rows: copies stay in flight."""
     from sglang_capture.server.copy_counts import CopyCounts
     from sglang_capture.server.decode_rows import DecodeRows, RowCopier
     from sglang_capture.server.host_pool import HostPool
     from sglang_capture.server.ledger import HostMemoryLedger
-    from sglang_capture.server.request_capture import RequestCapture
 
     pool, ledger, counts = HostPool(4 << 20, pin=False), HostMemoryLedger(4 << 20), CopyCounts()
     go = threading.Event()
     scatter = pool.scatter_rows
 
-    def slow(*args):
+    def gated(*args):
         go.wait(10)
         scatter(*args)
 
-    pool.scatter_rows = slow
-    copier = RowCopier(pool, counts, max_behind=2)
-    rows = DecodeRows(pool, counts, copier)
+    pool.scatter_rows = gated
+    copier = RowCopier(pool, counts, **kwargs)
+    return pool, ledger, counts, copier, DecodeRows(pool, counts, copier), go
+
+
+def test_the_scheduler_waits_for_a_copier_that_falls_behind_and_a_closed_copier_leaves_the_copy_to_the_flush():
+    from sglang_capture.server.request_capture import RequestCapture
+
+    pool, ledger, counts, copier, rows, go = _gated_copier(max_behind=2)
     cap = RequestCapture(rid="c", name="c", ledger=ledger, pool=pool)
     want = []
     steps = threading.Thread(target=lambda: want.extend(_decode_step(pool, rows, [cap], p) for p in range(3)))
     steps.start()
     time.sleep(0.5)
-    assert steps.is_alive() and counts.decode_copy_waits == 1  # the third flush waits: two are queued
+    assert steps.is_alive() and counts.decode_copy_waits == 1  # the third flush waits: one copying, one queued
     go.set()
     steps.join(10)
+    assert not steps.is_alive()
     copier.close()
     assert counts.decode_scatters == 3 and not copier._thread.is_alive()
     want.append(_decode_step(pool, rows, [cap], 3))  # after close: copied in the flush itself
@@ -268,3 +272,31 @@ def test_the_scheduler_waits_for_a_copier_that_falls_behind_and_a_closed_copier_
     cap.seal()
     cap.chunks[0].ready.synchronize()
     assert torch.equal(cap.chunks[0].rows, torch.cat(want))
+
+
+def test_a_runs_ticket_holds_the_hand_off_until_its_rows_are_copied_and_an_in_place_copy_that_fails_fails_its_runs():
+    from sglang_capture.server.request_capture import RequestCapture
+
+    pool, ledger, counts, copier, rows, go = _gated_copier()
+    cap = RequestCapture(rid="c", name="c", ledger=ledger, pool=pool)
+    want = _decode_step(pool, rows, [cap], 0)
+    cap.seal()
+    handed = threading.Event()
+    hand_off = threading.Thread(target=lambda: (cap.chunks[0].ready.synchronize(), handed.set()))
+    hand_off.start()
+    time.sleep(0.3)
+    assert not handed.is_set()  # what describe_chunks does: the writer may not read the run yet
+    go.set()
+    hand_off.join(10)
+    assert handed.is_set() and torch.equal(cap.chunks[0].rows, want)
+    copier.close()
+
+    def broken(*args):
+        raise OSError("injected")
+
+    pool.scatter_rows = broken  # a closed copier: the flush copies in place, on the scheduler thread
+    late = RequestCapture(rid="l", name="l", ledger=ledger, pool=pool)
+    _decode_step(pool, rows, [late], 0)  # does not raise
+    late.seal()
+    with pytest.raises(RuntimeError, match="could not be copied into their run: OSError: injected"):
+        late.chunks[0].ready.synchronize()

@@ -15,7 +15,8 @@ from typing import Dict
 @dataclass
 class CopyCounts:
     """Result copies of capture batches: plain ints, each written by one thread (the scheduler's,
-    or the row copier's for ``decode_rows_scattered`` and ``decode_scatters``)."""
+    or the row copier's for ``decode_rows_scattered`` and ``decode_scatters``; only while a closing
+    copier drains its queue can both add to those two, and an update may then be lost)."""
 
     batches: int = 0  # capture batches whose rows went to the host through the package's pool
     batch_rows: int = 0  # rows those batches had

@@ -3,7 +3,8 @@
 A decode step hands every capture request of the batch a few rows (one, or an EAGLE-3 verify
 pass's accepted ones). Copying each request's rows into its run as they arrive
 (``RequestCapture.add``) costs the scheduler thread a few tensor operations per request and
-step: 2.7 ms per 64-request step in isolation, against 0.7 ms as one scatter (bench/RESULTS.md).
+step: 2.7 ms per 64-request step in isolation, against 0.7 ms as one scatter (measured on the
+CPU test bed when the scatter was added, commit ``747aed4``).
 Here the result seam only reserves each request's place in its run (``RequestCapture.place``, plain
 Python); ``flush`` hands the step's reservations to the ``RowCopier`` thread, which copies them with
 one ``HostPool.scatter_rows`` per source tensor while the scheduler goes on with the next batch.
@@ -11,8 +12,9 @@ one ``HostPool.scatter_rows`` per source tensor while the scheduler goes on with
 A run that took rows this way carries a ``CopyTicket`` as its chunk's ``ready``: the hand-off
 thread waits on it (``describe_chunks``) before a writer process reads the run, as it waits on a
 device copy's event. The copies run in submission order; a failed copy fails only the runs that
-had rows in it. The copier falls at most ``MAX_BEHIND`` flushes behind: then the scheduler waits
-(``decode_copy_waits`` in the writer stats), so pending rows stay bounded.
+had rows in it (their tickets), wherever it ran. The copier falls at most ``MAX_BEHIND`` flushes
+behind: then the scheduler waits (``decode_copy_waits`` in the writer stats), so pending rows stay
+bounded.
 """
 from __future__ import annotations
 
@@ -51,7 +53,35 @@ class _Source:
 
 
 class CopyClosed(RuntimeError):
-    """The copier is closed (server exit, ``uninstrument``): rows are copied in place instead."""
+    """The copier is closed (server exit, ``uninstrument``) or gone: rows are copied in place instead."""
+
+
+class CopyTicket:
+    """A run's ``ready`` once ``DecodeRows`` reserved rows in it: the copier's flushes it had rows in,
+    and why a copy of them failed."""
+
+    __slots__ = ("copier", "seqs", "error")
+
+    def __init__(self, copier: Optional[RowCopier]) -> None:
+        self.copier = copier
+        self.seqs: Set[int] = set()
+        self.error: Optional[str] = None
+
+    def synchronize(self) -> None:
+        """Wait until the run's rows are all in place (``describe_chunks``, as for a device copy's
+        event); raises naming why when they cannot be."""
+        if self.seqs and self.copier is not None:
+            self.copier.wait(self.seqs)
+        if self.error is not None:
+            raise RuntimeError(f"decode rows could not be copied into their run: {self.error}")
+
+
+def copy_sources(pool: HostPool, counts: CopyCounts, sources: List[_Source]) -> None:
+    """One ``scatter_rows`` per source tensor: every reserved row to its place in its run."""
+    for src in sources:
+        pool.scatter_rows(src.tensor, src.rows, src.offsets)
+        counts.decode_rows_scattered += len(src.rows)
+        counts.decode_scatters += 1
 
 
 class RowCopier:
@@ -60,45 +90,42 @@ class RowCopier:
     def __init__(self, pool: HostPool, counts: CopyCounts, max_behind: int = MAX_BEHIND) -> None:
         self.pool = pool
         self.counts = counts
-        self.max_behind = max_behind
+        self.max_behind = max_behind  # flushes handed over and not yet copied, the one in hand included
         self._cond = threading.Condition()
-        self._queue: Deque[Optional[Tuple[int, List[_Source]]]] = collections.deque()
+        self._queue: Deque[Optional[Tuple[int, List[_Source], List[CopyTicket]]]] = collections.deque()
         self._submitted = 0  # sequence number of the last flush handed over
         self._done = 0  # of the last one copied (or failed)
-        self._failed: Dict[int, str] = {}
         self._closed: Optional[str] = None  # why no more copies are taken
         self._thread = threading.Thread(target=self._loop, name="sglang-capture-rows", daemon=True)
         self._thread.start()
 
-    def submit(self, sources: List[_Source]) -> int:
+    def submit(self, sources: List[_Source], tickets: List[CopyTicket]) -> int:
         """Queue one flush's copies (scheduler thread); its sequence number. Waits while the
-        copier is ``max_behind`` flushes behind. Raises ``CopyClosed`` once closed."""
+        copier is ``max_behind`` flushes behind. Raises ``CopyClosed`` once closed or gone."""
         with self._cond:
             if self._submitted - self._done >= self.max_behind and self._closed is None:
                 self.counts.decode_copy_waits += 1
                 while self._submitted - self._done >= self.max_behind and self._closed is None:
-                    self._cond.wait()
+                    if not self._thread.is_alive():
+                        self._closed = "the capture's row copier died"
+                        break
+                    self._cond.wait(1.0)
             if self._closed is not None:
                 raise CopyClosed(self._closed)
             self._submitted += 1
-            self._queue.append((self._submitted, sources))
+            self._queue.append((self._submitted, sources, tickets))
             self._cond.notify_all()
             return self._submitted
 
     def wait(self, seqs: Set[int], poll_s: float = 1.0) -> None:
-        """Return once every flush in ``seqs`` is copied (a hand-off thread, before a writer reads
-        the runs); raises naming why when one of them failed or can no longer be copied."""
-        if not seqs:
-            return
+        """Return once every flush in ``seqs`` is copied or failed (a hand-off thread, before a
+        writer reads the runs; a failure is on the tickets); raises when one can no longer be copied."""
         last = max(seqs)
         with self._cond:
             while self._done < last:
                 if not self._thread.is_alive():
                     raise RuntimeError(f"decode rows were not copied: the copy thread is gone ({self._closed or 'it died'})")
                 self._cond.wait(poll_s)
-            failed = sorted(self._failed[s] for s in seqs if s in self._failed)
-        if failed:
-            raise RuntimeError(f"decode rows could not be copied into their run: {failed[0]}")
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Copy what is queued, then stop (idempotent): later flushes are copied in place."""
@@ -111,6 +138,7 @@ class RowCopier:
             self._thread.join(timeout_s)
 
     def _loop(self) -> None:
+        failures = 0
         while True:
             with self._cond:
                 while not self._queue:
@@ -118,40 +146,24 @@ class RowCopier:
                 item = self._queue.popleft()
             if item is None:
                 return
-            seq, sources = item
+            seq, sources, tickets = item
+            item = None  # the step's block and the runs go back to the pool once copied, not at the next flush
             error = None
             try:
                 copy_sources(self.pool, self.counts, sources)
             except Exception as e:  # noqa: BLE001 - a failed copy fails its runs, never this thread
                 error = f"{type(e).__name__}: {e}"
-                logger.error("sglang_capture: decode rows of flush %d not copied: %s", seq, error)
+                failures += 1
+                if failures == 1 or failures % 1000 == 0:
+                    logger.error("sglang_capture: decode rows not copied (%d flush(es) so far): %s", failures, error)
+            sources = None
             with self._cond:
                 if error is not None:
-                    self._failed[seq] = error
+                    for ticket in tickets:
+                        ticket.error = ticket.error or error
                 self._done = seq
                 self._cond.notify_all()
-
-
-def copy_sources(pool: HostPool, counts: CopyCounts, sources: List[_Source]) -> None:
-    """One ``scatter_rows`` per source tensor: every reserved row to its place in its run."""
-    for src in sources:
-        pool.scatter_rows(src.tensor, src.rows, src.offsets)
-        counts.decode_rows_scattered += len(src.rows)
-        counts.decode_scatters += 1
-
-
-class CopyTicket:
-    """A run's ``ready`` while rows of it are copied on the ``RowCopier`` thread: the flushes it had rows in."""
-
-    __slots__ = ("copier", "seqs")
-
-    def __init__(self, copier: RowCopier) -> None:
-        self.copier = copier
-        self.seqs: Set[int] = set()
-
-    def synchronize(self) -> None:
-        """Wait until the run's rows are all in place (``describe_chunks``, as for a device copy's event)."""
-        self.copier.wait(self.seqs)
+            tickets = None
 
 
 class DecodeRows:
@@ -183,15 +195,15 @@ class DecodeRows:
         src.rows.extend(range(row, row + n))
         src.offsets.extend(range(at, at + n * src.row_bytes, src.row_bytes))
         src.buffers.append(buffer)
-        if self.copier is not None:
-            if not isinstance(chunk.ready, CopyTicket):
-                chunk.ready = CopyTicket(self.copier)
-            self._tickets.append(chunk.ready)
+        if not isinstance(chunk.ready, CopyTicket):
+            chunk.ready = CopyTicket(self.copier)
+        self._tickets.append(chunk.ready)
         return True
 
     def flush(self) -> None:
         """Hand every reserved row to the copier (before the requests are sealed, and at the step's
-        end); without one, or once it is closed, copy them here."""
+        end); without one, or once it is closed, copy them here. Never raises: a copy that fails
+        fails the runs it was for (their tickets), not the scheduler."""
         pending, self._pending = self._pending, {}
         tickets, self._tickets = self._tickets, []
         sources = [src for src in pending.values() if src.rows]
@@ -199,11 +211,15 @@ class DecodeRows:
             return
         if self.copier is not None:
             try:
-                seq = self.copier.submit(sources)
-            except CopyClosed:
+                seq = self.copier.submit(sources, tickets)
+            except Exception:  # noqa: BLE001 - closed, or gone: copied here below
                 pass
             else:
                 for ticket in tickets:
                     ticket.seqs.add(seq)
                 return
-        copy_sources(self.pool, self.counts, sources)
+        try:
+            copy_sources(self.pool, self.counts, sources)
+        except Exception as e:  # noqa: BLE001 - on the scheduler thread: fail the runs, never the server
+            for ticket in tickets:
+                ticket.error = ticket.error or f"{type(e).__name__}: {e}"

@@ -2,11 +2,11 @@
 
 A collection stops every thread of the process, the scheduler's too, for as long as it walks
 the objects of its generations: a full one walks everything SGLang keeps alive (on the H200, full
-collections of 4.3-5.2 s). Capture keeps objects alive for a while (rows waiting for a writer), so
-it could make the collector run, and pause the scheduler, more often; ``gc_pauses`` in the writer
-stats shows whether it does. Counting starts with the first batch result (scheduler_capture.py:
-``watch_gc``): the full collections SGLang itself runs around CUDA-graph capture at start-up are
-not traffic's (on the H200, all 10 of r67's full collections were those).
+collections of several seconds at start-up). Capture keeps objects alive for a while (rows waiting
+for a writer), so it could make the collector run, and pause the scheduler, more often; ``gc_pauses``
+in the writer stats shows whether it does. Counting starts with the first batch result
+(scheduler_capture.py: ``watch_gc``): the full collections SGLang itself runs around CUDA-graph
+capture at start-up are not traffic's (on the H200, none ran under traffic: bench/RESULTS.md, r69-r72).
 """
 from __future__ import annotations
 

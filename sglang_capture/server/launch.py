@@ -240,6 +240,24 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, Cap
     return server_args, config, capture_info_body(config, str(server_args.model_path), arch, layers, said, spec)
 
 
+REMOVED_OPTIONS = {
+    "--capture-gc-freeze": "no full garbage collection runs under traffic once the server is up (bench/RESULTS.md, "
+                           "r69-r72); drop the option",
+    "--capture-no-gc-freeze": "it is the behaviour now; drop the option",
+}
+
+
+def check_no_unknown_capture_options(sglang_args: Tuple[str, ...]) -> None:
+    """SGLang has no ``--capture-*`` option: one among the arguments passed on is a typo or a removed
+    option, which SGLang's own parser would refuse only after a screen of its usage."""
+    for arg in sglang_args:
+        name = arg.split("=", 1)[0]
+        if name in REMOVED_OPTIONS:
+            raise ConfigError(f"{name} was removed: {REMOVED_OPTIONS[name]}")
+        if name.startswith("--capture-"):
+            raise ConfigError(f"no such option {name}; `python -m sglang_capture.launch --help` lists the --capture-* options")
+
+
 @click.command(
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True, "max_content_width": 100},
     epilog="Every other argument is passed to sglang.launch_server unchanged.",
@@ -249,6 +267,7 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, Cap
 def main(sglang_args: Tuple[str, ...], **options: Any) -> None:
     """Start an SGLang server that writes captured hidden states to CAPTURE_DIR."""
     try:
+        check_no_unknown_capture_options(sglang_args)
         config = config_from_options(options)
         check_capture_dir(config.capture_dir)
         check_writer_cpus(config.writer_cpus)

@@ -11,10 +11,9 @@ run of the request's own: a decode step's block holds one row of every capture r
 batch, so keeping views of it would keep each neighbour's rows alive until the longest of them
 is written, and a long generation beside a stream of short ones would hold the batch's rows of
 every step it lived through, far beyond ``--capture-max-pending-mb``. A run is a pool block of
-``RUN_ROWS`` rows; copying a row costs one row's bytes of memcpy on the scheduler thread. A decode
-step's rows are placed here one request at a time (``place``) but copied together, on a thread of
-their own (decode_rows.py);
-a run's chunk gets its rows when the run closes (a new run, ``seal``).
+``RUN_ROWS`` rows; copying a row costs one row's bytes of memcpy. A decode step's rows are placed
+here one request at a time (``place``) but copied together, on a thread of their own
+(decode_rows.py); a run's chunk gets its rows when the run closes (a new run, ``seal``).
 """
 from __future__ import annotations
 

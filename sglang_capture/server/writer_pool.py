@@ -489,7 +489,7 @@ class WriterPool:
         at most once per ``min_interval_s``, for monitoring and benchmarks; a write skipped for the
         interval is made by an idle hand-off thread within a second or two. Writing it whenever the
         queue drained took the hand-off threads' time (and the GIL the scheduler thread needs)
-        after nearly every job under decode-heavy capture (bench/RESULTS.md, r62)."""
+        after nearly every job under decode-heavy capture (r62 on the H200, ``git show caf6bcd``)."""
         stats_file = self._stats_file
         if stats_file is None:  # the capture dir was unusable at start, or the pool is closed
             return

@@ -128,7 +128,7 @@ def take_decode_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args:
         if found is not None:
             row, processing = found
             source = processing.source(hidden, capture)
-            # copied with the step's other decode rows before anything is sealed (decode_rows.py)
+            # copied with the step's other decode rows, on the row copier's thread (decode_rows.py)
             if state.decode_rows is None or not state.decode_rows.take(capture, position, source, row, accept):
                 capture.add(position, source[row:row + accept])
     return None
