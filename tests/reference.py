@@ -24,6 +24,19 @@ def reference_states(path: str, dtype: torch.dtype, ids: List[int], layers: List
     return aux, hs[-1][0]
 
 
+def reference_pre_norm(path: str, dtype: torch.dtype, ids: List[int]) -> torch.Tensor:
+    """The final hidden state before the model's final norm [N, H] (the norm's input), as transformers computes it."""
+    model = _model(path, dtype)
+    seen = []
+    handle = model.model.norm.register_forward_pre_hook(lambda module, args: seen.append(args[0][0].clone()))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        handle.remove()
+    return seen[-1]
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 

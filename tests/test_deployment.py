@@ -23,7 +23,7 @@ import sglang_capture
 from sglang_capture.core.capture_dir import writer_stats
 from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd, start_server, stop_server
-from tests.reference import max_abs_diff, min_block_cosines, min_row_cosine, reference_states
+from tests.reference import max_abs_diff, min_block_cosines, min_row_cosine, reference_pre_norm, reference_states
 
 LAYERS = [0, 2, 3]
 TOL = 1e-4
@@ -80,13 +80,16 @@ def _check_load(server, model: str, fp8: bool = False) -> List[Dict]:
         ids = r["ids"] + o["output_ids"][:-1]
         aux, last = reference_states(model, torch.float32, ids, LAYERS)
         assert data["aux_hidden_states"].shape == aux.shape, r["i"]
+        finals = [("last_hidden_states", last)]
+        if data["final"] == "both":  # a server started with --capture-final both
+            finals.append(("last_hidden_states_pre_norm", reference_pre_norm(model, torch.float32, ids)))
         if fp8:
             assert data["schema"] == "sglang_capture/v2"
             assert min(min_block_cosines(data["aux_hidden_states"], aux, last.shape[-1])) >= 0.999, r["i"]
-            assert min_row_cosine(data["last_hidden_states"], last) >= 0.999, r["i"]
+            assert all(min_row_cosine(data[name], want) >= 0.999 for name, want in finals), r["i"]
             continue
         assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL, r["i"]
-        assert max_abs_diff(data["last_hidden_states"], last) <= TOL, r["i"]
+        assert all(max_abs_diff(data[name], want) <= TOL for name, want in finals), r["i"]
     return [o for _, o in captured]
 
 
@@ -126,10 +129,11 @@ def test_dp_attention_captures_every_request_once_on_its_own_rank_equal_to_trans
     """The issue-16 defect: under DP attention SGLang re-slices the result tensor, which once lost the
     kept-rows map (IncompleteCapture, and other requests' rows in a file). FP8 rows go through the
     re-sliced results, chunked prefill and radix hits as bf16 rows do: the same load again, each
-    request asking for FP8, every vector within cos 0.999."""
+    request asking for FP8, every vector within cos 0.999. The pre-norm final state too (--capture-final both)."""
     server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--tp", "2", "--dp", "2", "--enable-dp-attention",
-                          env=TWO_RANKS)
+                          "--capture-final", "both", env=TWO_RANKS)
     captured = _check_load(server, tiny_models["tiny-dsv3"])
+    assert {sglang_capture.load(o["meta_info"]["capture"]["path"], tensors=())["final"] for o in captured} == {"both"}
     captured += _check_load(server, tiny_models["tiny-dsv3"], fp8=True)
     _check_two_writer_ranks(server, captured)
     log = server.log()

@@ -14,7 +14,7 @@ import sglang_capture
 from sglang_capture.core.capture_dir import read_stats
 from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.testbed.server import capture_cmd
-from tests.reference import max_abs_diff, reference_states
+from tests.reference import max_abs_diff, reference_pre_norm, reference_states
 
 LAYERS = [0, 2, 3]
 CHUNK = 64
@@ -25,7 +25,7 @@ TOL = 1e-4
 def dsv3(tiny_models, make_server, tmp_path_factory):
     capture_dir = str(tmp_path_factory.mktemp("capture"))
     cmd = capture_cmd(tiny_models["tiny-dsv3"], capture_dir, "--capture-layers", ",".join(map(str, LAYERS)),
-                      "--dtype", "float32", "--chunked-prefill-size", str(CHUNK))
+                      "--dtype", "float32", "--chunked-prefill-size", str(CHUNK), "--capture-final", "both")
     return make_server(cmd, capture_dir)
 
 
@@ -48,6 +48,9 @@ def check_against_transformers(path_model, data, tol=TOL):
     assert data["last_hidden_states"].shape == last.shape
     assert max_abs_diff(data["aux_hidden_states"], aux) <= tol
     assert max_abs_diff(data["last_hidden_states"], last) <= tol
+    pre = reference_pre_norm(path_model, torch.float32, ids)  # --capture-final both
+    assert data["last_hidden_states_pre_norm"].shape == pre.shape
+    assert max_abs_diff(data["last_hidden_states_pre_norm"], pre) <= tol
 
 
 def test_capture_file_matches_transformers_and_response(dsv3, tiny_models, tokenizer):

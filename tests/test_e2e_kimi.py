@@ -16,7 +16,7 @@ import sglang_capture
 from sglang_capture.core.layers import default_layers
 from sglang_capture.testbed.server import capture_cmd
 from sglang_capture.testbed.tiny_models import save_language_model_view
-from tests.reference import max_abs_diff, reference_states
+from tests.reference import max_abs_diff, reference_pre_norm, reference_states
 
 ARCH = "KimiK25ForConditionalGeneration"
 
@@ -24,7 +24,8 @@ ARCH = "KimiK25ForConditionalGeneration"
 @pytest.fixture(scope="module")
 def kimi(tiny_models, make_server, tmp_path_factory):
     capture_dir = str(tmp_path_factory.mktemp("capture"))
-    cmd = capture_cmd(tiny_models["tiny-kimi-k25"], capture_dir, "--trust-remote-code", "--dtype", "float32")
+    cmd = capture_cmd(tiny_models["tiny-kimi-k25"], capture_dir, "--trust-remote-code", "--dtype", "float32",
+                      "--capture-final", "pre-norm")
     return make_server(cmd, capture_dir)
 
 
@@ -58,9 +59,11 @@ def test_kimi_class_captures_default_layers_equal_to_transformers(kimi, tiny_mod
     tok = AutoTokenizer.from_pretrained(tiny_models["tiny-kimi-k25"])
     assert data["input_ids"].tolist() == tok(text)["input_ids"]
     ids = data["input_ids"].tolist() + data["output_ids"].tolist()[:-1]
-    aux, last = reference_states(language_model_view, torch.float32, ids, arch_layers)
-    assert data["aux_hidden_states"].shape == aux.shape and data["last_hidden_states"].shape == last.shape
+    aux, _ = reference_states(language_model_view, torch.float32, ids, arch_layers)
+    pre = reference_pre_norm(language_model_view, torch.float32, ids)  # --capture-final pre-norm: the final norm's input
+    assert data["final"] == "pre-norm" and "last_hidden_states" not in data
+    assert data["aux_hidden_states"].shape == aux.shape and data["last_hidden_states_pre_norm"].shape == pre.shape
     assert max_abs_diff(data["aux_hidden_states"], aux) <= 1e-4
-    assert max_abs_diff(data["last_hidden_states"], last) <= 1e-4
+    assert max_abs_diff(data["last_hidden_states_pre_norm"], pre) <= 1e-4
     info = requests.get(kimi.url + "/capture_info", timeout=10).json()
-    assert info["architecture"] == ARCH and info["layers"] == arch_layers
+    assert info["architecture"] == ARCH and info["layers"] == arch_layers and info["final"] == "pre-norm"

@@ -14,7 +14,7 @@ import torch
 import sglang_capture
 from sglang_capture.core.capture_dir import read_stats
 from sglang_capture.testbed.server import capture_cmd
-from tests.reference import min_block_cosines, min_row_cosine, reference_states
+from tests.reference import min_block_cosines, min_row_cosine, reference_pre_norm, reference_states
 
 PROMPTS = ["hello world, this is a tiny tokenizer", "The quick brown fox jumps over the lazy dog."]
 
@@ -22,7 +22,7 @@ PROMPTS = ["hello world, this is a tiny tokenizer", "The quick brown fox jumps o
 @pytest.fixture(scope="module")
 def llama(tiny_models, make_server, tmp_path_factory):
     capture_dir = str(tmp_path_factory.mktemp("capture"))
-    return make_server(capture_cmd(tiny_models["tiny-llama"], capture_dir), capture_dir)
+    return make_server(capture_cmd(tiny_models["tiny-llama"], capture_dir, "--capture-final", "both"), capture_dir)
 
 
 @pytest.fixture(scope="module")
@@ -95,18 +95,26 @@ def test_hidden_states_go_through_the_host_pool_and_stay_exact(llama, tiny_model
     stats = read_stats(llama.capture_dir, settled=True)
     assert stats["inline_bytes"] == 0  # writer processes read the rows in the pool, by offset
     assert stats["result_copy"]["decode_rows_scattered"] >= body["sampling_params"]["max_new_tokens"] - 1  # by the row copier
-    assert stats["gc_pauses"]["gen0"]["calls"] > 0  # the collector watched from the first batch result on (watch_gc)
+    deadline = time.monotonic() + 30  # the collector is watched from the first batch result on (watch_gc)
+    while stats["gc_pauses"]["gen0"]["calls"] == 0:  # as the server's first request, maybe none ran yet: make some
+        assert time.monotonic() < deadline, stats["gc_pauses"]
+        _capture(llama, PROMPTS[0], f"gc-{time.monotonic_ns()}")  # a file: the stats file is rewritten after it
+        stats = read_stats(llama.capture_dir, settled=True)
     ids = data["input_ids"].tolist() + data["output_ids"].tolist()[:-1]
     aux, last = reference_states(tiny_models["tiny-llama"], torch.bfloat16, ids, data["layers"])
     assert min(min_block_cosines(data["aux_hidden_states"], aux, 256)) >= 0.999
+    assert data["final"] == data["meta"]["final"] == "both"  # --capture-final both: post-norm and pre-norm
     assert min_row_cosine(data["last_hidden_states"], last) >= 0.999
+    pre = reference_pre_norm(tiny_models["tiny-llama"], torch.bfloat16, ids)
+    assert min_row_cosine(data["last_hidden_states_pre_norm"], pre) >= 0.999
+    assert min_row_cosine(data["last_hidden_states_pre_norm"], last) < 0.99  # the final norm's weights are not ones
 
 
 @pytest.fixture(scope="module")
 def llama_fp8(tiny_models, make_server, tmp_path_factory):
     capture_dir = str(tmp_path_factory.mktemp("capture-fp8"))
     cmd = capture_cmd(tiny_models["tiny-llama"], capture_dir, "--capture-dtype", "fp8", "--capture-layers", "1,2,3",
-                      "--capture-max-pending-mb", str(SMALL_CAP_MB))
+                      "--capture-max-pending-mb", str(SMALL_CAP_MB), "--capture-final", "both")
     return make_server(cmd, capture_dir)
 
 
@@ -145,7 +153,7 @@ def test_a_long_generation_beside_a_stream_of_short_ones_stays_under_the_host_me
         finally:
             long_done.set()
         served = sum(f.result() for f in shorts)
-    assert ref["status"] == "ok" and ref["rows"] == ref["shapes"]["last_hidden_states"][0] >= 600
+    assert ref["status"] == "ok" and ref["rows"] == ref["shapes"]["last_hidden_states_pre_norm"][0] >= 600
     assert served >= 8 * 2  # the short ones really ran beside it
     deadline = time.monotonic() + 30
     while (stats := read_stats(llama_fp8.capture_dir)).get("written", 0) < written_before + served + 1:
@@ -164,7 +172,9 @@ def _capture(server, text, name, **params):
     return ref
 
 
-def test_fp8_capture_halves_the_bytes_and_keeps_every_row_within_cos_0_999_of_the_bf16_capture(llama, llama_fp8, tmp_path):
+def test_fp8_capture_halves_the_bytes_and_keeps_every_row_within_cos_0_999_of_the_bf16_capture(llama, llama_fp8, tmp_path,
+                                                                                              tiny_models):
+    """Both final states of the FP8 server (--capture-final both) are packed and restored like the aux layers."""
     from sglang_capture.tools.export_specforge import export_specforge
     from sglang_capture.tools.inspect_file import describe_file
     from sglang_capture.tools.verify import check_file
@@ -177,17 +187,26 @@ def test_fp8_capture_halves_the_bytes_and_keeps_every_row_within_cos_0_999_of_th
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["output_ids"], b["output_ids"])
     # the bf16 server captures layers 2,3 (defaults), the fp8 one 1,2,3: compare layers 2 and 3
     assert min_row_cosine(b["aux_hidden_states"][:, 256:], a["aux_hidden_states"]) >= 0.999
+    assert b["final"] == "both" and set(fp8["shapes"]) == {"aux_hidden_states", "last_hidden_states",
+                                                           "last_hidden_states_pre_norm"}
     assert min_row_cosine(b["last_hidden_states"], a["last_hidden_states"]) >= 0.999
+    assert min_row_cosine(b["last_hidden_states_pre_norm"], a["last_hidden_states_pre_norm"]) >= 0.999
+    ids = b["input_ids"].tolist() + b["output_ids"].tolist()[:-1]  # and against transformers itself
+    assert min_row_cosine(b["last_hidden_states_pre_norm"], reference_pre_norm(tiny_models["tiny-llama"],
+                                                                               torch.bfloat16, ids)) >= 0.999
     raw = sglang_capture.load(fp8["path"], raw_fp8=True)
     n = raw["aux_hidden_states"].shape[0]
     assert raw["aux_hidden_states"].dtype == torch.float8_e4m3fn and raw["aux_hidden_states_scale"].shape == (n, 3)
-    assert raw["last_hidden_states_scale"].shape == (n, 1)
+    assert raw["last_hidden_states_scale"].shape == raw["last_hidden_states_pre_norm_scale"].shape == (n, 1)
     assert check_file(fp8["path"], fp8["checksum"]) == []
-    assert any("float8_e4m3fn" in line and "aux_hidden_states " in line for line in describe_file(fp8["path"]))
+    lines = describe_file(fp8["path"])
+    assert any("float8_e4m3fn" in line and "aux_hidden_states " in line for line in lines)
+    assert any(line.split() == ["final", "both"] for line in lines)
     report = export_specforge(llama_fp8.capture_dir, str(tmp_path / "sf"), all_tokens=True, progress=False)
     assert report.written >= 1 and "stored as FP8" in report.note
     sample = torch.load(tmp_path / "sf" / "fp8-row.ckpt")
     assert sample["aux_hidden_state"].dtype == torch.bfloat16
+    assert min_row_cosine(sample["hidden_state"][0], b["last_hidden_states"]) >= 0.999  # the post-norm state, for SpecForge
 
 
 def test_fp8_captures_beside_sglang_json_requests_in_one_batch_stay_exact_for_both(llama, llama_fp8):
@@ -233,3 +252,61 @@ def test_the_storage_dtype_can_be_chosen_per_request_and_a_bad_one_is_refused(ll
     body["sampling_params"]["custom_params"] = {"capture": True, "capture_dtype": "fp16"}
     r = llama.generate(body)
     assert r.status_code == 400 and "custom_params.capture_dtype must be one of model, fp8, got 'fp16'" in r.text
+
+
+def test_speculators_trains_on_the_export_of_pre_norm_captures_and_refuses_broken_ones(llama_fp8, tiny_models, tmp_path):
+    """``export --format speculators`` of pre-norm captures (the FP8 server, bf16 and FP8 files
+    alike) passes speculators' own check (tests/speculators_check.py): its dataset and dataloader
+    load it, its targets equal transformers' logits, and one training step runs. The same data
+    with the post-norm final state, or with one layer missing, fails that check; post-norm files
+    are refused by the export in one line."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from sglang_capture.tools.export_speculators import export_speculators
+    from tests.reference import _model
+    from tests.speculators_check import train_one_step
+
+    target = tiny_models["tiny-llama"]
+    src = tmp_path / "captures"
+    src.mkdir()
+    for i in range(4):
+        ids = [10 + (7 * i + 3 * k) % 200 for k in range(40 + 15 * i)]
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True,
+                                                      "custom_params": {"capture": True, "capture_name": f"spec-{i}",
+                                                                        "capture_dtype": "fp8" if i == 0 else "model",
+                                                                        "capture_loss_mask": [[5, 30]]}}}
+        ref = llama_fp8.generate(body).json()["meta_info"]["capture"]
+        assert ref["status"] == "ok", ref
+        shutil.copy(ref["path"], src)
+    out = tmp_path / "spec"
+    report = export_speculators(str(src), str(out), progress=False)
+    assert (report.samples, report.written, report.layers) == (4, 4, [1, 2, 3]) and "stored as FP8" in report.note
+    hs = load_file(str(out / "hidden_states" / "hs_1.safetensors"))
+    d = sglang_capture.load(str(src / "spec-1.capture.msgpack"))
+    assert hs["hidden_states"].shape == (58, 4, 256) and hs["token_ids"].tolist() == d["input_ids"].tolist() + \
+        d["output_ids"].tolist()[:3]
+    assert torch.equal(hs["hidden_states"][:, 3], d["last_hidden_states_pre_norm"])
+    assert torch.equal(hs["hidden_states"][:, :3].flatten(1), d["aux_hidden_states"])
+    freq = torch.load(out / "token_freq.pt")  # the trained tokens: the prompt span [5, 30) and 3 fed-back answers, x4
+    assert sum(freq.values()) == 4 * (25 + 3) and set(hs["token_ids"][5:30].tolist()) <= set(freq)
+    result = train_one_step(str(out), target, report.layers, min_target_cos=0.995)  # sample 0 stored as FP8
+    assert min(result["target_cos"][k] for k in (1, 2, 3)) >= 0.999 and result["target_cos"][0] >= 0.995
+    assert export_speculators(str(src), str(out), progress=False).skipped == 4  # a second run rewrites nothing
+
+    def broken(name, change):
+        bad = tmp_path / name
+        shutil.copytree(out, bad)
+        for f in (bad / "hidden_states").iterdir():
+            t = load_file(str(f))
+            save_file({"token_ids": t["token_ids"], "hidden_states": change(t["hidden_states"]).contiguous()}, str(f))
+        return str(bad)
+
+    norm = _model(target, torch.float32).model.norm  # what the post-norm state is: the model's final norm applied
+    post = broken("post-norm", lambda h: torch.cat([h[:, :3], norm(h[:, 3:].float()).to(h.dtype)], 1))
+    with pytest.raises(AssertionError, match="targets differ from the target model's logits"):
+        train_one_step(post, target, report.layers, min_target_cos=0.995)
+    two_layers = broken("two-layers", lambda h: h[:, 1:])
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # its fc layer takes 3 layers' columns
+        train_one_step(two_layers, target, report.layers)

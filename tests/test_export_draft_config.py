@@ -12,6 +12,8 @@ from click.testing import CliRunner
 
 import sglang_capture.core.format as fmt
 from sglang_capture.core.config import ENV_VAR, CaptureConfig, ConfigError, config_from_options
+from sglang_capture.core.final_state import POST_NORM, kept_states
+from sglang_capture.core.final_state import TENSOR as FINAL_TENSOR
 from sglang_capture.core.layers import layers_from_eagle3_ids
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.server.launch import main as launch_main
@@ -25,17 +27,23 @@ PUBLISHED_KIMI_DRAFT = {"architectures": ["LlamaForCausalLMEagle3"],
 
 
 def _captures(directory, layers, arch="KimiK25ForConditionalGeneration", num_layers=61, n=2, loss_mask=True,
-              generated=2, first=0):
+              generated=2, first=0, final=None):
+    """Capture files as the server writes them; ``final`` (``--capture-final``) None: a file written
+    before that option, with the post-norm state and no ``final`` key."""
     os.makedirs(directory, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     for k in range(first, first + n):
         P, G = 5, generated
         meta = {"rid": f"r{k}", "layers": layers, "layer_convention": "x", "hidden_size": H, "model": "m",
-                "sglang_version": "0.5.17", "schema": fmt.SCHEMA, "architecture": arch, "num_layers": num_layers}
+                "sglang_version": "0.5.17", "schema": fmt.SCHEMA, "architecture": arch, "num_layers": num_layers,
+                "dtype": "bfloat16"}
         rows = fmt.row_count(P, G)
         tensors = {"input_ids": torch.arange(P, dtype=torch.int64), "output_ids": torch.arange(G, dtype=torch.int64),
-                   "aux_hidden_states": torch.randn(rows, len(layers) * H, generator=g).to(torch.bfloat16),
-                   "last_hidden_states": torch.randn(rows, H, generator=g).to(torch.bfloat16)}
+                   "aux_hidden_states": torch.randn(rows, len(layers) * H, generator=g).to(torch.bfloat16)}
+        if final is not None:
+            meta["final"] = final
+        for kind in kept_states(final or POST_NORM):
+            tensors[FINAL_TENSOR[kind]] = torch.randn(rows, H, generator=g).to(torch.bfloat16)
         if loss_mask:
             tensors["loss_mask"] = torch.ones(P, dtype=torch.int64)
         with open(os.path.join(directory, f"s{k}{FILE_SUFFIX}"), "wb") as f:

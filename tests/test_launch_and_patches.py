@@ -270,3 +270,27 @@ def test_a_server_that_speculates_captures_its_drafts_layers_and_refuses_others(
     assert result.exit_code != 0
     assert lines == ["Error: --capture-layers asks for layers 1,2, but the served draft makes this server capture "
                      "layers 1,2,3; a server that speculates captures its draft's layers: drop --capture-layers"]
+
+
+def test_pre_norm_capture_under_prefill_cuda_graphs_is_refused_at_start_in_one_line():
+    """A prefill CUDA graph's replay runs no Python hook, so the final norm's input would be missing."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from sglang_capture.core.config import CaptureConfig, ConfigError
+    from sglang_capture.server.launch import check_final_state
+
+    def args(prefill, **flags):
+        return SimpleNamespace(cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend=prefill)), **flags)
+
+    for final in ("pre-norm", "both"):
+        config = CaptureConfig(capture_dir="/tmp", final=final)
+        with pytest.raises(ConfigError, match=f"--capture-final {final} needs eager prefill: SGLang's prefill CUDA "
+                                              r"graphs \(breakable\) .* add --disable-prefill-cuda-graph"):
+            check_final_state(config, args(Backend.BREAKABLE))
+        check_final_state(config, args(Backend.DISABLED))  # --disable-prefill-cuda-graph, or a CPU server
+        check_final_state(config, SimpleNamespace(disable_prefill_cuda_graph=True))  # a release without the config
+        with pytest.raises(ConfigError, match=r"CUDA graphs \(on\)"):
+            check_final_state(config, SimpleNamespace(disable_prefill_cuda_graph=False))
+    check_final_state(CaptureConfig(capture_dir="/tmp"), args(Backend.BREAKABLE))  # post-norm: the logits processor's input

@@ -130,7 +130,7 @@ def test_direct_capture_requests_are_captured_on_whichever_dp_rank_serves_them(p
     bodies = [{"input_ids": _prompt(500 + k, 40 + 70 * k), "routed_dp_rank": k % pd.dp_ranks,
                "sampling_params": {"max_new_tokens": 1, "temperature": 0, "custom_params": {
                    "capture": True, "capture_name": f"pd-rank-{k}"}}} for k in range(2 * pd.dp_ranks)]
-    before = _written_per_writer_rank(pd)
+    before = _written_per_writer_rank(pd, settled=True)  # the previous test's last file counted before, not here
     with ThreadPoolExecutor(len(bodies)) as ex:
         outs = list(ex.map(lambda body: pd.prefill.generate(body, 600), bodies))
     for body, out in zip(bodies, outs, strict=True):
@@ -149,9 +149,9 @@ def test_direct_capture_requests_are_captured_on_whichever_dp_rank_serves_them(p
     assert sorted(added.values()) == want, added
 
 
-def _written_per_writer_rank(pd: PD) -> Dict[str, int]:
+def _written_per_writer_rank(pd: PD, settled: bool = False) -> Dict[str, int]:
     """Files written so far by each writer rank, from its stats file."""
-    return {path: s["written"] for path, s in writer_stats(pd.prefill.capture_dir).items()}
+    return {path: s["written"] for path, s in writer_stats(pd.prefill.capture_dir, settled).items()}
 
 
 def test_an_fp8_capture_on_a_prefill_server_keeps_every_row_within_cos_0_999(pd):

@@ -72,6 +72,8 @@ def test_captured_rows_are_gathered_in_the_forward_beside_their_final_hidden_sta
     kept = [5, 6, 7, 8, 9, 14]
     assert torch.equal(out, torch.cat([aux[kept], final[kept]], dim=-1))
     assert (rows.row_map, rows.kept_rows, rows.batch_rows, rows.gathered_in_forward) == ({5: 0, 8: 3, 14: 5}, 6, 15, True)
+    pre = final * 10  # --capture-final both: the pre-norm state after the post-norm one, gathered without a whole-batch concat
+    assert torch.equal(gather_in_forward(rows, aux, final, pre), torch.cat([aux[kept], final[kept], pre[kept]], dim=-1))
     state.launching = None
     assert gather_in_forward(state.launching, aux, final) is None  # no batch running (CUDA graph capture, warm-up)
     state.launching = BatchRows(batch("extend", [req(True), req(json_hidden=True)], [5, 10]), captures=True)

@@ -19,7 +19,7 @@ import sglang_capture
 from sglang_capture.testbed.server import capture_cmd
 from sglang_capture.testbed.spec_kernels import eagle3_server_args
 from sglang_capture.testbed.tiny_models import EAGLE3_AUX_LAYER_IDS
-from tests.reference import min_block_cosines, min_row_cosine, reference_states
+from tests.reference import min_block_cosines, min_row_cosine, reference_pre_norm, reference_states
 
 PROMPTS = ["hello world, this is a tiny tokenizer", "The quick brown fox jumps over the lazy dog. " * 3,
            "one two three four five six seven eight nine ten"]
@@ -46,7 +46,7 @@ def chain(pair, make_server, tmp_path_factory):
 def tree(pair, make_server, tmp_path_factory):
     capture_dir = str(tmp_path_factory.mktemp("capture"))
     target, draft = pair
-    cmd = capture_cmd(target, capture_dir) + eagle3_server_args(draft, 2, STEPS, 6)
+    cmd = capture_cmd(target, capture_dir, "--capture-final", "both") + eagle3_server_args(draft, 2, STEPS, 6)
     return make_server(cmd, capture_dir, {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "7"})
 
 
@@ -96,6 +96,9 @@ def _check_exact(target: str, out: dict) -> dict:
     aux, last = reference_states(target, torch.float32, ids, data["layers"])
     assert min(min_block_cosines(data["aux_hidden_states"], aux, data["hidden_size"])) >= 0.9999
     assert min_row_cosine(data["last_hidden_states"], last) >= 0.9999
+    if data["final"] == "both":  # the tree server: wider rows, the draft still reads its aux columns alone
+        pre = reference_pre_norm(target, torch.float32, ids)
+        assert min_row_cosine(data["last_hidden_states_pre_norm"], pre) >= 0.9999
     return data
 
 

@@ -50,6 +50,7 @@ _LEGACY_STATS = re.compile(r"writer-h[0-9a-f]{8}\.\d+\.[0-9a-f]{8}$")
 # locks stay on each machine does not prove its server gone (two machines may share a host name).
 STATS_REFRESH_S = 60.0
 STATS_MIN_INTERVAL_S = 0.25  # and at most once per this; the last counters follow the last job within ~1.5 s
+STATS_SETTLE_S = 3.0  # by this long after the newest outcome record, every rank's file counts it
 STATS_STALE_S = 600.0
 # The counters of a stats file, declared once: how the history combines each over processes ("sum"
 # or "peak"). The writer pool counts the first table itself (server/writer_pool.py, ``stats``) and
@@ -289,14 +290,31 @@ def sweep_records(dirs: DirFds, max_age_s: float, progress: Callable[[], None] =
     return removed
 
 
-def writer_stats(capture_dir: str) -> Dict[str, Dict[str, Any]]:
+def writer_stats(capture_dir: str, settled: bool = False, timeout_s: float = 15.0) -> Dict[str, Dict[str, Any]]:
     """Every writer stats file in ``capture_dir``, by path: one per writer rank (DP ranks and
-    nodes sharing the dir each keep their own)."""
-    out = {}
-    for path in glob.glob(os.path.join(capture_dir, INDEX_DIR, STATS_PREFIX + "*.json")):
-        with open(path) as f:
-            out[path] = json.load(f)
-    return out
+    nodes sharing the dir each keep their own). ``settled``: as in ``read_stats``, wait up to
+    ``timeout_s`` until each was written after the newest outcome record, or that record is
+    ``STATS_SETTLE_S`` old, so that the counts cover every request answered so far."""
+    deadline = time.monotonic() + timeout_s
+    index = os.path.join(capture_dir, INDEX_DIR)
+    while True:
+        out = {}
+        try:
+            for path in glob.glob(os.path.join(index, STATS_PREFIX + "*.json")):
+                with open(path) as f:
+                    out[path] = json.load(f)
+        except (OSError, ValueError):  # retired or being replaced at this moment: read again
+            if not settled:
+                raise
+            out = {}
+        if not settled or time.monotonic() > deadline:
+            return out
+        newest = _newest_record_mtime(index)
+        # a rank that wrote none of the newest records rewrites its file only when its own jobs stop
+        if out and (all(doc.get("time", 0.0) >= newest for doc in out.values())
+                    or time.time() - newest >= STATS_SETTLE_S):
+            return out
+        time.sleep(0.1)
 
 
 def read_stats(capture_dir: str, settled: bool = False, timeout_s: float = 15.0) -> Dict[str, Any]:

@@ -17,6 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from sglang_capture.core.checksum import CHECKSUMS, DEFAULT_CHECKSUM
+from sglang_capture.core.final_state import FINAL_CHOICES, POST_NORM
 from sglang_capture.core.format import CODECS, Codec
 from sglang_capture.core.fp8 import CAPTURE_DTYPES
 from sglang_capture.core.selection import CLIENT_POLICIES
@@ -97,7 +98,10 @@ class CaptureConfig:
         "model's rule, e.g. [1,29,57] -> 2,30,58 on Kimi-K2.5), to train it further. Excludes --capture-layers.",
         default=None, unset="none (the layers are --capture-layers')")
     keep_last_hidden: bool = option("--capture-keep-last/--capture-no-keep-last",
-                                    "Also keep the final post-norm hidden state.", default=True)
+                                    "Also keep the final hidden state (which one: --capture-final).", default=True)
+    final: str = option("--capture-final", "Which final hidden state to keep: post-norm (the lm_head's input, what "
+                        "SpecForge trains on), pre-norm (before the model's final norm, what vLLM's speculators "
+                        "trains on), or both.", choices=FINAL_CHOICES, default=POST_NORM)
     capture_dtype: str = option("--capture-dtype", "How hidden states are stored: in the model's serving dtype, "
                                 "or fp8 (e4m3 with one scale per token and hidden-state vector, quantized on the GPU: "
                                 "half the bytes, rows within cos 0.999; files say schema v2).",
@@ -162,6 +166,11 @@ class CaptureConfig:
             raise ConfigError(f"--capture-codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         if self.capture_dtype not in CAPTURE_DTYPES:
             raise ConfigError(f"--capture-dtype must be one of {', '.join(CAPTURE_DTYPES)}, got {self.capture_dtype!r}")
+        if self.final not in FINAL_CHOICES:
+            raise ConfigError(f"--capture-final must be one of {', '.join(FINAL_CHOICES)}, got {self.final!r}")
+        if self.final != POST_NORM and not self.keep_last_hidden:
+            raise ConfigError(f"--capture-final {self.final} keeps a final hidden state and --capture-no-keep-last "
+                              "drops it: give one of the two")
         try:
             self.codec_spec()
         except ValueError as e:

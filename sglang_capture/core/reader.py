@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
-from sglang_capture.core.format import CaptureFileError, parse_capture, read_records
+from sglang_capture.core.final_state import TENSOR as FINAL_TENSOR
+from sglang_capture.core.final_state import file_final
+from sglang_capture.core.format import CaptureFileError, decode_tensor, read_records
 from sglang_capture.core.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize
 
-_ARRAY_NAMES = ("input_ids", "output_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")
+_ARRAY_NAMES = ("input_ids", "output_ids", "loss_mask", "aux_hidden_states", *FINAL_TENSOR.values())
 
 
 def _read(path: str) -> bytes:
@@ -32,8 +34,11 @@ def load(path: Union[str, os.PathLike], tensors: Optional[Iterable[str]] = None,
     """Load one capture file into a dict of tensors (serving dtype kept) and metadata.
 
     Keys: ``rid``, ``input_ids`` int64 [P], ``output_ids`` int64 [G], ``aux_hidden_states``
-    [N, len(layers)*H], ``last_hidden_states`` [N, H] (when kept), ``loss_mask`` int64 [P]
-    (when the request sent ``capture_loss_mask``, e.g. from ``sglang-capture extract``), ``layers``,
+    [N, len(layers)*H], ``last_hidden_states`` [N, H] (the post-norm final state, when kept),
+    ``last_hidden_states_pre_norm`` [N, H] (the final state before the model's final norm, with
+    ``--capture-final pre-norm|both``), ``final`` (which of the two the file holds: ``post-norm``,
+    ``pre-norm``, ``both``, or None), ``loss_mask`` int64 [P] (when the request sent
+    ``capture_loss_mask``, e.g. from ``sglang-capture extract``), ``layers``,
     ``layer_convention``, ``hidden_size``, ``model``, ``sglang_version``, ``schema`` and the
     rest of the file's metadata under ``meta``. ``tensors`` limits which tensors are decoded.
 
@@ -65,7 +70,9 @@ def loads(buf: bytes, path: str = "<capture>", tensors: Optional[Iterable[str]] 
     """``load`` for a file's bytes already in memory (``path`` only names it in errors)."""
     if tensors is not None:
         tensors = [n for name in tensors for n in (name, name + SCALE_SUFFIX)]
-    meta, arrays = parse_capture(buf, path, tensors)
+    meta, recs = read_records(buf, path)
+    wanted = set(recs) if tensors is None else set(tensors) & set(recs)
+    arrays = {k: decode_tensor(k, v, path) for k, v in recs.items() if k in wanted}
     if not raw_fp8:
         _restore_fp8(arrays, meta, path)
     try:
@@ -77,6 +84,7 @@ def loads(buf: bytes, path: str = "<capture>", tensors: Optional[Iterable[str]] 
             "model": str(meta["model"]),
             "sglang_version": str(meta["sglang_version"]),
             "schema": str(meta["schema"]),
+            "final": file_final(meta, recs),
             "meta": meta,
         }
     except (KeyError, TypeError, ValueError) as e:

@@ -8,7 +8,8 @@ at its batch offset. Everything that decides or reads that lives here:
   them (called by ``append_final_hidden``, on the forward stream);
 - ``BatchRows.keep_for_copy``: the same selection before the copy to the host, when the forward
   did not make it (CUDA graphs); ``fp8_readers``: whether that copy is packed as FP8;
-- ``ResultRows``: where the row seams find a request's rows while the batch's result is processed.
+- ``ResultRows``: where the row seams find a request's rows while the batch's result is processed;
+- ``fail_batch_captures``: a forward that could not give its rows fails the batch's captures.
 
 The map from batch offsets to kept rows lives in a ``BatchRows`` object, never on the tensor:
 SGLang does not keep tensor objects (under DP attention it re-slices the result into a new one).
@@ -167,27 +168,39 @@ def _extend_lens(batch: Any) -> List[int]:
     return list(batch.extend_lens)
 
 
-def gather_in_forward(rows: Optional[BatchRows], aux: torch.Tensor, final: torch.Tensor) -> Optional[torch.Tensor]:
-    """The captured rows of ``aux`` (aux columns) and ``final`` side by side, or None when the whole
-    batch must be kept (CUDA graph capture, no running batch, no compaction possible).
+def fail_batch_captures(rows: Optional[BatchRows], why: str) -> None:
+    """Fail every capture request of the batch being launched (this rank's; other TP ranks mark none)."""
+    for req in getattr(getattr(rows, "batch", None), "reqs", None) or ():
+        capture = getattr(req, CAPTURE_ATTR, None)
+        if capture is not None:
+            capture.fail(why)
+
+
+def gather_in_forward(rows: Optional[BatchRows], aux: torch.Tensor, *finals: torch.Tensor) -> Optional[torch.Tensor]:
+    """The captured rows of ``aux`` (aux columns) and of each of ``finals`` (the final states)
+    side by side, or None when the whole batch must be kept (CUDA graph capture, no running batch,
+    no compaction possible).
 
     Runs inside the forward, on the forward stream, so the result is ready when SGLang's copy
     stream (which waits for the forward) reads it: only the captured rows are ever concatenated,
     instead of a [batch tokens, (layers + 1) x hidden] tensor (940 MB for a 16,384-token batch at
     Kimi width) built and gathered from afterwards. What was kept is recorded in ``rows``."""
-    n_rows = final.shape[0]
-    if rows is None or aux.shape[0] != n_rows or (final.is_cuda and torch.cuda.is_current_stream_capturing()):
+    n_rows = finals[0].shape[0]
+    if rows is None or any(t.shape[0] != n_rows for t in (aux, *finals)) or \
+            (aux.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     selected = rows.selection(n_rows)
     if selected is None:
         return None
     runs, _ = selected
-    width = aux.shape[-1]
-    out = aux.new_empty((sum(b - a for a, b in runs), width + final.shape[-1]))
+    sources = (aux, *finals)
+    out = aux.new_empty((sum(b - a for a, b in runs), sum(t.shape[-1] for t in sources)))
     at = 0
     for a, b in runs:
-        out[at:at + b - a, :width].copy_(aux[a:b])
-        out[at:at + b - a, width:].copy_(final[a:b])
+        col = 0
+        for t in sources:
+            out[at:at + b - a, col:col + t.shape[-1]].copy_(t[a:b])
+            col += t.shape[-1]
         at += b - a
     rows.keep(selected, n_rows, in_forward=True)
     return out

@@ -24,6 +24,7 @@ from sglang_capture.core.config import (
     click_options,
     config_from_options,
 )
+from sglang_capture.core.final_state import PRE_NORM, kept_states
 from sglang_capture.core.layers import LayerError, draft_capture_layers, read_draft_eagle3_ids, resolve_layers
 from sglang_capture.core.protocol import capture_info_body
 from sglang_capture.core.selection import effective_policy, who_captures
@@ -190,6 +191,22 @@ def resolve_clients(clients: Optional[str], server_args: Any) -> str:
     return effective_policy(clients, admin_key)
 
 
+def check_final_state(config: CaptureConfig, server_args: Any) -> None:
+    """``--capture-final pre-norm|both`` keeps the final norm's input with a hook that a prefill
+    CUDA graph's replay does not run (server/pre_norm.py): refuse it unless prefill graphs are off."""
+    if PRE_NORM not in kept_states(config.final):
+        return
+    prefill = getattr(getattr(server_args, "cuda_graph_config", None), "prefill", None)
+    backend = getattr(prefill, "backend", None)
+    backend = str(getattr(backend, "value", backend)) if backend is not None else None
+    off = backend == "disabled" or (backend is None and (getattr(server_args, "disable_cuda_graph", False)
+                                                         or getattr(server_args, "disable_prefill_cuda_graph", False)))
+    if not off:
+        raise ConfigError(f"--capture-final {config.final} needs eager prefill: SGLang's prefill CUDA graphs "
+                          f"({backend or 'on'}) replay the model's final norm without the hook that keeps its input; "
+                          "add --disable-prefill-cuda-graph (decode CUDA graphs are fine)")
+
+
 def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, CaptureConfig, Dict[str, Any]]:
     """Validate everything, publish the configuration, and return SGLang's parsed server args, the
     configuration as published (a drafter's layers resolved) and the body of ``/capture_info``."""
@@ -215,6 +232,7 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, Cap
     except (AssertionError, ValueError) as e:  # SGLang's own checks of its arguments
         raise ConfigError(f"SGLang refused its arguments: {e}") from None
     check_server_args(server_args)
+    check_final_state(config, server_args)
     arch, num_layers = read_model_shape(server_args.model_path, server_args.trust_remote_code)
     served = speculative_layers(server_args, config, num_layers, arch)
     layers = served if served is not None else resolve_capture_layers(config, num_layers, arch)

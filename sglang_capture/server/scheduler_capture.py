@@ -17,6 +17,9 @@ from sglang_capture import __version__
 from sglang_capture.core import protocol
 from sglang_capture.core.capture_dir import index_path
 from sglang_capture.core.config import CaptureConfig
+from sglang_capture.core.final_state import META_KEY as FINAL_META_KEY
+from sglang_capture.core.final_state import POST_NORM, PRE_NORM, carried_states, kept_states
+from sglang_capture.core.final_state import TENSOR as FINAL_TENSOR
 from sglang_capture.core.format import SCHEMA, SCHEMA_FP8, row_count
 from sglang_capture.core.fp8 import FP8_DTYPE, packed_layout
 from sglang_capture.core.layers import LAYER_CONVENTION, resolve_layers
@@ -31,6 +34,7 @@ from sglang_capture.server.host_pool import HostPool
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.node_budget import NodeBudget
 from sglang_capture.server.pd_prefill import chunk_like_any_request, decode_rows_error, is_pd_prefill
+from sglang_capture.server.pre_norm import PreNormCapture
 from sglang_capture.server.request_capture import CAPTURE_ATTR, RequestCapture
 from sglang_capture.server.seam_clock import SeamClock
 from sglang_capture.server.writer_pool import CaptureJob, WriterPool
@@ -51,6 +55,7 @@ class ModelInfo:
     num_layers: int
     layers: Tuple[int, ...]
     dtype: str
+    finals: Tuple[str, ...] = (POST_NORM,)  # the final states a row carries after the aux layers (core/final_state.py)
 
     @property
     def aux_width(self) -> int:
@@ -58,8 +63,13 @@ class ModelInfo:
 
     @property
     def row_width(self) -> int:
-        """Columns of a captured row in the model's dtype: the aux layers, then the final hidden state."""
-        return self.aux_width + self.hidden_size
+        """Columns of a captured row in the model's dtype: the aux layers, then the final hidden states."""
+        return self.aux_width + len(self.finals) * self.hidden_size
+
+    def final_columns(self, kind: str) -> Tuple[int, int]:
+        """Where the final state ``kind`` (post-norm, pre-norm) lies in a captured row."""
+        lo = self.aux_width + self.finals.index(kind) * self.hidden_size
+        return lo, lo + self.hidden_size
 
 
 def _model_facts(runner: Any) -> Tuple[str, int, int, str]:
@@ -84,6 +94,7 @@ class SchedulerCapture:
         self.gc_watch_pending = False  # set on the writer rank: gc_pauses counts from the first batch result
         self.model: Optional[ModelInfo] = None
         self.aux: Optional[AuxCapture] = None  # set up with the model
+        self.pre_norm: Optional[PreNormCapture] = None  # with the model, when the pre-norm final state is kept
         # the batch Scheduler.run_batch is launching, and the one whose result is being processed
         # (hooks/batch.py, hooks/results.py; batch_rows.py says why this is not on the tensors)
         self.launching: Optional[BatchRows] = None
@@ -112,6 +123,9 @@ class SchedulerCapture:
         self.pd_prefill = is_pd_prefill(runner.server_args)
         self.aux = AuxCapture(runner, layers)
         self.aux.enable()
+        finals = carried_states(self.config.final)
+        if PRE_NORM in finals and self.pre_norm is None:
+            self.pre_norm = PreNormCapture(self.aux.inner)
         self.model = ModelInfo(
             model_path=str(runner.server_args.model_path),
             architecture=arch,
@@ -120,9 +134,11 @@ class SchedulerCapture:
             num_layers=num_layers,
             layers=tuple(layers),
             dtype=dtype,
+            finals=finals,
         )
         logger.info("sglang_capture: capturing layers %s of %s (%s), final hidden state %s",
-                    layers, arch, type(model).__name__, "kept" if self.config.keep_last_hidden else "dropped")
+                    layers, arch, type(model).__name__,
+                    self.config.final if self.config.keep_last_hidden else "dropped")
         if self.is_writer and self.pool is None:
             budget = NodeBudget.for_server(self.config, runner.server_args)
             logger.info("sglang_capture: %s", budget.describe())
@@ -159,6 +175,9 @@ class SchedulerCapture:
         rows flushed later are copied on the scheduler thread."""
         self.gc_watch_pending = False
         self.gc_pauses.uninstall()
+        if self.pre_norm is not None:
+            self.pre_norm.remove()
+            self.pre_norm = None
         if self.copier is not None:
             self.copier.close()
 
@@ -210,7 +229,7 @@ class SchedulerCapture:
         m = self.model
         out = {"aux_hidden_states": (0, m.aux_width)}
         if self.config.keep_last_hidden:
-            out["last_hidden_states"] = (m.aux_width, m.row_width)
+            out.update({FINAL_TENSOR[kind]: m.final_columns(kind) for kind in kept_states(self.config.final)})
         return out
 
     def stored_layout(self, columns: Dict[str, Tuple[int, int]], fp8: bool
@@ -255,6 +274,7 @@ class SchedulerCapture:
             "num_layers": self.model.num_layers,
             "layers": list(self.model.layers),
             "layer_convention": LAYER_CONVENTION,
+            FINAL_META_KEY: self.config.final if self.config.keep_last_hidden else None,
             "dtype": self.model.dtype,
             "num_prompt_tokens": len(input_ids),
             "num_output_tokens": len(output_ids),

@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-BUILD_VERSION = 3  # bump when the models or tokenizer change, so cached copies are rebuilt
+BUILD_VERSION = 4  # bump when the models or tokenizer change, so cached copies are rebuilt
 
 
 def build_tokenizer():
@@ -54,10 +54,13 @@ def build_tokenizer():
     return fast
 
 
-def save_llama(path: str, tokenizer, layers: int = 4, hidden: int = 256, out_scale: float = 1.0) -> str:
+def save_llama(path: str, tokenizer, layers: int = 4, hidden: int = 256, out_scale: float = 1.0,
+               random_final_norm: bool = False) -> str:
     """A random Llama. ``out_scale`` < 1 shrinks every layer's output projections (attention
     ``o_proj``, MLP ``down_proj``), so each layer adds little to the residual stream and the next
-    token depends mostly on the current one (the EAGLE-3 test target, see ``save_eagle3_draft``)."""
+    token depends mostly on the current one (the EAGLE-3 test target, see ``save_eagle3_draft``).
+    ``random_final_norm``: the final norm's weights drawn from [0.5, 1.5] instead of ones, so that
+    normalizing a post-norm state again (what a trainer does that expects the pre-norm one) changes it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -73,6 +76,9 @@ def save_llama(path: str, tokenizer, layers: int = 4, hidden: int = 256, out_sca
             for layer in model.model.layers:
                 layer.self_attn.o_proj.weight.mul_(out_scale)
                 layer.mlp.down_proj.weight.mul_(out_scale)
+    if random_final_norm:
+        with torch.no_grad():
+            model.model.norm.weight.copy_(0.5 + torch.rand(hidden, generator=torch.Generator().manual_seed(7)))
     model = model.to(torch.bfloat16)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -415,7 +421,7 @@ def build_all(out_dir: str) -> Dict[str, str]:
 
     def build(tmp: str) -> None:
         tok = build_tokenizer()
-        save_llama(os.path.join(tmp, "tiny-llama"), tok)
+        save_llama(os.path.join(tmp, "tiny-llama"), tok, random_final_norm=True)
         save_deepseek_v3(os.path.join(tmp, "tiny-dsv3"), tok)
         save_kimi_k25(os.path.join(tmp, "tiny-kimi-k25"), tok)
 

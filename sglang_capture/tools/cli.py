@@ -117,7 +117,9 @@ def verify(directory: str, workers: int, no_progress: bool) -> None:
 
 
 @cli.command()
-@click.option("--format", "fmt", type=click.Choice(["specforge"]), required=True, help="Target trainer's format.")
+@click.option("--format", "fmt", type=click.Choice(["specforge", "speculators"]), required=True,
+              help="Target trainer: SpecForge's offline files, or vLLM's speculators' data dir (needs files "
+                   "captured with --capture-final pre-norm or both).")
 @click.option("--all-tokens", is_flag=True, help="Files without a loss mask: train on every token.")
 @click.option("--answers-only", is_flag=True,
               help="Files without a loss mask (requests the operator captured): train on the generated tokens only.")
@@ -129,10 +131,16 @@ def verify(directory: str, workers: int, no_progress: bool) -> None:
 @click.argument("out", metavar="OUT", type=click.Path(file_okay=False))
 def export(fmt: str, all_tokens: bool, answers_only: bool, draft_config: Optional[str], no_progress: bool,
            directory: str, out: str) -> None:
-    """Write DIR's samples as a trainer's offline files into OUT, with the drafter config
-    fragment (OUT/eagle3_draft_config_fragment.json) that makes SGLang capture the same layers."""
+    """Write DIR's samples as a trainer's offline files into OUT: SpecForge's, with the drafter
+    config fragment (OUT/eagle3_draft_config_fragment.json) that makes SGLang capture the same
+    layers, or speculators' data dir."""
     from sglang_capture.tools.export_specforge import ExportError, draft_fragment, export_specforge
 
+    if fmt == "speculators":
+        if draft_config is not None:
+            raise click.UsageError("--draft-config checks a SpecForge/SGLang drafter config: use it with --format specforge")
+        _export_speculators(directory, out, all_tokens, answers_only, no_progress)
+        return
     try:
         report = export_specforge(directory, out, all_tokens, progress=not no_progress, draft_config=draft_config,
                                   answers_only=answers_only)
@@ -150,6 +158,23 @@ def export(fmt: str, all_tokens: bool, answers_only: bool, draft_config: Optiona
                    f"capture the same layers, in {report.fragment_path}: {json.dumps(draft_fragment(report.eagle_ids))}")
     if report.filled_config_path:
         click.echo(f"--draft-config with its ids written out: {report.filled_config_path}")
+
+
+def _export_speculators(directory: str, out: str, all_tokens: bool, answers_only: bool, no_progress: bool) -> None:
+    from sglang_capture.tools.export_speculators import ExportError, export_speculators
+
+    try:
+        report = export_speculators(directory, out, all_tokens, answers_only, progress=not no_progress)
+    except (ExportError, CaptureFileError) as e:
+        raise click.ClickException(str(e)) from None
+    without = (f"; {report.without_answer} without a generated token to train on left out (--answers-only)"
+               if report.without_answer else "")
+    click.echo(f"{report.samples} speculators samples in {out} ({report.written} written, {report.skipped} already "
+               f"there{without})")
+    if report.note:
+        click.echo(f"note: {report.note}", err=True)
+    click.echo(f"train with: --data-path {out} --target-layer-ids {' '.join(map(str, report.layers))} "
+               f"(layers {report.layers}, hidden size {report.hidden_size})")
 
 
 @cli.command()

@@ -88,7 +88,8 @@ def server_report(url: str, api_key: Optional[str] = None) -> Tuple[List[str], b
     for server in servers:
         body = server.info
         lines.append(f"ok   {server.url}: capture server (sglang_capture {body.get('sglang_capture')}), model "
-                     f"{body.get('model_path')}, layers {body.get('layers')}, files in {body.get('capture_dir')}")
+                     f"{body.get('model_path')}, layers {body.get('layers')}, final state {body.get('final', 'post-norm') or 'none'}, "
+                     f"files in {body.get('capture_dir')}")
         lines.append(f"     {body.get('who_captures') or 'who captures: not said (an older sglang_capture)'}")
         spec = body.get("speculative")
         if spec:

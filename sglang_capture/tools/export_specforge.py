@@ -30,7 +30,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from sglang_capture.core.durable import replace_atomic
-from sglang_capture.core.format import row_count
+from sglang_capture.core.final_state import PRE_NORM
 from sglang_capture.core.fp8 import FP8_DTYPE
 from sglang_capture.core.layers import (
     EAGLE3_IDS_KEY,
@@ -43,7 +43,7 @@ from sglang_capture.core.layers import (
 )
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.core.reader import load
-from sglang_capture.tools.manifest import sample_files
+from sglang_capture.tools.export_sample import ExportCounts, ExportError, NoAnswer, export_files, tokens_and_mask
 
 SPECFORGE_DTYPE = torch.bfloat16
 # OUT/<this>: the drafter config fields SGLang needs to capture the exported layers (merge into config.json)
@@ -52,19 +52,10 @@ DRAFT_FRAGMENT_NAME = "eagle3_draft_config_fragment.json"
 FILLED_DRAFT_CONFIG_NAME = "draft_config.json"
 
 
-class ExportError(ValueError):
-    """A capture that cannot become a SpecForge sample; one actionable line."""
-
-
 @dataclass
-class ExportReport:
-    written: int = 0
-    skipped: int = 0
-    without_answer: int = 0  # --answers-only: files without a loss mask and without a generated token fed back
-    layers: Optional[List[int]] = None
+class ExportReport(ExportCounts):
     architecture: str = ""
     eagle_ids: Optional[List[int]] = None
-    note: str = ""
     fragment_path: Optional[str] = None  # OUT/eagle3_draft_config_fragment.json, when the ids exist
     draft_check: str = ""  # with --draft-config: the one line saying that it matches the files
     filled_config_path: Optional[str] = None  # with a --draft-config without ids: the config with them
@@ -102,35 +93,19 @@ def check_draft_config(path: str, layers: List[int], architecture: str, num_laye
                    f"the files' layers ({EAGLE3_IDS_KEY} {given})")
 
 
-class NoAnswer(ExportError):
-    """``--answers-only`` on a file without a loss mask whose request fed back no generated token."""
-
-
 def to_specforge(d: dict, path: str, all_tokens: bool, answers_only: bool = False) -> dict:
-    """One loaded capture as SpecForge's sample dict. A file without a loss mask (a request the
-    operator captured, or one that sent none) trains on every token with ``all_tokens``, on its
-    generated tokens only with ``answers_only``, and is refused otherwise."""
+    """One loaded capture as SpecForge's sample dict (its tokens and mask: export_sample.py)."""
     if len(d["layers"]) != 3:
         raise ExportError(f"{path}: EAGLE-3 needs 3 aux layers, this file has {len(d['layers'])} ({d['layers']})")
     if d.get("last_hidden_states") is None:
+        if d.get("final") == PRE_NORM:
+            raise ExportError(f"{path}: holds only the pre-norm final state (--capture-final pre-norm) and SpecForge "
+                              "trains on the post-norm one; capture with --capture-final post-norm or both")
         raise ExportError(f"{path}: no final hidden state (captured with --capture-no-keep-last)")
-    P, G = d["input_ids"].numel(), d["output_ids"].numel()
-    ids = torch.cat([d["input_ids"], d["output_ids"][:row_count(P, G) - P]])
-    if d.get("loss_mask") is not None:
-        prompt_mask = d["loss_mask"].to(torch.int64)
-    elif all_tokens:
-        prompt_mask = torch.ones(P, dtype=torch.int64)
-    elif answers_only:
-        if ids.numel() == P:
-            raise NoAnswer(f"{path}: no loss_mask and no generated token fed back: nothing to train on")
-        prompt_mask = torch.zeros(P, dtype=torch.int64)
-    else:
-        raise ExportError(f"{path}: no loss_mask (not written by 'sglang-capture extract'); pass --answers-only "
-                          "to train on its generated tokens, or --all-tokens to train on every token")
-    mask = torch.cat([prompt_mask, torch.ones(ids.numel() - P, dtype=torch.int64)])
+    ids, mask = tokens_and_mask(d, path, all_tokens, answers_only)
     return {
-        "input_ids": ids.contiguous(),
-        "loss_mask": mask.contiguous(),
+        "input_ids": ids,
+        "loss_mask": mask,
         "hidden_state": d["last_hidden_states"].to(SPECFORGE_DTYPE).unsqueeze(0).contiguous(),
         "aux_hidden_state": d["aux_hidden_states"].to(SPECFORGE_DTYPE).unsqueeze(0).contiguous(),
     }
@@ -143,13 +118,8 @@ def export_specforge(directory: str, out: str, all_tokens: bool = False, progres
     config for which SGLang would capture other layers than the files hold."""
     from tqdm import tqdm
 
-    if all_tokens and answers_only:
-        raise ExportError("--all-tokens and --answers-only exclude each other: pick one for files without a loss mask")
-    files = sample_files(directory)
-    if not files:
-        raise ExportError(f"{directory} has no capture files")
+    files, first = export_files(directory, all_tokens, answers_only)
     report = ExportReport()
-    first = load(files[0], tensors=())
     report.layers, report.architecture = first["layers"], str(first["meta"].get("architecture", ""))
     num_layers = first["meta"].get("num_layers")
     num_layers = int(num_layers) if num_layers is not None else None

@@ -16,6 +16,8 @@ from typing import Dict, List, Optional
 import torch
 
 from sglang_capture.core.checksum import UnknownChecksum, matches
+from sglang_capture.core.final_state import FINAL_CHOICES, kept_states
+from sglang_capture.core.final_state import TENSOR as FINAL_TENSOR
 from sglang_capture.core.format import CaptureFileError, row_count
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.core.reader import loads
@@ -42,12 +44,17 @@ def check_tensors(d: Dict) -> List[str]:
         return [f"no {', '.join(missing)}: not a capture file of this package"]
     P, G = d["input_ids"].numel(), d["output_ids"].numel()
     N, H, L = row_count(P, G), d["hidden_size"], len(d["layers"])
-    expect = {"aux_hidden_states": (N, L * H), "last_hidden_states": (N, H)}
+    expect = {"aux_hidden_states": (N, L * H), **{name: (N, H) for name in FINAL_TENSOR.values()}}
+    final = d.get("final")
+    if final is not None and final not in FINAL_CHOICES:
+        problems.append(f"metadata final is {final!r}, not one of {', '.join(FINAL_CHOICES)}")
+        final = None
+    kept = {"aux_hidden_states"} | {FINAL_TENSOR[kind] for kind in (kept_states(final) if final else ())}
     for name, shape in expect.items():
         t = d.get(name)
         if t is None:
-            if name == "aux_hidden_states":
-                problems.append("no aux_hidden_states tensor")
+            if name in kept:
+                problems.append(f"no {name} tensor (the file says it holds it)")
             continue
         if tuple(t.shape) != shape:
             problems.append(f"{name} has shape {tuple(t.shape)}, expected {shape} from {P} prompt + {G} output tokens")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional, Tuple
 
+from sglang_capture.core.final_state import POST_NORM
 from sglang_capture.server.aux_capture import batch_captures
 from sglang_capture.server.batch_rows import ResultRows, RowsMismatch
 from sglang_capture.server.scheduler_capture import CAPTURE_ATTR, SchedulerCapture
@@ -52,14 +53,15 @@ def _rows_of(state: SchedulerCapture, req: Any, capture: Any, hidden: Any, offse
 
 
 def _sglang_columns(state: SchedulerCapture, hidden: Any) -> Any:
-    """The columns plain SGLang returns a ``return_hidden_states`` request: the final hidden state,
+    """The columns plain SGLang returns a ``return_hidden_states`` request: the post-norm final state,
     or on a server that speculates with EAGLE-3 the aux layers its draft reads."""
     model = state.model
     if model is None or hidden is None or hidden.shape[-1] != model.row_width:
         return hidden
     if state.aux is not None and state.aux.speculative:
         return hidden[..., :model.aux_width]
-    return hidden[..., -model.hidden_size:]
+    lo, hi = model.final_columns(POST_NORM)
+    return hidden[..., lo:hi]
 
 
 def take_prefill_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
