@@ -115,7 +115,8 @@ def main(model_dir: str, out_dir: str, tp: int = 1, dtype: str = "bfloat16", chu
         if moe and not numeric_bar:
             ok = file_ok
         elif moe:
-            ok = file_ok and min(c_aux, c_last, 1.0 if c_pre is None else c_pre) >= 0.9 and float((cos_rows >= MIN_COS).float().mean()) >= 0.98 and aligned
+            ok = (file_ok and min(c_aux, c_last, 1.0 if c_pre is None else c_pre) >= 0.9
+                  and float((cos_rows >= MIN_COS).float().mean()) >= 0.98 and aligned)
         else:
             ok = file_ok and min(c_aux, c_last, 1.0 if c_pre is None else c_pre) >= MIN_COS and aligned
         return ok, {"rows": len(ids), "min_cos_aux": round(c_aux, 6), "min_cos_last": round(c_last, 6),

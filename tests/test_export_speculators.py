@@ -98,3 +98,12 @@ def test_specforge_refuses_pre_norm_only_files_and_verify_checks_the_final_state
     assert check_tensors(d) == ["no last_hidden_states_pre_norm tensor (the file says it holds it)"]
     d["final"] = "pre"
     assert check_tensors(d) == ["metadata final is 'pre', not one of post-norm, pre-norm, both"]
+
+
+def test_a_smaller_rerun_removes_the_hs_files_and_scratch_dirs_it_no_longer_owns(tmp_path):
+    out = tmp_path / "out"
+    assert _export(_captures(tmp_path / "three", [3, 31, 59], n=3, final="pre-norm"), out).exit_code == 0
+    (out / ".dataset-killed").mkdir()  # the scratch dir of a run killed while it saved the dataset
+    assert _export(_captures(tmp_path / "two", [3, 31, 59], n=2, final="pre-norm"), out).exit_code == 0
+    assert sorted(p.name for p in (out / "hidden_states").iterdir()) == ["hs_0.safetensors", "hs_1.safetensors"]
+    assert not (out / ".dataset-killed").exists()

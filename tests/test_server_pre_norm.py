@@ -21,6 +21,9 @@ class _Inner(torch.nn.Module):
         super().__init__()
         self.norm = _Norm()
 
+    def forward(self, x, residual, skip_norm=False):
+        return x if skip_norm else self.norm(x, residual)[0]
+
 
 def test_the_hook_keeps_what_the_final_norm_read_with_and_without_a_residual():
     inner = _Inner()
@@ -79,3 +82,14 @@ def test_a_forward_without_its_pre_norm_state_fails_the_batchs_captures_and_the_
     post, pre = _finals(state, final, meta)  # the final norm never ran
     assert post is final and pre.isnan().all() and pre.shape == final.shape
     assert len(failed) == 1 and "final norm saw no call" in failed[0]
+
+
+def test_each_forward_starts_without_rows_so_a_norm_that_did_not_run_is_never_answered_by_an_older_forward():
+    inner = _Inner()
+    pre = PreNormCapture(inner)
+    x, r = torch.randn(3, 8), torch.randn(3, 8)
+    inner(x, r)  # a forward whose rows nobody took (a warm-up, a scoring request)
+    assert pre.rows is not None
+    out = inner(x, r, skip_norm=True)  # same shape, but its final norm never ran
+    with pytest.raises(RuntimeError, match="final norm saw no call"):
+        pre.take(out)

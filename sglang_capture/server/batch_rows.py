@@ -169,7 +169,7 @@ def _extend_lens(batch: Any) -> List[int]:
 
 
 def fail_batch_captures(rows: Optional[BatchRows], why: str) -> None:
-    """Fail every capture request of the batch being launched (this rank's; other TP ranks mark none)."""
+    """Fail every capture request of the batch being launched (on the writer rank; other ranks' marks are unused)."""
     for req in getattr(getattr(rows, "batch", None), "reqs", None) or ():
         capture = getattr(req, CAPTURE_ATTR, None)
         if capture is not None:

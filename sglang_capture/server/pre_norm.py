@@ -7,8 +7,9 @@ output and its residual and returns (normalized, output + residual): the second 
 state, in the serving dtype, as the aux layers' ``hidden_states + residual`` are. Called without
 a residual, its input is the pre-norm state. The hook keeps a reference, never a copy; in a decode
 CUDA graph the hook and the logits processor are captured together, so the graph's replay keeps
-the state too. A prefill CUDA graph captures the model without its logits processor: its replay
-runs no hook, so the launcher refuses pre-norm capture there (server/launch.py).
+the state too. A prefill CUDA graph replays the model's body without running Python hooks (the
+breakable and full backends also leave the logits processor out of the graph), so the launcher
+refuses pre-norm capture under prefill graphs (server/launch.py).
 """
 from __future__ import annotations
 
@@ -31,7 +32,12 @@ class PreNormCapture:
                                f"{type(inner).__name__} has no `norm` module; capture the post-norm state "
                                "(--capture-final post-norm) on this model")
         self.rows: Optional[torch.Tensor] = None
-        self._handle = norm.register_forward_hook(self._keep, with_kwargs=True)
+        # every forward starts with no rows: a norm that did not run is then known, never a stale tensor
+        self._handles = [inner.register_forward_pre_hook(self._start),
+                         norm.register_forward_hook(self._keep, with_kwargs=True)]
+
+    def _start(self, module: Any, args: tuple) -> None:
+        self.rows = None
 
     def _keep(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         if isinstance(output, tuple) and len(output) == 2:
@@ -58,5 +64,6 @@ class PreNormCapture:
         self.rows = None
 
     def remove(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
         self.rows = None

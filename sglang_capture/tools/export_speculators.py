@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from collections import Counter
@@ -44,6 +45,7 @@ HIDDEN_STATES_DIR = "hidden_states"
 TOKEN_FREQ_NAME = "token_freq.pt"
 SOURCE_KEY = "sglang_capture_source"  # in each hs_{i}'s safetensors metadata: the capture it was made from
 _DATASET_FILES = ("dataset_info.json", "state.json")  # beside its data-*.arrow shards
+_SCRATCH_PREFIX = ".dataset-"
 
 
 @dataclass
@@ -109,8 +111,9 @@ def export_speculators(directory: str, out: str, all_tokens: bool = False, answe
     freq: Counter = Counter()
     for path in tqdm(files, unit="sample", disable=None if progress else True):
         d = load(path)
-        if d["layers"] != report.layers:
-            raise ExportError(f"{path}: layers {d['layers']} differ from the other files' {report.layers}")
+        if d["layers"] != report.layers or d["hidden_size"] != report.hidden_size:
+            raise ExportError(f"{path}: layers {d['layers']} of width {d['hidden_size']} differ from the other "
+                              f"files' {report.layers} of width {report.hidden_size}")
         if d["meta"].get("storage_dtype") == FP8_DTYPE and not report.note:
             report.note = ("captures are stored as FP8 (--capture-dtype fp8); their hidden states were restored to "
                            f"{d['meta'].get('dtype')}")
@@ -134,6 +137,7 @@ def export_speculators(directory: str, out: str, all_tokens: bool = False, answe
     report.samples = len(rows["input_ids"])
     if not report.samples:
         raise ExportError(f"{directory}: none of its {len(files)} files has a token to train on")
+    _remove_hs_files_from(out, report.samples)  # an earlier, larger export's: never read, only taking space
     _save_token_freq(out, dict(freq))
     _save_dataset(datasets, rows, out)
     return report
@@ -152,8 +156,8 @@ def _save_token_freq(out: str, freq: dict) -> None:
     try:
         if torch.load(path, weights_only=True) == freq:
             return
-    except (OSError, RuntimeError, EOFError):
-        pass
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+        pass  # absent or not ours: written anew
     for name in os.listdir(out):
         if name.endswith(".npy") and name.startswith(("d2t-", "t2d-")):
             os.remove(os.path.join(out, name))
@@ -161,9 +165,20 @@ def _save_token_freq(out: str, freq: dict) -> None:
 
 
 def _remove_dataset(out: str) -> None:
+    """An earlier run's dataset, and the scratch dirs of a run killed while writing one."""
     for name in os.listdir(out):
         if name in _DATASET_FILES or (name.startswith("data-") and name.endswith(".arrow")):
             os.remove(os.path.join(out, name))
+        elif name.startswith(_SCRATCH_PREFIX):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+
+
+def _remove_hs_files_from(out: str, first: int) -> None:
+    directory = os.path.join(out, HIDDEN_STATES_DIR)
+    for name in os.listdir(directory):
+        stem = name[len("hs_"):-len(".safetensors")] if name.startswith("hs_") and name.endswith(".safetensors") else ""
+        if stem.isdigit() and int(stem) >= first:
+            os.remove(os.path.join(directory, name))
 
 
 def _save_dataset(datasets, rows: dict, out: str) -> None:
@@ -174,7 +189,7 @@ def _save_dataset(datasets, rows: dict, out: str) -> None:
                                   "seq_len": datasets.Value("int64")})
     ds = datasets.Dataset.from_dict(rows, features=features)
     ds.set_format(type="torch")
-    scratch = tempfile.mkdtemp(prefix=".dataset-", dir=out)
+    scratch = tempfile.mkdtemp(prefix=_SCRATCH_PREFIX, dir=out)
     was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # one bar per export is tqdm's, above
     try:
