@@ -107,3 +107,20 @@ def test_a_smaller_rerun_removes_the_hs_files_and_scratch_dirs_it_no_longer_owns
     assert _export(_captures(tmp_path / "two", [3, 31, 59], n=2, final="pre-norm"), out).exit_code == 0
     assert sorted(p.name for p in (out / "hidden_states").iterdir()) == ["hs_0.safetensors", "hs_1.safetensors"]
     assert not (out / ".dataset-killed").exists()
+
+
+def test_a_file_whose_metadata_claims_the_pre_norm_state_it_lacks_is_one_line(tmp_path):
+    import sglang_capture.core.format as fmt
+    from sglang_capture.core.reader import read_bytes
+
+    src = _captures(tmp_path / "src", [3, 31, 59], n=1, final="pre-norm")
+    path = tmp_path / "src" / "s0.capture.msgpack"
+    meta, _ = fmt.read_records(read_bytes(str(path)))
+    d = sglang_capture.load(path)
+    tensors = {k: d[k] for k in ("input_ids", "output_ids", "loss_mask", "aux_hidden_states")}
+    with open(path, "wb") as f:  # the tensor dropped, the metadata unchanged
+        fmt.write_capture(f, meta, tensors, fmt.Codec())
+    r = _export(src, tmp_path / "out")
+    assert r.exit_code == 1 and r.output.count("\n") == 1
+    assert "says it holds last_hidden_states_pre_norm but has no such tensor; check it with sglang-capture verify" \
+        in r.output

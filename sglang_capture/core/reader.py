@@ -16,7 +16,8 @@ from sglang_capture.core.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize
 _ARRAY_NAMES = ("input_ids", "output_ids", "loss_mask", "aux_hidden_states", *FINAL_TENSOR.values())
 
 
-def _read(path: str) -> bytes:
+def read_bytes(path: str) -> bytes:
+    """A capture file's bytes, for ``loads`` (a one-line CaptureFileError when it cannot be read)."""
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -27,7 +28,7 @@ def _read(path: str) -> bytes:
 def load_records(path: Union[str, os.PathLike]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """A file's metadata and its raw tensor records, nothing decompressed (for ``inspect``)."""
     path = os.fspath(path)
-    return read_records(_read(path), path)
+    return read_records(read_bytes(path), path)
 
 
 def load(path: Union[str, os.PathLike], tensors: Optional[Iterable[str]] = None, raw_fp8: bool = False) -> Dict[str, Any]:
@@ -47,7 +48,7 @@ def load(path: Union[str, os.PathLike], tensors: Optional[Iterable[str]] = None,
     e4m3 tensors instead, each with its float32 ``<name>_scale`` [N, blocks] beside it.
     """
     path = os.fspath(path)
-    return loads(_read(path), path, tensors, raw_fp8)
+    return loads(read_bytes(path), path, tensors, raw_fp8)
 
 
 def _restore_fp8(arrays: Dict[str, Any], meta: Dict[str, Any], path: str) -> None:

@@ -38,7 +38,7 @@ from sglang_capture.core.durable import replace_atomic
 from sglang_capture.core.final_state import PRE_NORM, kept_states
 from sglang_capture.core.final_state import TENSOR as FINAL_TENSOR
 from sglang_capture.core.fp8 import FP8_DTYPE
-from sglang_capture.core.reader import load
+from sglang_capture.core.reader import loads, read_bytes
 from sglang_capture.tools.export_sample import ExportCounts, ExportError, NoAnswer, export_files, tokens_and_mask
 
 HIDDEN_STATES_DIR = "hidden_states"
@@ -46,6 +46,7 @@ TOKEN_FREQ_NAME = "token_freq.pt"
 SOURCE_KEY = "sglang_capture_source"  # in each hs_{i}'s safetensors metadata: the capture it was made from
 _DATASET_FILES = ("dataset_info.json", "state.json")  # beside its data-*.arrow shards
 _SCRATCH_PREFIX = ".dataset-"
+_TOKEN_TENSORS = ("input_ids", "output_ids", "loss_mask")  # what a sample's ids and mask come from
 
 
 @dataclass
@@ -58,17 +59,22 @@ def hs_path(out: str, index: int) -> str:
     return os.path.join(out, HIDDEN_STATES_DIR, f"hs_{index}.safetensors")
 
 
-def to_speculators(d: dict, path: str, all_tokens: bool, answers_only: bool) -> dict:
-    """One loaded capture as the tensors of its ``hs_{i}.safetensors`` and its dataset row."""
-    if d.get(FINAL_TENSOR[PRE_NORM]) is None:
-        held = d.get("final") or "none"
-        raise ExportError(f"{path}: holds no pre-norm final state (final: {held}), and speculators trains on the "
-                          "state before the final norm; capture with --capture-final pre-norm or both")
-    ids, mask = tokens_and_mask(d, path, all_tokens, answers_only)
+def check_pre_norm(d: dict, path: str) -> None:
+    """Refuse, in one line, a capture (loaded with or without its tensors) without the pre-norm state."""
+    if PRE_NORM not in kept_states(d["final"] or ""):
+        raise ExportError(f"{path}: holds no pre-norm final state (final: {d['final'] or 'none'}), and speculators "
+                          "trains on the state before the final norm; capture with --capture-final pre-norm or both")
+
+
+def hidden_states(d: dict, path: str) -> torch.Tensor:
+    """The ``hidden_states`` of an ``hs_{i}``: [S, L + 1, H], the aux layers, then the pre-norm state."""
+    missing = [name for name in ("aux_hidden_states", FINAL_TENSOR[PRE_NORM]) if name not in d]
+    if missing:
+        raise ExportError(f"{path}: says it holds {', '.join(missing)} but has no such tensor; "
+                          "check it with sglang-capture verify")
     aux, final = d["aux_hidden_states"], d[FINAL_TENSOR[PRE_NORM]]
     rows, H = final.shape
-    states = torch.cat([aux.reshape(rows, -1, H), final.unsqueeze(1)], dim=1).contiguous()
-    return {"token_ids": ids, "hidden_states": states, "loss_mask": mask}
+    return torch.cat([aux.reshape(rows, -1, H), final.unsqueeze(1)], dim=1).contiguous()
 
 
 def _source(d: dict, path: str) -> str:
@@ -103,31 +109,32 @@ def export_speculators(directory: str, out: str, all_tokens: bool = False, answe
     files, first = export_files(directory, all_tokens, answers_only)
     report = SpeculatorsReport()
     report.layers, report.hidden_size = first["layers"], first["hidden_size"]
-    if PRE_NORM not in kept_states(first["final"] or ""):
-        to_speculators(first, files[0], all_tokens, answers_only)  # its one-line refusal, before anything is written
+    check_pre_norm(first, files[0])  # before anything is written
     os.makedirs(os.path.join(out, HIDDEN_STATES_DIR), exist_ok=True)
     _remove_dataset(out)  # an earlier run's rows must never pair with the hs files written now
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
     freq: Counter = Counter()
     for path in tqdm(files, unit="sample", disable=None if progress else True):
-        d = load(path)
+        buf = read_bytes(path)  # read once; the hidden states are decoded only for an hs file to write
+        d = loads(buf, path, tensors=_TOKEN_TENSORS)
         if d["layers"] != report.layers or d["hidden_size"] != report.hidden_size:
             raise ExportError(f"{path}: layers {d['layers']} of width {d['hidden_size']} differ from the other "
                               f"files' {report.layers} of width {report.hidden_size}")
-        if d["meta"].get("storage_dtype") == FP8_DTYPE and not report.note:
-            report.note = ("captures are stored as FP8 (--capture-dtype fp8); their hidden states were restored to "
-                           f"{d['meta'].get('dtype')}")
+        check_pre_norm(d, path)
         try:
-            sample = to_speculators(d, path, all_tokens, answers_only)
+            ids, mask = tokens_and_mask(d, path, all_tokens, answers_only)
         except NoAnswer:
             report.without_answer += 1
             continue
-        ids, mask = sample.pop("token_ids"), sample.pop("loss_mask")
         dst, source = hs_path(out, len(rows["input_ids"])), _source(d, path)
         if _already_there(dst, source):
             report.skipped += 1
         else:
-            data = _safetensors_bytes({"token_ids": ids, **sample}, {SOURCE_KEY: source})
+            if d["meta"].get("storage_dtype") == FP8_DTYPE and not report.note:
+                report.note = ("captures are stored as FP8 (--capture-dtype fp8); their hidden states were restored "
+                               f"to {d['meta'].get('dtype')}")
+            states = hidden_states(loads(buf, path, tensors=("aux_hidden_states", FINAL_TENSOR[PRE_NORM])), path)
+            data = _safetensors_bytes({"token_ids": ids, "hidden_states": states}, {SOURCE_KEY: source})
             replace_atomic(dst, lambda f, data=data: f.write(data))
             report.written += 1
         rows["input_ids"].append(ids.tolist())
