@@ -178,7 +178,9 @@ def capture(a: argparse.Namespace) -> None:
 
 
 def _du(path: str) -> int:
-    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(path, "*")) if os.path.isfile(p))
+    """Bytes of a capture dir's files and of its shared blocks, each counted once."""
+    files = [*glob.glob(os.path.join(path, "*")), *glob.glob(os.path.join(path, ".blocks", "*", "*.block.msgpack"))]
+    return sum(os.path.getsize(p) for p in files if os.path.isfile(p))
 
 
 def _layers_of(caps: str) -> List[int]:

@@ -10,8 +10,13 @@
 #   mixed  the mixed load on a 4-layer Kimi-width DeepSeek-V3 (the GPU mostly idle: the writers'
 #          ceiling and the scheduler thread's cost): an open-loop capture stream beside closed-loop
 #          decode clients, plain SGLang against capture servers differing in one setting each.
+#   sessions  multi-turn chat traffic (issue 50, bench/gpu_sessions.py) on a Llama-3.1-8B shape (dummy
+#          weights, no tokenizer: ids in, ids out): 64 chats x 8 turns, a shared 1,024-token system prompt,
+#          128-token user turns, 64-token answers, each turn re-sending its history; two launchers on the
+#          GPU, prefix sharing on and off, each capturing every request against capturing none in
+#          alternating windows; then the shared files' rows against private captures of the same tokens.
 # Usage (repo root, after `make wheel` here; carry .devkit, dist):
-#   source .devkit/env.sh; bash bench/e2e.sh kimi|mixed $OUT [NAME=VALUE ...]
+#   source .devkit/env.sh; bash bench/e2e.sh kimi|mixed|sessions $OUT [NAME=VALUE ...]
 # NAME=VALUE arguments set the knobs below (the same names work as environment variables).
 #   both:  E2E_PHASES (kimi: ab,capture_ab,mixed; mixed: mixed; also prefix_ab, capacity, open, json),
 #          E2E_SECONDS, AB_ROUNDS, MIXED_ROUNDS, MIXED_RATES, MIXED_VARIANTS (';'-separated capture
@@ -21,12 +26,14 @@
 #          "fp8"}' adds FP8 windows on the same server), PARALLEL (several GPUs: "--tp 8" or "--tp 8 --dp 8
 #          --enable-dp-attention" on nvidia-h200-x8, KIMI_EXPERTS as many as fit: 64 make ~355 GB per server)
 #   mixed: MODEL_LAYERS, CAPTURE_LAYERS, WRITER_THREADS, CLIENT_PROCS, IDLE_MIXED=1, PY_SPY_SECONDS
+#   sessions: SESSIONS_ARGS (gpu_sessions.py's own flags: --sessions, --turns, --rounds, --servers ...),
+#          SESSIONS_KV (KV tokens per server, default 240000)
 # Two servers of ~57 GiB each on one GPU (kimi): SGLang 0.5.17 counts a neighbour's allocation against
 # the KV budget, so a high --mem-fraction-static with --max-total-tokens capping the pool, not half each.
 # Results: $OUT/e2e (e2e.json rewritten after every window: a call cut short keeps them), logs.tgz.
 set -o pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/phases.sh"
-parse_phase_args "usage: bash bench/e2e.sh kimi|mixed OUT [NAME=VALUE ...]   (phases: kimi, mixed; knobs: see the header)" "" "$@"
+parse_phase_args "usage: bash bench/e2e.sh kimi|mixed|sessions OUT [NAME=VALUE ...]   (phases: kimi, mixed, sessions; knobs: see the header)" "" "$@"
 rm -rf /tmp/caps /tmp/caps-v*  # a warm machine still holds the last call's capture dirs
 W=/tmp/e2e-$PHASE
 source bench/device_setup.sh "$OUT"
@@ -56,6 +63,15 @@ case $PHASE in
     rc=${PIPESTATUS[0]}
     # py-spy samples come back as one archive (their summaries are in e2e.json)
     [ -d "$OUT/e2e/pyspy" ] && tar -C "$OUT/e2e" -czf "$OUT/pyspy.tgz" pyspy && rm -rf "$OUT/e2e/pyspy"
+    ;;
+  sessions)
+    python -c "import json, os, sys; sys.path.insert(0, '$R/bench'); from vs_specforge import L8B; \
+os.makedirs('/tmp/l8b', exist_ok=True); json.dump(L8B, open('/tmp/l8b/config.json', 'w'))"
+    # two 8B servers on one GPU: a high static fraction, each pool capped by --max-total-tokens (see above)
+    timeout "${E2E_TIMEOUT:-580}" python "$R/bench/gpu_sessions.py" /tmp/l8b "$OUT/sessions" --caps /tmp/caps \
+      --sglang-args "$SGLANG_GPU_ARGS --load-format dummy --skip-tokenizer-init --mem-fraction-static 0.88 \
+--max-total-tokens ${SESSIONS_KV:-240000}" ${SESSIONS_ARGS:-} 2> >(tee $W/e2e.log >&2) | tee "$OUT/sessions.md"
+    rc=${PIPESTATUS[0]}
     ;;
 esac
 tail -12 $W/e2e.log

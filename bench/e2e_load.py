@@ -117,7 +117,7 @@ class Load:
         with self.lock:
             self.results.append({"kind": spec["kind"], "tokens": spec["tokens"], "start": t0, "latency": end - t0,
                                  "ok": ok, "capture_ok": bool(ref and ref.get("status") == "ok"),
-                                 "bytes": (ref or {}).get("bytes", 0), "end": end})
+                                 "bytes": (ref or {}).get("bytes", 0) + (ref or {}).get("block_bytes", 0), "end": end})
 
     def closed_loop(self, clients: List[dict], stop_at: float, max_requests: Optional[int] = None) -> None:
         """One thread per client, each sending its next request when the last one returns."""

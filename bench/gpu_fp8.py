@@ -87,8 +87,9 @@ def main(a: argparse.Namespace) -> int:
     os.makedirs(a.out_dir, exist_ok=True)
     capture_dir = os.path.join(a.out_dir, "captures")
     os.makedirs(capture_dir, exist_ok=True)
+    # self-contained files: each one's bytes per token and FP8 codes are read from it (its prompts share nothing)
     cmd = [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir, "--capture-layers", a.layers,
-           "--model-path", a.model_dir, *shlex.split(a.server_args)]
+           "--capture-prefix-sharing", "off", "--model-path", a.model_dir, *shlex.split(a.server_args)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = json.load(open(os.path.join(a.model_dir, "config.json")))
     cfg = cfg.get("text_config", cfg)  # Kimi-K2.5 keeps its language model's config there

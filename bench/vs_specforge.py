@@ -550,7 +550,8 @@ def servers(a: argparse.Namespace, target: str, gpu: GpuBusy) -> None:
                 e = _extract(a, ours, out, dtype, rss, concurrency=conc)
                 t1 = time.monotonic()
                 r = {**e, "concurrency": conc, "tok_per_s": round(e["tokens"] / e["seconds"]),
-                     "bytes": du(out, "*.capture.msgpack"), "peak_rss_gb": round(rss.stop() / 1e9, 2),
+                     "bytes": du(out, "*.capture.msgpack") + du(out, ".blocks/*/*.block.msgpack"),
+                     "peak_rss_gb": round(rss.stop() / 1e9, 2),
                      "gpu_busy": gpu.share(t0, t1), "writers": stats_delta(stats0, writer_stats(capture_dir)),
                      "of_ceiling": round(e["tokens"] / e["seconds"] / res["ceiling"]["tok_per_s"], 3)}
                 res[f"{dtype}@{conc}"] = r

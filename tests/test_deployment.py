@@ -84,7 +84,7 @@ def _check_load(server, model: str, fp8: bool = False) -> List[Dict]:
         if data["final"] == "both":  # a server started with --capture-final both
             finals.append(("last_hidden_states_pre_norm", reference_pre_norm(model, torch.float32, ids)))
         if fp8:
-            assert data["schema"] == "sglang_capture/v2"
+            assert data["meta"]["storage_dtype"] == "float8_e4m3fn"
             assert min(min_block_cosines(data["aux_hidden_states"], aux, last.shape[-1])) >= 0.999, r["i"]
             assert all(min_row_cosine(data[name], want) >= 0.999 for name, want in finals), r["i"]
             continue
@@ -195,16 +195,22 @@ def _two_nodes(make_test_server, model: str, capture_dir: str, tmp_path, env, no
 
 
 def test_tp_across_two_nodes_writes_every_file_where_the_response_says(make_test_server, tiny_models, tmp_path, env):
-    """Two "nodes" on loopback, one rank each; only node 0's TP rank 0 writes, next to the HTTP front."""
+    """Two "nodes" on loopback, one rank each; only node 0's TP rank 0 writes, next to the HTTP front. A
+    conversation's second turn reuses the first turn's stored rows: node 1's rank caps its radix hit
+    alike, from the block events node 0's rank sends with the requests (else their batches would part)."""
     model, capture_dir = tiny_models["tiny-dsv3"], str(tmp_path / "capture")
     with _two_nodes(make_test_server, model, capture_dir, tmp_path, env, _node_args) as server:
         ids = list(range(20, 120))
-        out = _send(server, {"i": 0, "ids": ids, "capture": True, "new": 3})
-        ref = out["meta_info"]["capture"]
-        assert ref["status"] == "ok" and os.path.dirname(ref["path"]) == capture_dir
-        data = sglang_capture.load(ref["path"])
-        aux, last = reference_states(model, torch.float32, ids + out["output_ids"][:-1], LAYERS)
-        assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL and max_abs_diff(data["last_hidden_states"], last) <= TOL
+        for turn in range(3):
+            out = _send(server, {"i": turn, "ids": ids, "capture": True, "new": 3})
+            ref = out["meta_info"]["capture"]
+            assert ref["status"] == "ok" and os.path.dirname(ref["path"]) == capture_dir
+            assert ref["rows_shared"] == (0 if turn == 0 else len(ids) - 4)  # every row of the turn before
+            data = sglang_capture.load(ref["path"])
+            aux, last = reference_states(model, torch.float32, ids + out["output_ids"][:-1], LAYERS)
+            assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL
+            assert max_abs_diff(data["last_hidden_states"], last) <= TOL
+            ids = ids + out["output_ids"] + [7, 8, 9]
         assert len(writer_stats(capture_dir)) == 1  # node 1 writes nothing
 
 

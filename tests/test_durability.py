@@ -103,7 +103,7 @@ def test_a_failed_flush_publishes_nothing(tmp_path):
         write_capture_file(dirs, "unflushed", {"rid": "unflushed"}, {"x": host_tensor(torch.zeros(2, 4))}, Codec("zstd"),
                            flush)
     assert flush.calls == ["data"]
-    assert sorted(os.listdir(tmp_path)) == [".index", ".tmp"]
+    assert sorted(os.listdir(tmp_path)) == [".blocks", ".index", ".tmp"]
     assert os.listdir(tmp_path / ".tmp") == []
 
 
@@ -198,7 +198,7 @@ def test_a_failed_flush_of_the_name_removes_the_file_it_named(tmp_path):
     with pytest.raises(OSError, match="Input/output error"):
         write_capture_file(dirs, "named", {"rid": "named"}, {"x": host_tensor(torch.zeros(2, 4))}, Codec("zstd"),
                            NameFlushFails())
-    assert sorted(os.listdir(tmp_path)) == [".index", ".tmp"] and os.listdir(tmp_path / ".tmp") == []
+    assert sorted(os.listdir(tmp_path)) == [".blocks", ".index", ".tmp"] and os.listdir(tmp_path / ".tmp") == []
 
 
 def test_one_large_write_goes_to_the_disk_a_step_at_a_time(tmp_path, monkeypatch):

@@ -183,7 +183,8 @@ def test_fp8_capture_halves_the_bytes_and_keeps_every_row_within_cos_0_999_of_th
     bf16, fp8 = _capture(llama, text, "bf16-ref"), _capture(llama_fp8, text, "fp8-row")
     assert fp8["storage_dtype"] == "float8_e4m3fn" and fp8["dtype"] == "bfloat16"
     a, b = sglang_capture.load(bf16["path"]), sglang_capture.load(fp8["path"])
-    assert b["schema"] == "sglang_capture/v2" and b["aux_hidden_states"].dtype == torch.bfloat16  # restored
+    assert b["meta"]["storage_dtype"] == "float8_e4m3fn" and b["aux_hidden_states"].dtype == torch.bfloat16  # restored
+    assert sglang_capture.load(fp8["path"], raw_fp8=True)["aux_hidden_states"].dtype == torch.float8_e4m3fn
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["output_ids"], b["output_ids"])
     # the bf16 server captures layers 2,3 (defaults), the fp8 one 1,2,3: compare layers 2 and 3
     assert min_row_cosine(b["aux_hidden_states"][:, 256:], a["aux_hidden_states"]) >= 0.999
@@ -246,7 +247,7 @@ def test_the_storage_dtype_can_be_chosen_per_request_and_a_bad_one_is_refused(ll
     as_model = _capture(llama_fp8, text, "per-request-model", capture_dtype="model")
     assert as_fp8["storage_dtype"] == "float8_e4m3fn" and "storage_dtype" not in as_model
     a, b = sglang_capture.load(as_fp8["path"]), sglang_capture.load(as_model["path"])
-    assert (a["schema"], b["schema"]) == ("sglang_capture/v2", "sglang_capture/v1")
+    assert (a["meta"].get("storage_dtype"), b["meta"].get("storage_dtype")) == ("float8_e4m3fn", None)
     assert min_row_cosine(a["aux_hidden_states"], b["aux_hidden_states"][:, 256:]) >= 0.999
     body = _body(text)
     body["sampling_params"]["custom_params"] = {"capture": True, "capture_dtype": "fp16"}
@@ -265,6 +266,7 @@ def test_speculators_trains_on_the_export_of_pre_norm_captures_and_refuses_broke
     from safetensors.torch import load_file, save_file
 
     from sglang_capture.tools.export_speculators import export_speculators
+    from sglang_capture.tools.extract import link_blocks
     from tests.reference import _model
     from tests.speculators_check import train_one_step
 
@@ -279,6 +281,7 @@ def test_speculators_trains_on_the_export_of_pre_norm_captures_and_refuses_broke
                                                                         "capture_loss_mask": [[5, 30]]}}}
         ref = llama_fp8.generate(body).json()["meta_info"]["capture"]
         assert ref["status"] == "ok", ref
+        link_blocks(ref["path"], str(src))  # a v3 file's rows travel in its blocks
         shutil.copy(ref["path"], src)
     out = tmp_path / "spec"
     report = export_speculators(str(src), str(out), progress=False)

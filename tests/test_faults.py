@@ -65,25 +65,34 @@ def test_full_disk_fails_captures_clearly_keeps_serving_and_recovers(tiny_models
     server = make_server(capture_cmd(tiny_models["tiny-dsv3"], str(small_disk)), str(small_disk))
     text = "Hidden states are captured from every decoder layer of the model. " * 20  # ~0.5 MB of rows
 
-    def capture(name):
-        body = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0,
-                                                  "custom_params": {"capture": True, "capture_name": name}}}
+    def capture(name, prompt=text):
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0,
+                                                    "custom_params": {"capture": True, "capture_name": name}}}
         r = server.generate(body)
         assert r.status_code == 200, r.text
         return r.json()["meta_info"]["capture"]
 
-    assert capture("before")["status"] == "ok"
+    before = capture("before")
+    assert before["status"] == "ok"
     filler = small_disk / "filler"
     with open(filler, "wb") as f:  # leave about 64 KiB free
         f.write(b"\0" * (os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize - (64 << 10)))
-    ref = capture("while-full")
+    other = "Rows that never reached the disk. " * 30  # shares no prefix with the first: all its rows are new
+    ref = capture("while-full", other)
     assert ref["status"] == "error" and "No space left on device" in ref["error"]
     assert not (small_disk / "while-full.capture.msgpack").exists()
     assert os.listdir(small_disk / ".tmp") == []
     plain = server.generate({"text": text, "sampling_params": {"max_new_tokens": 2}})
     assert plain.status_code == 200 and "capture" not in plain.json()["meta_info"]
     os.unlink(filler)
-    assert capture("after")["status"] == "ok"
+    # the failed capture's rows are in the radix cache but were never stored: a capture of the same
+    # prefix computes them again, while one continuing the first capture reuses its stored rows
+    again = capture("after", other + " More.")
+    assert again["status"] == "ok" and again["rows_shared"] == 0 and again["rows_stored"] == again["rows"]
+    longer = capture("longer", text + " More.")
+    assert longer["status"] == "ok" and longer["rows_shared"] > 0
+    for ref in (before, again, longer):
+        assert sglang_capture.load(ref["path"])["aux_hidden_states"].shape[0] == ref["rows"]
 
 
 def test_a_disk_too_full_for_the_outcome_record_ends_the_wait_with_an_error(tiny_models, make_server, small_disk):

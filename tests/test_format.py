@@ -132,7 +132,7 @@ def test_truncated_file_is_detected(tmp_path):
 def test_not_a_capture_file(tmp_path):
     path = tmp_path / "other.capture.msgpack"
     path.write_bytes(msgpack.packb({"schema": "something else"}))
-    with pytest.raises(CaptureFileError, match="not a sglang_capture/v1 or sglang_capture/v2 capture file"):
+    with pytest.raises(CaptureFileError, match="not a sglang_capture/v1 or sglang_capture/v2 or sglang_capture/v3 capture file"):
         load(path)
 
 

@@ -16,7 +16,14 @@ import requests
 import torch
 
 import sglang_capture
-from sglang_capture.core.selection import client_refusal, fraction_selects, rid_point, who_captures
+from sglang_capture.core.selection import (
+    chat_session,
+    client_refusal,
+    fraction_selects,
+    rid_point,
+    session_selects,
+    who_captures,
+)
 from sglang_capture.testbed.server import Server, capture_cmd, free_port
 from sglang_capture.tools.client import NO_REFERENCE, ServerError, ServerInfo, capture_prefill
 from tests.test_extract_tools import cli, make_conversations
@@ -152,7 +159,9 @@ def test_the_operators_fraction_captures_the_requests_its_rid_hash_selects_on_ev
     ones (no reference, no wait for the writer), and /health's own request is never selected."""
     auth = {"Authorization": f"Bearer {KEY}"}
     rids = [f"op-{i}" for i in range(10)]
-    chosen = [rid for rid in rids if fraction_selects(rid, 0.5)]
+    # /generate by rid; every chat here is one conversation (the same opening message): chosen as a whole
+    chat = session_selects(chat_session([{"role": "user", "content": PROMPT}]), 0.5)
+    chosen = [rid for i, rid in enumerate(rids) if (fraction_selects(rid, 0.5) if i % 2 else chat)]
     assert 0 < len(chosen) < len(rids)
     for i, rid in enumerate(rids):
         if i % 2:
@@ -176,6 +185,48 @@ def test_the_operators_fraction_captures_the_requests_its_rid_hash_selects_on_ev
     time.sleep(1)  # any file of a request not selected would have appeared by now too
     files = {f for f in os.listdir(operator_server.capture_dir) if f.endswith(".capture.msgpack")}
     assert files == {rid + ".capture.msgpack" for rid in chosen}
+
+
+def test_the_operators_fraction_chooses_every_turn_of_a_conversation_alike(operator_server):
+    """Under prefix sharing the fraction picks conversations: a chat's turns by its opening messages,
+    /generate's by custom_params.capture_session, each the same way for every turn (else sharing gains
+    nothing); a request without either is chosen by its rid. A bad capture_session is refused in one line."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Question {i}?"}]
+             for i in range(8)]
+    expected = {i: session_selects(chat_session(c), 0.5) for i, c in enumerate(chats)}
+    assert set(expected.values()) == {True, False}
+    rids = {}
+    for turn in range(3):
+        for i, messages in enumerate(chats):
+            r = requests.post(operator_server.url + "/v1/chat/completions", headers=auth, timeout=120, json={
+                "model": "tiny", "messages": messages, **_oai(), "rid": f"chat-{i}-{turn}"})
+            assert r.status_code == 200, r.text
+            rids[f"chat-{i}-{turn}"] = expected[i]
+            messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"And then, turn {turn}?"}]
+    sessions = {s: session_selects(s, 0.5) for s in (f"user-{k}" for k in range(8))}
+    assert set(sessions.values()) == {True, False}
+    for k, (session, chosen) in enumerate(sessions.items()):
+        for turn in range(2):
+            rid = f"gen-{k}-{turn}"
+            r = requests.post(operator_server.url + "/generate", headers=auth, timeout=120, json={
+                "text": PROMPT + " " * turn, "rid": rid,
+                "sampling_params": {**SAMPLING, "custom_params": {"capture_session": session}}})
+            assert r.status_code == 200 and "capture" not in r.json()["meta_info"], r.text
+            rids[rid] = chosen
+    deadline = time.monotonic() + 60
+    for rid in (rid for rid, chosen in rids.items() if chosen):
+        while not os.path.exists(os.path.join(operator_server.capture_dir, rid + ".capture.msgpack")):
+            assert time.monotonic() < deadline, f"{rid} never captured"
+            time.sleep(0.2)
+    time.sleep(1)
+    for rid, chosen in rids.items():
+        assert os.path.exists(os.path.join(operator_server.capture_dir, rid + ".capture.msgpack")) == chosen, rid
+    r = requests.post(operator_server.url + "/generate", headers=auth, timeout=120, json={
+        "text": PROMPT, "sampling_params": {**SAMPLING, "custom_params": {"capture_session": 7}}})
+    assert r.status_code == 400 and ("custom_params.capture_session must be a string of 1 to 256 characters naming "
+                                     "the conversation, got 7") in r.text
 
 
 def test_a_client_without_the_admin_key_is_refused_capture_in_one_line_and_the_admin_key_captures(operator_server):
@@ -234,7 +285,8 @@ def test_a_key_protected_server_needs_the_key_and_extract_and_doctor_take_it_wit
     assert "4 samples: 4 written" in r.stdout and ADMIN not in r.stdout + r.stderr
     r = cli("doctor", "--server", operator_server.url, env=keyed)
     assert ("who captures: clients holding the server's --admin-api-key (custom_params.capture); the operator: "
-            "0.5 of all requests, by request id") in r.stdout
+            "0.5 of all requests, by conversation (custom_params.capture_session, or a chat's opening messages), "
+            "else by request id") in r.stdout
     assert ADMIN not in r.stdout + r.stderr
     assert "sglang_capture: who captures: clients holding the server's --admin-api-key" in operator_server.log()
 

@@ -2,6 +2,8 @@
 the offline tools all read or write.
 
 - ``<name>.capture.msgpack``: published capture files (writer/capture_file.py).
+- ``.blocks/<2 hex>/<key>.block.msgpack``: shared rows that capture files of schema v3 reference
+  (core/blocks.py), and ``.blocks/.gc.lock`` (writer/blocks.py, tools/gc.py).
 - ``.tmp/``: files being written, under temp names that say their host and process, each locked
   by its writer (core/durable.py) until it has its final name.
 - ``.index/<rid-name>.json``: each request's outcome (ok or error, bytes, checksum), which the
@@ -24,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
+from sglang_capture.core.blocks import BLOCKS_DIR
 from sglang_capture.core.durable import (
     CREATE_FLAGS,
     TEMP_SUFFIX,
@@ -60,6 +63,10 @@ WRITER_COUNTERS = {
     "restarts": "sum", "stalled": "sum", "records_swept": "sum", "published_by_handoff": "sum",
     "temp_files_removed": "sum", "queue_wait_s": "sum", "assemble_s": "sum", "encode_write_s": "sum",
     "fsync_publish_s": "sum", "max_queue": "peak",
+    # shared rows (--capture-prefix-sharing on): blocks written and their bytes (each block counted once,
+    # by the writer that stored it), blocks found stored already, rows written and rows referenced
+    "block_bytes": "sum", "blocks_written": "sum", "blocks_reused": "sum", "rows_stored": "sum",
+    "rows_shared": "sum", "blocks_s": "sum", "missing_blocks": "sum",
 }
 LEDGER_COUNTERS = {"back_pressure_waits": "sum", "peak_held_bytes": "peak"}
 _SUMMED = tuple(k for k, how in {**WRITER_COUNTERS, **LEDGER_COUNTERS}.items() if how == "sum")
@@ -77,11 +84,12 @@ def index_path(capture_dir: str, rid: str) -> str:
 
 
 def prepare_capture_dir(capture_dir: str) -> None:
-    """Create the private temp and index folders, refusing ones that are symlinks or not folders."""
-    for sub in (TMP_DIR, INDEX_DIR):
+    """Create the private temp and index folders and the blocks folder (read by whoever reads the
+    files), refusing ones that are symlinks or not folders."""
+    for sub, mode in ((TMP_DIR, 0o700), (INDEX_DIR, 0o700), (BLOCKS_DIR, 0o750)):
         path = os.path.join(capture_dir, sub)
         try:
-            os.mkdir(path, 0o700)
+            os.mkdir(path, mode)
         except FileExistsError:
             pass
         if os.path.islink(path) or not os.path.isdir(path):
@@ -97,13 +105,14 @@ class DirFds:
     capture: int
     tmp: int
     index: int
+    blocks: int
 
     @classmethod
     def open(cls, capture_dir: str) -> DirFds:
         prepare_capture_dir(capture_dir)
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         top = os.open(capture_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        return cls(top, os.open(TMP_DIR, flags, dir_fd=top), os.open(INDEX_DIR, flags, dir_fd=top))
+        return cls(top, *(os.open(sub, flags, dir_fd=top) for sub in (TMP_DIR, INDEX_DIR, BLOCKS_DIR)))
 
 
 # A temp file is unlocked for a moment after its creation; a rank's peer marker (server/peers.py)

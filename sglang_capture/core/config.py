@@ -24,6 +24,7 @@ from sglang_capture.core.selection import CLIENT_POLICIES
 
 ENV_VAR = "SGLANG_CAPTURE_CONFIG"
 DURABILITY_MODES = ("file", "none")
+SHARING_MODES = ("on", "off")
 
 
 class ConfigError(ValueError):
@@ -158,6 +159,11 @@ class CaptureConfig:
     fraction: float = option("--capture-fraction", "Capture this share (0-1) of all requests, chosen by a hash "
                              "of the request id (the same answer on every replica and retry), on every endpoint, "
                              "without any client asking; files are named by request id.", type=float, default=0.0)
+    prefix_sharing: str = option(
+        "--capture-prefix-sharing", "on: capture requests keep radix-cache hits where the hit's rows are stored, and "
+        "each token's rows are stored once, in blocks under CAPTURE_DIR/.blocks that files reference (schema v3; "
+        "load() and the tools put them together). off: every capture computes and stores its whole sequence in a "
+        "self-contained file.", choices=SHARING_MODES, default="on")
 
     def __post_init__(self) -> None:
         if not os.path.isabs(self.capture_dir):
@@ -202,6 +208,8 @@ class CaptureConfig:
             raise ConfigError(f"--capture-clients must be one of {', '.join(CLIENT_POLICIES)}, got {self.clients!r}")
         if not 0.0 <= self.fraction <= 1.0:
             raise ConfigError(f"--capture-fraction must be between 0 and 1 (a share of requests), got {self.fraction:g}")
+        if self.prefix_sharing not in SHARING_MODES:
+            raise ConfigError(f"--capture-prefix-sharing must be on or off, got {self.prefix_sharing!r}")
         if not self.writer_stall_s > 0:
             raise ConfigError(f"--capture-writer-stall-timeout must be a positive number of seconds, got {self.writer_stall_s}")
         if self.layers_from_draft is not None:
@@ -233,6 +241,11 @@ class CaptureConfig:
     def codec_spec(self) -> Codec:
         """The on-disk codec these options select."""
         return Codec(name=self.codec, level=self.level, shuffle=self.shuffle, threads=self.compress_threads)
+
+    @property
+    def sharing(self) -> bool:
+        """Whether capture requests share stored rows (``--capture-prefix-sharing on``)."""
+        return self.prefix_sharing == "on"
 
     @property
     def max_pending_bytes(self) -> int:

@@ -1,4 +1,5 @@
-"""How capture files are laid out on disk (schema v1, and v2 for FP8): encoding and decoding, nothing else.
+"""How capture files are laid out on disk (schema v1, v2 for FP8, v3 for files whose rows lie in shared
+blocks): encoding and decoding, nothing else.
 
 A file is one msgpack map::
 
@@ -15,7 +16,10 @@ list of frames of ``frame_rows`` rows each (at most 64 MiB raw, so neither side 
 tensor's temporaries); ``zstd`` frames are ordinary zstd frames with the content size and a
 content checksum. Files holding FP8 tensors say v2 (below). The writer streams the map
 (headers first, then each payload) so a multi-GB tensor is never copied into a msgpack
-buffer; any msgpack reader can still parse the whole file. See docs/format.md.
+buffer; any msgpack reader can still parse the whole file. A v3 file holds no hidden-state
+tensors of its own: its metadata lists the blocks that hold its rows (core/blocks.py), each of
+which is itself a v1 or v2 file; readers older than v3 refuse it instead of reading it short. See
+docs/format.md.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import msgpack
 import numpy
 import zstandard
 
-from sglang_capture.core.checksum import DEFAULT_CHECKSUM, new_hasher, tag
+from sglang_capture.core.checksum import DEFAULT_CHECKSUM, algorithm_of, new_hasher, tag
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +44,9 @@ SCHEMA = "sglang_capture/v1"
 # v2 = v1 plus FP8 tensors (dtype float8_e4m3fn) with their float32 ``<name>_scale`` tensors
 # (core/fp8.py). Only files that hold FP8 say v2: every other file is byte for byte a v1 file.
 SCHEMA_FP8 = "sglang_capture/v2"
-SCHEMAS = (SCHEMA, SCHEMA_FP8)
+# v3: the file's rows lie in shared blocks (--capture-prefix-sharing on); ``meta["blocks"]`` lists them.
+SCHEMA_REFS = "sglang_capture/v3"
+SCHEMAS = (SCHEMA, SCHEMA_FP8, SCHEMA_REFS)
 CODECS = ("zstd", "none")
 
 # Stored dtype names, which are also torch's attribute names. torch itself is imported only where a
@@ -235,20 +241,40 @@ class _HashingWriter:
         self.nbytes += memoryview(data).nbytes
 
 
+# A sealed file's metadata holds the checksum of its own content: of its metadata without this key (as
+# msgpack packs it) and of every tensor frame, in file order. Shared blocks are sealed (core/blocks.py):
+# files referencing one accept any block of its name (two servers compute the same rows within
+# rounding), so they cannot hold its checksum. Files of references (v3) are sealed too: nearly all
+# of their bytes are metadata, which no zstd frame checksum covers.
+SEAL = "seal"
+
+
 def write_capture(
     f: IO[bytes], meta: Mapping[str, Any], tensors: Mapping[str, Union[torch.Tensor, HostTensor]], codec: Codec,
-    checksum: str = DEFAULT_CHECKSUM,
+    checksum: str = DEFAULT_CHECKSUM, schema: Optional[str] = None, seal_payload: bool = False,
 ) -> Tuple[int, str]:
-    """Stream one file into ``f``; returns (bytes written, its ``checksum`` as ``<algorithm>:<hex>``)."""
+    """Stream one file into ``f``; returns (bytes written, its ``checksum`` as ``<algorithm>:<hex>``).
+    ``schema`` defaults to what the tensors need (v2 when any is FP8, else v1). ``seal_payload``
+    puts the checksum of the metadata and the tensor frames into the metadata (``SEAL``): the frames
+    are then compressed before anything is written, so use it for small files only."""
     out = _HashingWriter(f, checksum)
     packer = msgpack.Packer(use_bin_type=True)
     out.write(packer.pack_map_header(3))
-    schema = SCHEMA_FP8 if any(host_tensor(t).dtype in _BYTE_DTYPES for t in tensors.values()) else SCHEMA
+    if schema is None:
+        schema = SCHEMA_FP8 if any(host_tensor(t).dtype in _BYTE_DTYPES for t in tensors.values()) else SCHEMA
+    encoded = [(name, *encode_tensor(tensor, codec)) for name, tensor in tensors.items()]
+    if seal_payload:
+        encoded = [(name, header, list(frames), n) for name, header, frames, n in encoded]
+        h = new_hasher(checksum)
+        h.update(packer.pack(dict(meta)))
+        for _, _, frames, _ in encoded:
+            for payload in frames:
+                h.update(payload)
+        meta = {**meta, SEAL: tag(checksum, h)}
     out.write(packer.pack("schema") + packer.pack(schema))
     out.write(packer.pack("meta") + packer.pack(dict(meta)))
     out.write(packer.pack("tensors") + packer.pack_map_header(len(tensors)))
-    for name, tensor in tensors.items():
-        header, frames, n_frames = encode_tensor(tensor, codec)
+    for name, header, frames, n_frames in encoded:
         out.write(packer.pack(name) + packer.pack_map_header(len(header) + 1))
         for key, value in header.items():
             out.write(packer.pack(key) + packer.pack(value))
@@ -257,6 +283,20 @@ def write_capture(
             out.write(_bin_header(payload.nbytes))
             out.write(payload)
     return out.nbytes, tag(out.algorithm, out.hasher)
+
+
+def seal_intact(meta: Mapping[str, Any], recs: Mapping[str, Any]) -> bool:
+    """Whether a sealed file's metadata and tensor frames still have the checksum its metadata holds
+    (raises UnknownChecksum; False when it holds none)."""
+    sealed = meta.get(SEAL)
+    if not isinstance(sealed, str):
+        return False
+    h = new_hasher(algorithm_of(sealed))
+    h.update(msgpack.packb({k: v for k, v in meta.items() if k != SEAL}, use_bin_type=True))
+    for rec in recs.values():
+        for frame in rec.get("data", ()) if isinstance(rec, dict) else ():
+            h.update(frame)
+    return tag(algorithm_of(sealed), h) == sealed
 
 
 def _fail(path: str, why: str) -> CaptureFileError:

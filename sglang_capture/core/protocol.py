@@ -28,13 +28,19 @@ CAPTURE = "capture"
 CAPTURE_NAME = "capture_name"
 CAPTURE_DTYPE = "capture_dtype"
 CAPTURE_LOSS_MASK = "capture_loss_mask"
+# the conversation a request belongs to, for --capture-fraction under prefix sharing: every turn of one
+# session is chosen alike (a client sets it; on /v1/chat/completions the server derives one otherwise)
+CAPTURE_SESSION = "capture_session"
+MAX_SESSION_LEN = 256
 # the mark the server sets on a request --capture-fraction selected: no client asked for its file, so
 # its response is SGLang's plain one, sent without waiting for the file
 CAPTURE_BY, OPERATOR, CLIENT = "capture_by", "operator", "client"
 
 REFERENCE_TAG = "sglang_capture"  # a reference's marker key (its value: the reference format, 1)
 RESPONSE_KEY = "capture"  # where a response's meta_info carries the reference
-OUTCOME_KEYS = ("bytes", "checksum", "error")  # what the writer's outcome record adds to a reference
+# what the writer's outcome record adds to a reference; with prefix sharing also the bytes of the blocks this
+# capture wrote, and its rows written into them and reused from stored ones (core/blocks.py)
+OUTCOME_KEYS = ("bytes", "checksum", "error", "block_bytes", "rows_stored", "rows_shared")
 ROUTE = "/capture_info"
 
 
@@ -82,6 +88,18 @@ def marked(custom: Mapping[str, Any], by: str) -> Dict[str, Any]:
     return out
 
 
+def session_of(custom: Mapping[str, Any]) -> Optional[str]:
+    """The client's ``capture_session``, None when it sent none; a BadCaptureRequest for one that is
+    no string of 1 to ``MAX_SESSION_LEN`` characters."""
+    value = custom.get(CAPTURE_SESSION)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_LEN:
+        raise BadCaptureRequest(f"custom_params.capture_session must be a string of 1 to {MAX_SESSION_LEN} characters "
+                                f"naming the conversation, got {value!r:.60}")
+    return value
+
+
 def asks_capture(custom: Mapping[str, Any]) -> bool:
     """Whether the scheduler treats the request as a capture request (then ``parse_request`` either
     accepts its fields or refuses them): any ``capture`` value but absent or ``false``."""
@@ -102,6 +120,7 @@ def parse_request(custom: Mapping[str, Any], *, rid: str, prompt_len: int, sampl
                                 "leave capture_name out and each sample's file is named by its request id")
     if prefix_pass:
         return None
+    session_of(custom)  # checked here too, though only --capture-fraction reads it (hooks/tokenize.py)
     dtype = custom.get(CAPTURE_DTYPE, default_dtype)
     if dtype not in CAPTURE_DTYPES:
         raise BadCaptureRequest(f"custom_params.capture_dtype must be one of {', '.join(CAPTURE_DTYPES)}, got {dtype!r}")
@@ -166,6 +185,7 @@ def capture_info_body(config: CaptureConfig, model_path: str, architecture: str,
         "codec": config.codec,
         "capture_fraction": config.fraction,
         "capture_return_hidden_states": config.hidden_states_requests,
+        "prefix_sharing": config.prefix_sharing,
         "who_captures": who_captures,
         "speculative": speculative,
     }

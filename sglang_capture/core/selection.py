@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
 import secrets
-from typing import Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 _SPAN = float(1 << 64)
 
@@ -25,6 +26,35 @@ def rid_point(rid: str) -> float:
 def fraction_selects(rid: str, fraction: float) -> bool:
     """Whether ``--capture-fraction fraction`` captures the request ``rid`` (0 never, 1 always)."""
     return fraction > 0 and rid_point(rid) < fraction
+
+
+def session_selects(session: str, fraction: float) -> bool:
+    """Whether ``--capture-fraction fraction`` captures the requests of the conversation ``session``:
+    all of its turns alike, by the same rule as a rid's (raising the fraction only adds sessions)."""
+    return fraction_selects("session\x00" + session, fraction)
+
+
+def _message_text(message: Any) -> Any:
+    """A chat message's role and content as plain values (SGLang passes pydantic models or dicts)."""
+    if hasattr(message, "model_dump"):
+        message = message.model_dump()
+    if not isinstance(message, dict):
+        return str(message)
+    return {"role": message.get("role"), "content": message.get("content")}
+
+
+def chat_session(messages: Sequence[Any]) -> str:
+    """A conversation's key, the same for each of its turns: a digest of its messages up to its
+    first user message (the system prompt and the question that opened it), which every later
+    turn re-sends unchanged."""
+    opening: List[Any] = []
+    for message in messages:
+        item = _message_text(message)
+        opening.append(item)
+        if isinstance(item, dict) and item.get("role") == "user":
+            break
+    doc = json.dumps(opening, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha256(doc.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def _loopback(host: str) -> bool:
@@ -67,9 +97,10 @@ def client_refusal(policy: str, authorization: Optional[str], admin_key: Optiona
 
 
 def who_captures(fraction: float, hidden_states_requests: bool, host: str, api_key: bool,
-                 clients: str = "any") -> Tuple[str, Optional[str]]:
-    """What the start-up log and ``doctor`` say about who makes requests capture, and a warning when
-    any client that can reach a server listening beyond loopback can fill its capture dir."""
+                 clients: str = "any", by_session: bool = False) -> Tuple[str, Optional[str]]:
+    """What the start-up log and ``doctor`` say about who makes requests capture (``by_session``: the
+    fraction chooses conversations, under prefix sharing), and a warning when any client that can
+    reach a server listening beyond loopback can fill its capture dir."""
     asks = "custom_params.capture" + (" or return_hidden_states" if hidden_states_requests else "")
     if clients == "none":
         said = "who captures: no client (--capture-clients none)"
@@ -77,7 +108,9 @@ def who_captures(fraction: float, hidden_states_requests: bool, host: str, api_k
         who = ("clients holding the server's --admin-api-key" if clients == "admin" else
                "clients holding the server's --api-key" if api_key else "any client that reaches the server")
         said = f"who captures: {who} ({asks})"
-    said += f"; the operator: {fraction:.4g} of all requests, by request id" if fraction > 0 else ""
+    by = ("by conversation (custom_params.capture_session, or a chat's opening messages), else by request id"
+          if by_session else "by request id")
+    said += f"; the operator: {fraction:.4g} of all requests, {by}" if fraction > 0 else ""
     warning = None
     if clients == "any" and not api_key and not _loopback(host):
         warning = (f"the server listens on {host} without --api-key: any client that reaches it can ask for capture "

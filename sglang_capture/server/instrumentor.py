@@ -40,6 +40,7 @@ class CaptureInstrumentor:
 
     def __init__(self) -> None:
         self._originals: Dict[str, Tuple[object, str, object]] = {}
+        self._rebound: List[Tuple[object, str, object]] = []  # modules that had bound a patched function by name
         self._instrumented = False
         self._config: Optional[CaptureConfig] = None
         self._scheduler: Optional[SchedulerCapture] = None
@@ -64,7 +65,19 @@ class CaptureInstrumentor:
         parent, attribute, original = resolve(seam)
         self._originals[seam.seam] = (parent, attribute, original)
         wrapt.wrap_function_wrapper(parent, attribute, functools.partial(_load_hook(seam), self._state_for(seam)))
+        if inspect.ismodule(parent):
+            self._rebind(parent, attribute, original)
         logger.debug("sglang_capture: patched %s.%s", seam.module, seam.target)
+
+    def _rebind(self, parent: object, attribute: str, original: object) -> None:
+        """Modules already imported that bound the module-level function ``attribute`` by name
+        (``from m import f``) get the patched one too: the launcher's fingerprint check imports the
+        modules of every seam before the patches go in, so import order cannot decide it."""
+        patched = getattr(parent, attribute)
+        for name, module in list(sys.modules.items()):
+            if name.startswith("sglang.") and module is not parent and getattr(module, attribute, None) is original:
+                setattr(module, attribute, patched)
+                self._rebound.append((module, attribute, original))
 
     def _state_for(self, seam: Seam) -> Any:
         """What the seam's hook is bound to: the config in the HTTP process, else the scheduler state."""
@@ -90,9 +103,10 @@ class CaptureInstrumentor:
 
     def uninstrument(self) -> None:
         """Put every original function back; later imports are not patched either."""
-        for parent, attribute, original in self._originals.values():
+        for parent, attribute, original in [*self._originals.values(), *self._rebound]:
             setattr(parent, attribute, original)
         self._originals.clear()
+        self._rebound.clear()
         self._instrumented = False
         if self._scheduler is not None:
             self._scheduler.stop()

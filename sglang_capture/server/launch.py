@@ -248,7 +248,7 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, Cap
         config = replace(config, layers=layers, layers_from_draft=None)
     config = replace(config, clients=resolve_clients(config.clients, server_args))
     said, warning = who_captures(config.fraction, config.hidden_states_requests, str(server_args.host),
-                                 bool(server_args.api_key), config.clients)
+                                 bool(server_args.api_key), config.clients, by_session=config.sharing)
     click.echo(f"sglang_capture: {said}", err=True)
     if warning:
         click.echo(f"sglang_capture: warning: {warning}", err=True)

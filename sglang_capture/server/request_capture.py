@@ -183,6 +183,10 @@ class RequestCapture:
             self.counts.fp8_packed_per_request_rows += rows.shape[0]
         return pack(rows, self.fp8_block)
 
+    def first_position(self) -> int:
+        """The first position this request computed rows for (those before it came from the radix cache)."""
+        return min((chunk.start for chunk in self.chunks), default=0)
+
     def seal(self) -> None:
         """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""
         if self._run is not None:

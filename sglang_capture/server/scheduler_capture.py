@@ -37,6 +37,7 @@ from sglang_capture.server.pd_prefill import chunk_like_any_request, decode_rows
 from sglang_capture.server.pre_norm import PreNormCapture
 from sglang_capture.server.request_capture import CAPTURE_ATTR, RequestCapture
 from sglang_capture.server.seam_clock import SeamClock
+from sglang_capture.server.shared_rows import SharedRows, weights_identity
 from sglang_capture.server.writer_pool import CaptureJob, WriterPool
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class SchedulerCapture:
         self.copier: Optional[RowCopier] = None  # with the pool: copies decode rows off the scheduler thread
         self._is_writer: Optional[bool] = None
         self.pd_prefill = False  # a PD prefill server (pd_prefill.py), known once the model is loaded
+        self.shared: Optional[SharedRows] = None  # --capture-prefix-sharing on: set up with the model (every rank)
         self._versions = {"sglang": installed_sglang_version(), "sglang_capture": __version__}
 
     @property
@@ -139,6 +141,11 @@ class SchedulerCapture:
         logger.info("sglang_capture: capturing layers %s of %s (%s), final hidden state %s",
                     layers, arch, type(model).__name__,
                     self.config.final if self.config.keep_last_hidden else "dropped")
+        if self.config.sharing and self.shared is None:
+            self.shared = SharedRows(self._layout(runner.server_args), self.is_writer)
+            self.writer.blocks_outcome = self.shared.stored
+            logger.info("sglang_capture: prefix sharing on: capture requests reuse stored rows of cached prefixes, "
+                        "and files reference rows stored once under %s/.blocks", self.config.capture_dir)
         if self.is_writer and self.pool is None:
             budget = NodeBudget.for_server(self.config, runner.server_args)
             logger.info("sglang_capture: %s", budget.describe())
@@ -146,6 +153,17 @@ class SchedulerCapture:
             self._make_pool(budget.pending_bytes, pin=str(runner.device).startswith("cuda"))
             self.gc_watch_pending = True
             self.writer.start(self.pool, budget.writers, self.stats)
+
+    def _layout(self, server_args: Any) -> Dict[str, Any]:
+        """What captured rows depend on besides their tokens (core/blocks.layout_root; the storage
+        dtype and LoRA adapter are added per request): rows of another layout are never reused."""
+        m = self.model
+        return {"model": m.model_path, "architecture": m.architecture, "model_class": m.model_class,
+                "hidden_size": m.hidden_size, "num_layers": m.num_layers, "layers": list(m.layers), "dtype": m.dtype,
+                "final": self.config.final if self.config.keep_last_hidden else None,
+                "weights": weights_identity(server_args),
+                "quantization": getattr(server_args, "quantization", None),
+                "kv_cache_dtype": str(getattr(server_args, "kv_cache_dtype", None))}
 
     def _make_pool(self, size_bytes: int, pin: bool) -> None:
         """The host pool for capture batches, before the first request; without one (no memory to
@@ -202,8 +220,9 @@ class SchedulerCapture:
             return
         if asked is None:
             return  # SGLang's prefix-caching pass before parallel samples: not a sample, no file
-        # A private radix-cache namespace: a prefix hit would leave the cached positions without rows.
-        req.extra_key = (req.extra_key or "") + EXTRA_KEY_TAG + req.rid
+        if self.shared is None or not self.shared.mark(req, asked.dtype):
+            # A private radix-cache namespace: a prefix hit would leave the cached positions without rows.
+            req.extra_key = (req.extra_key or "") + EXTRA_KEY_TAG + req.rid
         setattr(req, AUX_ATTR, True)
         if self.pd_prefill:
             chunk_like_any_request(req)
@@ -254,6 +273,11 @@ class SchedulerCapture:
                                  rows=n_rows, layers=self.model.layers, dtype=self.model.dtype,
                                  shapes={k: (n_rows, hi - lo) for k, (lo, hi) in columns.items()}, fp8=fp8)
         reason = req.finished_reason.to_json() if req.finished_reason is not None else {}
+        share = None
+        if self.shared is not None and reason.get("type") != "abort" and capture.failure is None:
+            share, why = self.shared.share_of(req, capture.first_position())
+            if why is not None:
+                capture.fail(why)
         if reason.get("type") == "abort" or capture.failure is not None:
             capture.release()
             if capture.failure is not None:
@@ -288,6 +312,6 @@ class SchedulerCapture:
         if fp8:
             meta.update(storage_dtype=FP8_DTYPE, scale_block=self.model.hidden_size)
         stored, dtypes = self.stored_layout(columns, fp8)
-        self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, output_ids, meta, dtypes=dtypes))
+        self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, output_ids, meta, dtypes=dtypes, share=share))
         ref["status"] = "pending"
         return ref

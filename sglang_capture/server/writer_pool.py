@@ -58,6 +58,9 @@ class CaptureJob:
     output_ids: List[int]
     meta: Dict[str, Any]
     dtypes: Dict[str, str] = field(default_factory=dict)  # stored dtype per tensor, where not the rows' (FP8)
+    # --capture-prefix-sharing on: the layout's root (hex), the first row computed (``start``) and the
+    # references of the rows before it (core/blocks.py); None for a self-contained file
+    share: Optional[Dict[str, Any]] = None
     enqueued: float = field(default_factory=time.monotonic)
     publishing: Optional[Dict[str, Any]] = None  # the writer's last word before the file's name appears
     outcome: Optional[Dict[str, Any]] = None
@@ -80,6 +83,9 @@ class SweepJob:
     removed: int = 0
     done: threading.Event = field(default_factory=threading.Event)
 
+
+# what a shared-rows outcome adds to the writer's counters (core/capture_dir.WRITER_COUNTERS)
+SHARED_COUNTERS = ("block_bytes", "blocks_written", "blocks_reused", "rows_stored", "rows_shared")
 
 # The first sweep waits a minute after start-up; then one every quarter of the retention.
 FIRST_SWEEP_S = 60.0
@@ -167,6 +173,9 @@ class WriterPool:
         self._next_sweep = 0.0  # of old outcome records: set by ``start``
         self._sweeping = False  # a sweep is queued or running: the next waits for it
         self._extra_stats: Callable[[], Dict[str, Any]] = dict
+        # told of the blocks each shared-rows job stored or found missing, before its outcome is recorded
+        # (SchedulerCapture.blocks_outcome): they must be known before the response lets the next turn in
+        self.blocks_outcome: Callable[[CaptureJob, List[list], List[str]], None] = lambda job, stored, missing: None
         self.stats: Dict[str, Any] = new_writer_counters()
 
     def dirs(self) -> DirFds:
@@ -299,6 +308,12 @@ class WriterPool:
                 with self._lock:
                     self.stats["failed"] += 1
                 logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
+            stored = outcome.pop("blocks", [])
+            if job.share is not None:
+                try:
+                    self.blocks_outcome(job, stored, outcome.get("missing_blocks", []))
+                except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
+                    logger.error("sglang_capture: the blocks of request %s were not indexed: %s", job.meta["rid"], e)
             self.record_outcome(job.meta["rid"], outcome)
             job.outcome = outcome
             job.done.set()
@@ -359,7 +374,7 @@ class WriterPool:
                     "stored": {k: list(v) for k, v in job.stored.items()}, "dtypes": job.dtypes,
                     "input_ids": ids_bytes(job.input_ids),
                     "output_ids": ids_bytes(job.output_ids),
-                    "loss_spans": [list(s) for s in spans] if spans is not None else None})
+                    "loss_spans": [list(s) for s in spans] if spans is not None else None, "share": job.share})
         child.temp = None
         child.recv()  # "copied": the process holds the rows now
         job.capture.release()
@@ -378,10 +393,13 @@ class WriterPool:
             self.stats["inline_bytes"] += inline
             for k, v in timings.items():  # seconds per stage, summed over processes: which stage bounds throughput
                 self.stats[k] += v
+            self.stats["missing_blocks"] += len(outcome.get("missing_blocks", ()))
             if outcome["status"] == "ok":
                 self.stats["written"] += 1
                 self.stats["bytes"] += outcome["bytes"]
                 self.stats["raw_bytes"] += raw
+                for k in SHARED_COUNTERS:
+                    self.stats[k] += outcome.get(k, 0)
         if outcome["status"] == "ok":
             outcome["write_s"] = round(time.monotonic() - job.enqueued, 6)
         return outcome

@@ -1,4 +1,4 @@
-"""``sglang-capture``: the tools around capture files (extract, inspect, verify, export, doctor, demo).
+"""``sglang-capture``: the tools around capture files (extract, inspect, verify, gc, export, doctor, demo).
 
 Every expected failure is one line on stderr and a non-zero exit; an unexpected one says how
 to get the traceback instead of printing it.
@@ -114,6 +114,30 @@ def verify(directory: str, workers: int, no_progress: bool) -> None:
                f"{len(report.problems)} problems")
     if not report.ok:
         sys.exit(1)
+
+
+@cli.command()
+@click.argument("directory", metavar="DIR", type=click.Path(file_okay=False))
+@click.option("--min-age", "min_age", type=float, default=3600.0, show_default=True,
+              help="Seconds a block must have gone unused before it is removed (keeps the blocks of captures still "
+                   "being written, and those a running server may reuse next).")
+@click.option("--dry-run", is_flag=True, help="Count what would be removed; remove nothing.")
+def gc(directory: str, min_age: float, dry_run: bool) -> None:
+    """Remove the shared blocks (DIR/.blocks) that no capture file in DIR references; safe beside a
+    running server. Prints DIR's disk use, each block counted once."""
+    from sglang_capture.tools.gc import GcError, collect
+
+    try:
+        report = collect(directory, min_age, dry_run)
+    except (GcError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    for p in report.problems:
+        click.echo(f"warning: {p}", err=True)
+    verb = "would remove" if dry_run else "removed"
+    click.echo(f"{report.files} capture files ({report.file_bytes:,} bytes, {report.referencing_files} referencing "
+               f"blocks); {report.blocks} blocks ({report.block_bytes:,} bytes), {report.referenced} referenced; "
+               f"{verb} {report.removed} unreferenced blocks ({report.removed_bytes:,} bytes), kept {report.young} "
+               f"unreferenced ones used within {min_age:g} s")
 
 
 @cli.command()

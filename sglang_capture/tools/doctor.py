@@ -91,6 +91,11 @@ def server_report(url: str, api_key: Optional[str] = None) -> Tuple[List[str], b
                      f"{body.get('model_path')}, layers {body.get('layers')}, final state {body.get('final', 'post-norm') or 'none'}, "
                      f"files in {body.get('capture_dir')}")
         lines.append(f"     {body.get('who_captures') or 'who captures: not said (an older sglang_capture)'}")
+        sharing = body.get("prefix_sharing")
+        lines.append("     prefix sharing: " + {"on": "on (cached prefixes reused where their rows are stored; files "
+                                                      "reference rows stored once under the capture dir's .blocks)",
+                                                "off": "off (every file holds its whole sequence)"}.get(
+            sharing, "not said (an older sglang_capture: off)"))
         spec = body.get("speculative")
         if spec:
             lines.append(f"     speculates with {spec.get('algorithm')} (draft {spec.get('draft')}): its draft fixes the "

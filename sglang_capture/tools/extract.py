@@ -23,12 +23,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import requests
 
 from sglang_capture.core import checksum
+from sglang_capture.core.blocks import BLOCKS_DIR, block_relpath
 from sglang_capture.core.durable import LockTimeout, fsync_dir, publish_new
 from sglang_capture.core.format import CaptureFileError
 from sglang_capture.core.fp8 import CAPTURE_DTYPES
 from sglang_capture.core.loss_mask import spans_from_mask
 from sglang_capture.core.names import FILE_SUFFIX
-from sglang_capture.core.reader import load
+from sglang_capture.core.reader import block_names, blocks_dir, load, read_meta
 from sglang_capture.tools.attempts import RunLocks
 from sglang_capture.tools.client import ServerError, ServerInfo, capture_prefill, discover_servers
 from sglang_capture.tools.conversations import BadLine, Sample, read_samples
@@ -66,8 +67,47 @@ def sample_path(out: str, sample_id: str) -> str:
     return os.path.join(out, sample_id + FILE_SUFFIX)
 
 
+def link_blocks(src: str, out: str) -> None:
+    """Bring the shared blocks a capture file references (schema v3) from beside ``src`` into
+    ``out/.blocks``, before the file itself comes: linked on one filesystem (no bytes copied; the
+    server's ``gc`` then only drops its own name for them), else copied, each whole or absent. A
+    block already there stays: any block of a name holds the same rows (core/blocks.py)."""
+    names = block_names(read_meta(src), src)
+    here, there = blocks_dir(src), os.path.join(out, BLOCKS_DIR)
+    if not names or (os.path.isdir(there) and os.path.samefile(here, there)):
+        return
+    linked, new_dirs = set(), False
+    for name in names:
+        rel = block_relpath(name)
+        dst = os.path.join(there, rel)
+        if os.path.exists(dst):
+            continue
+        sub = os.path.dirname(dst)
+        if not os.path.isdir(sub):
+            os.makedirs(sub, mode=0o750, exist_ok=True)
+            new_dirs = True
+        try:
+            os.link(os.path.join(here, rel), dst)
+        except FileExistsError:
+            continue
+        except OSError:  # another filesystem: a flushed copy, linked into place
+            with open(os.path.join(here, rel), "rb") as fi:
+                try:
+                    publish_new(dst, lambda fo: shutil.copyfileobj(fi, fo, 1 << 22))
+                except FileExistsError:
+                    continue
+        linked.add(sub)
+    for sub in linked:
+        fsync_dir(sub)
+    if new_dirs:
+        fsync_dir(there)
+        fsync_dir(out)
+
+
 def move_to_sample(src: str, dst: str) -> None:
-    """Move a server's file to its sample name: never overwrite, never expose a partial copy."""
+    """Move a server's file to its sample name, its shared blocks first: never overwrite, never
+    expose a partial copy or a file whose blocks are not there yet."""
+    link_blocks(src, os.path.dirname(dst))
     try:
         try:
             os.link(src, dst)

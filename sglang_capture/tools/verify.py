@@ -1,7 +1,8 @@
 """``sglang-capture verify DIR``: is every sample there, complete, and sane?
 
-Every file is decoded in full (zstd frame checksums, sizes), its tensors are checked against
-its own metadata (row counts, widths, dtypes, loss mask values, NaN/Inf), and, when the
+Every file is decoded in full (zstd frame checksums, sizes), with every shared block it references
+(schema v3: each one named when it is missing, corrupt or not the block referenced), its tensors
+are checked against its own metadata (row counts, widths, dtypes, loss mask values, NaN/Inf), and, when the
 directory has a manifest, the manifest is checked against the files: missing, extra, duplicate,
 size and checksum. Problems are one line each; the caller turns "any problem" into exit 1.
 """
@@ -18,9 +19,9 @@ import torch
 from sglang_capture.core.checksum import UnknownChecksum, matches
 from sglang_capture.core.final_state import FINAL_CHOICES, kept_states
 from sglang_capture.core.final_state import TENSOR as FINAL_TENSOR
-from sglang_capture.core.format import CaptureFileError, row_count
+from sglang_capture.core.format import SCHEMA_REFS, CaptureFileError, read_records, row_count
 from sglang_capture.core.names import FILE_SUFFIX
-from sglang_capture.core.reader import loads
+from sglang_capture.core.reader import check_blocks, check_seal, loads
 from sglang_capture.tools.manifest import MANIFEST, read_manifest
 
 
@@ -85,6 +86,12 @@ def check_file(path: str, checksum: Optional[str] = None) -> List[str]:
         except UnknownChecksum as e:
             problems.append(f"{name}: the manifest's {e}")
     try:
+        meta, recs = read_records(buf, path)
+        if meta.get("schema") == SCHEMA_REFS:
+            check_seal(meta, recs, path)
+            broken = check_blocks(meta, path)
+            if broken:
+                return problems + [f"{name}: {p}" for p in broken]
         d = loads(buf, path)
     except CaptureFileError as e:
         return problems + [f"{name}: corrupt: {str(e).split(': ', 1)[-1]}"]

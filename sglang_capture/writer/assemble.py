@@ -16,10 +16,10 @@ class IncompleteCapture(RuntimeError):
     """Some positions of the request never received a row: the file would be wrong, so none is written."""
 
 
-def _gaps(spans: List[Tuple[int, int]], n_rows: int) -> List[Tuple[int, int]]:
-    """The inclusive position ranges in ``[0, n_rows)`` that no ``[start, end)`` span covers."""
+def _gaps(spans: List[Tuple[int, int]], n_rows: int, first: int = 0) -> List[Tuple[int, int]]:
+    """The inclusive position ranges in ``[first, n_rows)`` that no ``[start, end)`` span covers."""
     gaps: List[Tuple[int, int]] = []
-    reached = 0
+    reached = first
     for start, end in sorted(spans):
         if start > reached:
             gaps.append((reached, start - 1))
@@ -30,9 +30,10 @@ def _gaps(spans: List[Tuple[int, int]], n_rows: int) -> List[Tuple[int, int]]:
 
 
 def assemble_rows(chunks: List[Tuple[int, HostTensor]], n_rows: int,
-                  stored: Dict[str, Tuple[int, int]]) -> Dict[str, HostTensor]:
+                  stored: Dict[str, Tuple[int, int]], first: int = 0) -> Dict[str, HostTensor]:
     """Place every ``(start, rows)`` chunk by position into fresh arrays, one per column range
-    in ``stored``.
+    in ``stored``, for positions ``[first, n_rows)`` (``first``: the rows before it lie in shared
+    blocks, writer/blocks.py).
 
     Later chunks overwrite earlier ones (re-prefill after retraction), rows past ``n_rows`` are
     dropped (the step that sampled the last token also computed rows nobody fed back), and a
@@ -40,22 +41,24 @@ def assemble_rows(chunks: List[Tuple[int, HostTensor]], n_rows: int,
     this returns, nothing reads the chunks' memory any more.
     """
     if not chunks:
-        if n_rows:
-            raise IncompleteCapture(f"no rows were captured for {n_rows} positions")
+        if n_rows > first:
+            raise IncompleteCapture(f"no rows were captured for {n_rows - first} positions")
         return {name: HostTensor("float32", numpy.empty((0, hi - lo), dtype=numpy.float32))
                 for name, (lo, hi) in stored.items()}
     dtype = chunks[0][1].dtype
-    out = {name: numpy.empty((n_rows, hi - lo), dtype=chunks[0][1].array.dtype) for name, (lo, hi) in stored.items()}
+    out = {name: numpy.empty((n_rows - first, hi - lo), dtype=chunks[0][1].array.dtype)
+           for name, (lo, hi) in stored.items()}
     spans: List[Tuple[int, int]] = []
     for start, rows in chunks:
+        skip = max(first - start, 0)
         end = min(start + rows.array.shape[0], n_rows)
-        if end <= start:
+        if end <= start + skip:
             continue
-        taken = rows.array[: end - start]
+        taken = rows.array[skip: end - start]
         for name, (lo, hi) in stored.items():
-            out[name][start:end] = taken[:, lo:hi]
-        spans.append((start, end))
-    gaps = _gaps(spans, n_rows)
+            out[name][start + skip - first:end - first] = taken[:, lo:hi]
+        spans.append((start + skip, end))
+    gaps = _gaps(spans, n_rows, first)
     if gaps:
         where = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:8])
         raise IncompleteCapture(f"rows missing at positions {where} of {n_rows}")

@@ -25,10 +25,25 @@ def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors
                        checksum: str = DEFAULT_CHECKSUM,
                        publishing: Optional[Callable[[os.stat_result, int, str], None]] = None,
                        temp_created: Optional[Callable[[str], None]] = None,
+                       schema: Optional[str] = None, seal_payload: bool = False,
                        ) -> Tuple[int, str, Dict[str, float]]:
-    """Encode ``tensors`` into ``<name>.capture.msgpack`` and publish it; returns its size,
-    checksum and stage timings. Raises on failure (FileExistsError when the name is taken),
-    leaving no file behind.
+    """Encode ``tensors`` into ``<name>.capture.msgpack`` and publish it (``write_file``)."""
+    try:
+        return write_file(dirs.capture, name + FILE_SUFFIX, dirs.tmp, meta, tensors, codec, durability,
+                          keep_page_cache, progress, checksum, publishing, temp_created, schema, seal_payload)
+    except FileExistsError:
+        raise FileExistsError(f"a capture file named {name!r} already exists") from None
+
+
+def write_file(dir_fd: int, filename: str, tmp_dir_fd: int, meta: Mapping[str, Any],
+               tensors: Mapping[str, HostTensor], codec: Codec, durability: Durability, keep_page_cache: bool = False,
+               progress: Callable[[], None] = lambda: None, checksum: str = DEFAULT_CHECKSUM,
+               publishing: Optional[Callable[[os.stat_result, int, str], None]] = None,
+               temp_created: Optional[Callable[[str], None]] = None, schema: Optional[str] = None,
+               seal_payload: bool = False) -> Tuple[int, str, Dict[str, float]]:
+    """Encode ``tensors`` into ``filename`` (relative to ``dir_fd``; the temp file in ``tmp_dir_fd``,
+    on the same filesystem) and publish it; returns its size, checksum and stage timings. Raises on
+    failure (FileExistsError when the name is taken), leaving no file behind.
 
     Unless ``keep_page_cache``, the file's pages leave the page cache once on the disk: at 1.4 GB/s
     of captures the cache otherwise grows until the kernel must reclaim memory for every other
@@ -45,7 +60,7 @@ def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors
 
     def encode(f) -> Tuple[int, str]:
         behind = WriteBehind(f, progress, keep_page_cache)
-        out = write_capture(behind, meta, tensors, codec, checksum)
+        out = write_capture(behind, meta, tensors, codec, checksum, schema, seal_payload)
         behind.finish()
         encoded_at[0] = time.monotonic()
         return out
@@ -64,10 +79,6 @@ def write_capture_file(dirs: DirFds, name: str, meta: Mapping[str, Any], tensors
         durability.sync_names(dir_fd)
         progress()
 
-    try:
-        nbytes, digest = publish_new(name + FILE_SUFFIX, encode, dir_fd=dirs.capture, tmp_dir_fd=dirs.tmp,
-                                       sync_data=sync_data, sync_names=sync_names, created=temp_created,
-                                       before_link=before_link)
-    except FileExistsError:
-        raise FileExistsError(f"a capture file named {name!r} already exists") from None
+    nbytes, digest = publish_new(filename, encode, dir_fd=dir_fd, tmp_dir_fd=tmp_dir_fd, sync_data=sync_data,
+                                 sync_names=sync_names, created=temp_created, before_link=before_link)
     return nbytes, digest, {"encode_write_s": encoded_at[0] - t0, "fsync_publish_s": time.monotonic() - encoded_at[0]}

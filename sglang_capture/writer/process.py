@@ -17,11 +17,16 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
+import numpy
+
+from sglang_capture.core.blocks import BLOCK_TENSORS_KEY, BLOCK_TOKENS, BLOCKS_KEY, BlockRef, plan_blocks
 from sglang_capture.core.capture_dir import DirFds, error_text, sweep_records
 from sglang_capture.core.config import CaptureConfig
+from sglang_capture.core.format import SCHEMA_REFS, HostTensor
 from sglang_capture.core.handoff import Heartbeat, chunk_arrays, ids_array, recv, send
 from sglang_capture.core.loss_mask import mask_from_spans
 from sglang_capture.writer.assemble import assemble_rows, relabel
+from sglang_capture.writer.blocks import BlockStore, MissingBlocks, block_meta, refs_of, shared_lock
 from sglang_capture.writer.capture_file import write_capture_file
 from sglang_capture.writer.durability import durability_for
 
@@ -41,8 +46,10 @@ class WriterProcess:
             os.close(pool_fd)
         self.dirs: Optional[DirFds] = None
         self.dirs_error: Optional[OSError] = None
+        self.blocks: Optional[BlockStore] = None
         try:
             self.dirs = DirFds.open(config.capture_dir)
+            self.blocks = BlockStore(self.dirs, self.codec, self.durability, config.checksum, config.keep_page_cache)
         except OSError as e:  # every job then fails with this reason; the server keeps serving
             self.dirs_error = e
 
@@ -68,20 +75,22 @@ class WriterProcess:
         beat = self._heartbeat(out_fd)
         copied = False
         timings: Dict[str, float] = {}
+        share = msg.get("share")
+        first = share["start"] if share else 0
         try:
             try:
-                tensors = assemble_rows(chunk_arrays(msg["chunks"], self.pool), msg["n_rows"],
-                                        {k: tuple(v) for k, v in msg["stored"].items()})
+                rows = assemble_rows(chunk_arrays(msg["chunks"], self.pool), msg["n_rows"],
+                                     {k: tuple(v) for k, v in msg["stored"].items()}, first)
             finally:
                 send(out_fd, {"op": "copied"})
                 copied = True
             timings["assemble_s"] = time.monotonic() - t0
-            tensors = relabel(tensors, msg.get("dtypes") or {})
+            rows = relabel(rows, msg.get("dtypes") or {})
             input_ids = ids_array(msg["input_ids"])
-            tensors = {"input_ids": input_ids, "output_ids": ids_array(msg["output_ids"]), **tensors}
+            tensors = {"input_ids": input_ids, "output_ids": ids_array(msg["output_ids"])}
             if msg["loss_spans"] is not None:
                 tensors["loss_mask"] = mask_from_spans([tuple(s) for s in msg["loss_spans"]], len(input_ids))
-            if self.dirs is None:
+            if self.dirs is None or self.blocks is None:
                 raise self.dirs_error or OSError("the capture dir is unusable")
             beat.restart()  # "copied" went just now
 
@@ -90,18 +99,63 @@ class WriterProcess:
                               "checksum": checksum})
                 beat.restart()
 
-            nbytes, checksum, stage = write_capture_file(self.dirs, msg["name"], msg["meta"], tensors, self.codec,
-                                                         self.durability, self.config.keep_page_cache, beat,
-                                                         self.config.checksum, publishing,
-                                                         lambda temp: send(out_fd, {"op": "temp", "name": temp}))
+            def publish(meta: Dict[str, Any], file_tensors: Dict[str, HostTensor], schema: Optional[str] = None):
+                return write_capture_file(self.dirs, msg["name"], meta, file_tensors, self.codec, self.durability,
+                                          self.config.keep_page_cache, beat, self.config.checksum, publishing,
+                                          lambda temp: send(out_fd, {"op": "temp", "name": temp}), schema,
+                                          seal_payload=schema is not None)
+
+            if share is None:
+                tensors.update(rows)
+                nbytes, checksum, stage = publish(msg["meta"], tensors)
+                extra: Dict[str, Any] = {}
+            else:
+                nbytes, checksum, stage, extra = self._publish_shared(msg, share, rows, tensors, publish, beat)
             timings.update(stage)
             result = {"status": "ok", "bytes": nbytes, "checksum": checksum,
-                      "raw_bytes": sum(int(t.nbytes) for t in tensors.values())}
+                      "raw_bytes": sum(int(t.nbytes) for t in tensors.values()), **extra}
+        except MissingBlocks as e:
+            result = {"status": "error", "error": error_text(e), "missing_blocks": e.names}
         except Exception as e:
             if not copied:
                 raise
             result = {"status": "error", "error": error_text(e)}
         return {"op": "done", "result": result, "timings": timings}
+
+    def _publish_shared(self, msg: Dict[str, Any], share: Dict[str, Any], rows: Dict[str, HostTensor],
+                        tensors: Dict[str, HostTensor], publish: Any, beat: Heartbeat) -> Any:
+        """Store the capture's new rows (positions ``share["start"]`` on) as blocks, then publish its
+        file of references (writer/blocks.py); returns the file's size, checksum and timings, and
+        what the outcome adds: the blocks stored (for the scheduler's index) and what they cost."""
+        t0 = time.monotonic()
+        n_rows, first = msg["n_rows"], share["start"]
+        seq = numpy.concatenate([tensors["input_ids"], tensors["output_ids"]])[:n_rows]
+        plan = plan_blocks(seq, first, n_rows, bytes.fromhex(share["root"]))
+        bmeta = block_meta(msg["meta"], share["root"])
+        stored = self.blocks.put(plan, rows, first, seq, bmeta, beat)
+        refs = [BlockRef.from_list(r) for r in share["refs"]] + refs_of(stored)
+        meta = {**msg["meta"], "schema": SCHEMA_REFS, BLOCKS_KEY: [r.as_list() for r in refs],
+                BLOCK_TENSORS_KEY: list(rows), "block_tokens": BLOCK_TOKENS, "block_layout": share["root"]}
+        blocks_s = time.monotonic() - t0
+        with shared_lock(self.dirs.blocks):
+            missing = self.blocks.touch(refs, {**share.get("sizes", {}), **{s.block.name: s.size for s in stored}})
+            own = {s.block.name: s.block for s in stored}
+            gone = [name for name in missing if name not in own]
+            if gone:
+                raise MissingBlocks(gone)
+            if missing:  # this capture's own blocks, removed since: its rows are still here
+                again = {s.block.name: s for s in self.blocks.put([own[name] for name in missing], rows, first, seq,
+                                                                  bmeta, beat)}
+                stored = [again.get(s.block.name, s) for s in stored]
+            nbytes, checksum, stage = publish(meta, tensors, SCHEMA_REFS)
+        written = [s for s in stored if s.written_bytes]
+        rows_stored = sum(s.block.end - s.block.start for s in written)
+        row_bytes = sum(t.nbytes for t in rows.values()) // max(n_rows - first, 1)
+        extra = {"blocks": [s.as_list() for s in stored], "block_bytes": sum(s.written_bytes for s in written),
+                 "blocks_written": len(written), "blocks_reused": len(stored) - len(written),
+                 "rows_stored": rows_stored, "rows_shared": n_rows - rows_stored,
+                 "raw_bytes": sum(t.nbytes for t in tensors.values()) + row_bytes * rows_stored}
+        return nbytes, checksum, {**stage, "blocks_s": blocks_s}, extra
 
 
 def main() -> int:

@@ -1,0 +1,250 @@
+"""Multi-turn chat traffic (issue 50): what capture costs a server whose requests re-send their history.
+
+    python bench/gpu_sessions.py MODEL_DIR OUT_DIR [--sessions 64] [--turns 8] [--system 1024] [--user 128]
+                                [--answer 64] [--rounds 2] [--servers on,off] [--sglang-args "..."]
+
+The load, closed loop: ``--sessions`` chats at once, each ``--turns`` turns; every chat opens with the
+same ``--system`` token system prompt; each turn adds ``--user`` new tokens and the model answers
+``--answer`` tokens (ignore_eos); every turn sends the whole history as ``input_ids``. A pass is every
+chat's every turn; its rate is requests per second over the pass.
+
+One launcher server per ``--servers`` entry, all on the GPU at once: ``on`` (``--capture-prefix-sharing on``)
+and ``off`` (as before sharing: every capture computes and stores its whole sequence). On each, in
+alternating windows of one pass each (``none``, then ``capture``, ``--rounds`` times), with new chats each
+window (the system prompt is the same for all): ``none`` sends plain requests, ``capture`` asks every
+request for capture (``custom_params.capture``: the response waits for its file, so the next turn can
+reuse it). Per window: pass time, requests/s, the writer stats' deltas (rows stored and reused, block
+and file bytes), the unique tokens of the window's chats. Then ``--check`` chats of the last ``on``
+capture window are captured again whole on the ``off`` server, prefill only, and compared row by row
+(0.1st-percentile cosine per column block: each aux layer and the final state).
+
+Writes OUT_DIR/gpu_sessions.json (rewritten after every window) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional
+
+import requests
+
+from sglang_capture.core.capture_dir import writer_stats
+from sglang_capture.testbed.cpu import server_env
+from sglang_capture.testbed.once import cache_dir
+from sglang_capture.testbed.server import Server, capture_cmd, start_server, stop_server
+
+COUNTED = ("written", "bytes", "block_bytes", "blocks_written", "blocks_reused", "rows_stored", "rows_shared",
+           "raw_bytes", "failed", "missing_blocks")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def counters(capture_dir: str) -> Dict[str, float]:
+    """The writer ranks' counters summed (settled: every answered request counted)."""
+    out = {k: 0.0 for k in COUNTED}
+    for doc in writer_stats(capture_dir, settled=True).values():
+        for k in COUNTED:
+            out[k] += doc.get(k, 0) or 0
+    return out
+
+
+class Chats:
+    """The chats of one window: token ids drawn from a seed, the system prompt shared by all windows."""
+
+    def __init__(self, a: argparse.Namespace, seed: int) -> None:
+        self.a = a
+        rng = random.Random(seed)
+        self.system = [random.Random(0).randrange(100, a.vocab) for _ in range(a.system)]
+        self.users = [[[rng.randrange(100, a.vocab) for _ in range(a.user)] for _ in range(a.turns)]
+                      for _ in range(a.sessions)]
+
+
+def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[str, Any]:
+    a = chats.a
+    history, last, errors, latencies, file_rows = list(chats.system), None, [], [], 0
+    session = requests.Session()
+    for t in range(a.turns):
+        history = history + chats.users[s][t]
+        params: Dict[str, Any] = {"max_new_tokens": a.answer, "temperature": 0, "ignore_eos": True}
+        if capture:
+            params["custom_params"] = {"capture": True, "capture_name": f"{name}-s{s}-t{t}"}
+        t0 = time.monotonic()
+        r = session.post(url + "/generate", json={"input_ids": history, "sampling_params": params}, timeout=600)
+        latencies.append(time.monotonic() - t0)
+        r.raise_for_status()
+        out = r.json()
+        if capture:
+            ref = out["meta_info"]["capture"]
+            if ref["status"] != "ok":
+                errors.append(ref.get("error", ref["status"]))
+            else:
+                file_rows += ref["rows"]
+            last = ref
+        history = history + out["output_ids"]
+    session.close()
+    return {"rows": len(history) - 1, "last": last, "errors": errors, "latencies": latencies, "file_rows": file_rows}
+
+
+def window(server: Server, chats: Chats, capture: bool, name: str) -> Dict[str, Any]:
+    a = chats.a
+    before = counters(server.capture_dir) if capture else None
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(a.sessions) as pool:
+        results = list(pool.map(lambda s: run_chat(server.url, chats, s, capture, name), range(a.sessions)))
+    seconds = time.monotonic() - t0
+    lat = sorted(x for r in results for x in r["latencies"])
+    out: Dict[str, Any] = {"seconds": round(seconds, 3), "requests": a.sessions * a.turns,
+                           "requests_per_s": round(a.sessions * a.turns / seconds, 2),
+                           "latency_p50_s": round(lat[len(lat) // 2], 4), "latency_p99_s": round(lat[int(len(lat) * 0.99)], 4)}
+    if capture:
+        after = counters(server.capture_dir)
+        delta = {k: after[k] - before[k] for k in COUNTED}
+        # rows a chat needs (its last turn's, the system prompt's counted once per window) and those stored
+        unique = a.system + sum(r["rows"] - a.system for r in results)
+        out.update(delta=delta, unique_rows=unique, file_rows=sum(r["file_rows"] for r in results),
+                   errors=sum(len(r["errors"]) for r in results),
+                   first_errors=[e for r in results for e in r["errors"]][:3],
+                   last_files=[r["last"]["path"] for r in results if r["last"] and r["last"]["status"] == "ok"])
+    return out
+
+
+def cosines(a_rows: Any, b_rows: Any, block: int) -> List[float]:
+    """0.1st-percentile row cosine of each ``block``-column block."""
+    import torch
+
+    out = []
+    for lo in range(0, a_rows.shape[1], block):
+        c = torch.nn.functional.cosine_similarity(a_rows[:, lo:lo + block].float(), b_rows[:, lo:lo + block].float(), dim=-1)
+        out.append(float(torch.quantile(c, 0.001)))
+    return out
+
+
+def check_rows(on_files: List[str], off: Server, n: int) -> Dict[str, Any]:
+    """The last turn of ``n`` chats read through shared blocks against a private capture of the same tokens."""
+    import sglang_capture
+
+    worst: Optional[List[float]] = None
+    for i, path in enumerate(on_files[:n]):
+        d = sglang_capture.load(path)
+        ids = d["input_ids"].tolist() + d["output_ids"].tolist()[:-1]
+        r = requests.post(off.url + "/generate", timeout=600, json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 1, "custom_params": {"capture": True, "capture_name": f"check-{i}"}}}).json()
+        p = sglang_capture.load(r["meta_info"]["capture"]["path"])
+        h = d["hidden_size"]
+        c = cosines(d["aux_hidden_states"], p["aux_hidden_states"], h) + cosines(d["last_hidden_states"],
+                                                                                 p["last_hidden_states"], h)
+        worst = c if worst is None else [min(x, y) for x, y in zip(worst, c)]
+    return {"chats": min(n, len(on_files)), "p0_1_cos_per_column": worst}
+
+
+def summarize(windows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per server: pass time capturing against not (sums over its rounds), and for the first capture
+    window the rows and bytes stored against its chats' unique rows; the bytes those rows take in
+    self-contained files are the ``off`` server's bytes per file row."""
+    out: Dict[str, Any] = {}
+    for name in sorted({w["server"] for w in windows}):
+        ws = [w for w in windows if w["server"] == name]
+        none = [w["seconds"] for w in ws if w["mode"] == "none"]
+        cap = [w for w in ws if w["mode"] == "capture"]
+        if none and cap:
+            out[name] = {"capture_over_none": round(sum(none) / sum(w["seconds"] for w in cap), 4),
+                         "none_s": none, "capture_s": [w["seconds"] for w in cap],
+                         "rows_stored_per_unique_row": round(cap[0]["delta"]["rows_stored"] / cap[0]["unique_rows"], 4)
+                         if cap[0]["delta"]["rows_stored"] else None,
+                         "file_rows_per_unique_row": round(cap[0]["file_rows"] / cap[0]["unique_rows"], 4),
+                         "errors": sum(w["errors"] for w in cap)}
+    on, off = out.get("on"), out.get("off")
+    if on and off:
+        on0 = next(w for w in windows if w["server"] == "on" and w["mode"] == "capture")
+        off0 = next(w for w in windows if w["server"] == "off" and w["mode"] == "capture")
+        per_row = off0["delta"]["bytes"] / max(off0["file_rows"], 1)
+        on["bytes_per_self_contained_unique_rows"] = round(
+            (on0["delta"]["block_bytes"] + on0["delta"]["bytes"]) / (on0["unique_rows"] * per_row), 4)
+        on["self_contained_bytes_per_row"] = round(per_row, 1)
+    return out
+
+
+def main(argv: List[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--system", type=int, default=1024)
+    ap.add_argument("--user", type=int, default=128)
+    ap.add_argument("--answer", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--off-rounds", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--check", type=int, default=8)
+    ap.add_argument("--servers", default="on,off")
+    ap.add_argument("--caps", default="/tmp/caps-sessions")
+    ap.add_argument("--sglang-args", default="")
+    ap.add_argument("--capture-args", default="")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    result: Dict[str, Any] = {"args": vars(a), "windows": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    def save() -> None:
+        with open(os.path.join(a.out, "gpu_sessions.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+    servers: Dict[str, Server] = {}
+    env = server_env(cache_dir())
+    names = [s for s in a.servers.split(",") if s]
+
+    def start(name: str) -> None:
+        caps = os.path.join(a.caps, name)
+        shutil.rmtree(caps, ignore_errors=True)
+        os.makedirs(caps)
+        cmd = capture_cmd(a.model, caps, "--capture-prefix-sharing", name, *shlex.split(a.capture_args),
+                          *shlex.split(a.sglang_args))
+        t0 = time.monotonic()
+        servers[name] = start_server(cmd, env, os.path.join(a.out, f"server-{name}.log"), caps)
+        log(f"{name} up in {time.monotonic() - t0:.0f} s")
+
+    try:
+        threads = [threading.Thread(target=start, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if set(servers) != set(names):
+            raise SystemExit("a server did not start (see its log)")
+        seed = 1
+        for name in names:
+            rounds = a.rounds if name == "on" else a.off_rounds
+            for r in range(rounds):
+                for mode in ("none", "capture"):
+                    w = window(servers[name], Chats(a, seed), mode == "capture", f"{name}-w{seed}")
+                    w.update(server=name, mode=mode, round=r, seed=seed)
+                    seed += 1
+                    result["windows"].append(w)
+                    save()
+                    log(f"{name} {mode} r{r}: {w['seconds']:.2f} s, {w['requests_per_s']} req/s"
+                        + (f", stored {w['delta']['rows_stored']:.0f} rows of {w['unique_rows']} unique, "
+                           f"{w['errors']} errors" if mode == "capture" else ""))
+        on = [w for w in result["windows"] if w["server"] == "on" and w["mode"] == "capture"]
+        if on and "off" in servers:
+            result["rows"] = check_rows(on[-1]["last_files"], servers["off"], a.check)
+        result["summary"] = summarize(result["windows"])
+        save()
+        print(json.dumps(result["summary"], indent=1))
+        return 0
+    finally:
+        for s in servers.values():
+            stop_server(s)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,175 @@
+"""The stored blocks a scheduler knows of, and how much of a request's prefix they cover.
+
+A capture request may reuse cached KV only where its rows are stored (core/blocks.py): the hook on
+SGLang's prefix limit (``hooks/prefix.py``) caps each capture request's radix-cache match at the
+``Coverage`` this index finds for its tokens, and its file then references those blocks instead of
+computing and storing the rows again.
+
+Every rank of a request's scheduler group must cap it alike, or their batches would differ. So this
+index changes only through ``BlockEvent``s: the writer rank posts them (a block stored, a block found
+missing) and they travel SGLang's own request broadcast (``hooks/prefix.py``), every rank applying
+the same events at the same step, before the requests that arrived with them. The index is bounded
+(``capacity_tokens``, least recently used first): a block it forgot is recomputed, and its rows
+are then found already stored by the writer (the same key) and not written again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy
+
+from sglang_capture.core.blocks import BLOCK_TOKENS, BlockRef, slot_hash
+
+# The index keeps up to this many slot tokens (8 bytes each): far more than a radix cache holds, whose
+# hits are the only ones worth covering.
+CAPACITY_TOKENS = 4 << 20
+
+
+def as_tokens(ids: Any) -> numpy.ndarray:
+    """Token ids as int64 numpy, without a copy where SGLang keeps them in an ``array('q')``."""
+    if isinstance(ids, numpy.ndarray):
+        return ids.astype(numpy.int64, copy=False)
+    try:
+        return numpy.frombuffer(ids, dtype=numpy.int64) if getattr(ids, "typecode", None) == "q" \
+            else numpy.asarray(ids, dtype=numpy.int64)
+    except (TypeError, ValueError):
+        return numpy.asarray(list(ids), dtype=numpy.int64)
+
+
+@dataclass(frozen=True)
+class IndexedBlock:
+    """A stored block: rows ``[start, end)`` under prefix ``slot_hash``, the slot's first ``end -
+    slot start`` tokens (``tokens``), and its file's size (a writer checks it before referencing it)."""
+
+    name: str
+    slot_hash: bytes
+    start: int
+    end: int
+    tokens: numpy.ndarray
+    size: int
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != self.end - (self.start - self.start % BLOCK_TOKENS):
+            raise ValueError(f"block {self.name}: {len(self.tokens)} slot tokens for rows [{self.start}, {self.end})")
+
+
+@dataclass
+class BlockEvent:
+    """What the writer rank tells every rank of its group about stored blocks, through SGLang's
+    request broadcast (picklable: plain values and numpy arrays)."""
+
+    added: List[IndexedBlock] = field(default_factory=list)
+    dropped: List[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How far stored blocks cover a sequence from its start: rows ``[0, reach)``, by ``refs``, and
+    the size of each block referenced."""
+
+    reach: int
+    refs: Tuple[BlockRef, ...] = ()
+    sizes: Tuple[int, ...] = ()
+
+    def upto(self, n: int) -> Tuple[BlockRef, ...]:
+        """The references of rows ``[0, n)`` (``n <= reach``)."""
+        out = []
+        for ref in self.refs:
+            if ref.first >= n:
+                break
+            out.append(ref if ref.last <= n else BlockRef(ref.name, ref.start, ref.first, n))
+        return tuple(out)
+
+
+NOTHING = Coverage(0)
+
+
+def _common(a: numpy.ndarray, b: numpy.ndarray) -> int:
+    """How many leading elements of two equally long arrays are equal."""
+    eq = a == b
+    return len(eq) if eq.all() else int(eq.argmin())
+
+
+class BlockIndex:
+    """Stored blocks by the prefix hash of their slot (see the module docstring)."""
+
+    def __init__(self, capacity_tokens: int = CAPACITY_TOKENS) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.version = 0  # changes with every block added or dropped: a request's cached coverage is then stale
+        self._blocks: "OrderedDict[str, IndexedBlock]" = OrderedDict()  # least recently used first
+        self._by_slot: Dict[bytes, List[IndexedBlock]] = {}
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def apply(self, event: BlockEvent) -> None:
+        """Apply one event (every rank of the group applies the same ones in the same order)."""
+        self.drop(event.dropped)
+        self.add(event.added)
+
+    def add(self, blocks: Iterable[IndexedBlock]) -> None:
+        for block in blocks:
+            if block.name in self._blocks:
+                self._blocks.move_to_end(block.name)
+                continue
+            self._blocks[block.name] = block
+            self._by_slot.setdefault(block.slot_hash, []).append(block)
+            self._tokens += len(block.tokens)
+            self.version += 1
+        while self._tokens > self.capacity_tokens and self._blocks:
+            self._remove(next(iter(self._blocks)))
+
+    def drop(self, names: Iterable[str]) -> None:
+        for name in names:
+            if name in self._blocks:
+                self._remove(name)
+
+    def _remove(self, name: str) -> None:
+        block = self._blocks.pop(name)
+        same = self._by_slot[block.slot_hash]
+        same.remove(block)
+        if not same:
+            del self._by_slot[block.slot_hash]
+        self._tokens -= len(block.tokens)
+        self.version += 1
+
+    def cover(self, tokens: numpy.ndarray, limit: int, root: bytes) -> Coverage:
+        """The stored rows that ``tokens`` (the request's ids) can reuse among its first ``limit``:
+        slot by slot, the block whose tokens agree with the request's the furthest past where the
+        covered rows end. A block's rows are only reused where every token before them agrees."""
+        refs: List[BlockRef] = []
+        sizes: List[int] = []
+        at, h, slot = 0, root, 0
+        limit = min(limit, len(tokens))
+        while at < limit:
+            best: Optional[IndexedBlock] = None
+            reach = at
+            for block in self._by_slot.get(h, ()):
+                if not block.start <= at < block.end:
+                    continue
+                n = min(block.end, limit) - slot
+                agree = slot + _common(block.tokens[:n], tokens[slot:slot + n])
+                if agree > reach:
+                    best, reach = block, agree
+            if best is None:
+                break
+            self._blocks.move_to_end(best.name)
+            refs.append(BlockRef(best.name, best.start, at, reach))
+            sizes.append(best.size)
+            at = reach
+            if at == slot + BLOCK_TOKENS:
+                h, slot = slot_hash(h, tokens[slot:at]), at
+        return Coverage(at, tuple(refs), tuple(sizes))
+
+
+def blocks_of(stored: Sequence[Sequence[Any]], tokens: numpy.ndarray) -> List[IndexedBlock]:
+    """``IndexedBlock``s of the blocks a writer reports for a capture (``[name, slot_hash hex,
+    start, end, size]`` each), whose sequence has ``tokens``."""
+    out = []
+    for name, slot_h, start, end, size in stored:
+        slot = start - start % BLOCK_TOKENS
+        out.append(IndexedBlock(name, bytes.fromhex(slot_h), start, end, tokens[slot:end].copy(), size))
+    return out

@@ -1,0 +1,64 @@
+"""Prefix seams (``--capture-prefix-sharing on``): a capture request's radix-cache hit is capped
+where its stored rows end, and the index that says so changes alike on every rank.
+
+- ``cap_shared_prefix`` (``Req._compute_max_prefix_len``): SGLang matches a request's prefix in
+  the radix cache up to the limit this returns; for a capture request whose rows are shared it is
+  also capped at what the stored blocks cover (server/shared_rows.py). Every rank computes it.
+- ``post_block_events`` (``SchedulerRequestReceiver._pull_raw_reqs``): on the rank that receives
+  the requests (the writer rank), the index's events join them, first, and SGLang's own broadcast
+  carries them to the group's other ranks.
+- ``keep_block_events_with_work`` (``SchedulerRequestReceiver._split_work_and_control_reqs``):
+  under DP attention those events go with the requests, to the ranks of their own DP group.
+- ``apply_block_events`` (``Scheduler.process_input_requests``): every rank applies the events,
+  before the requests that came with them, and SGLang never sees them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_capture.server.block_index import BlockEvent
+from sglang_capture.server.scheduler_capture import EXTRA_KEY_TAG, SchedulerCapture
+from sglang_capture.server.shared_rows import SHARE_ATTR
+
+
+def cap_shared_prefix(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """After ``Req._compute_max_prefix_len``: a sharing capture request reuses only stored rows."""
+    limit = wrapped(*args, **kwargs)
+    if state.shared is None or getattr(instance, SHARE_ATTR, None) is None:
+        return limit
+    capped = state.shared.limit(instance, limit)
+    if capped is None:  # it needs private capture after all (its images arrived after it was made)
+        instance.extra_key = (instance.extra_key or "") + EXTRA_KEY_TAG + instance.rid
+        return limit
+    return capped
+
+
+def post_block_events(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """After ``_pull_raw_reqs``: the writer rank's block events go first among the requests pulled."""
+    reqs = wrapped(*args, **kwargs)
+    if reqs is None or state.shared is None or not state.is_writer:
+        return reqs
+    events = state.shared.take_events()
+    return events + list(reqs) if events else reqs
+
+
+def keep_block_events_with_work(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple,
+                                kwargs: dict) -> Any:
+    """Around ``_split_work_and_control_reqs`` (DP attention): block events travel with the work."""
+    work, control = wrapped(*args, **kwargs)
+    events = [r for r in control if isinstance(r, BlockEvent)]
+    if not events:
+        return work, control
+    return events + list(work), [r for r in control if not isinstance(r, BlockEvent)]
+
+
+def apply_block_events(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``Scheduler.process_input_requests``: apply block events, pass SGLang the rest."""
+    reqs = args[0] if args else kwargs["recv_reqs"]
+    events = [r for r in reqs if isinstance(r, BlockEvent)]
+    if not events:
+        return wrapped(*args, **kwargs)
+    if state.shared is not None:
+        state.shared.apply(events)
+    rest = [r for r in reqs if not isinstance(r, BlockEvent)]
+    return wrapped(rest, *args[1:], **kwargs) if args else wrapped(*args, **{**kwargs, "recv_reqs": rest})

@@ -1,0 +1,217 @@
+"""Shared rows in a writer process: a capture's new rows into blocks, and its file of references.
+
+A capture on a server with ``--capture-prefix-sharing on`` computed rows ``[D, N)``; the blocks of
+its first D rows were already stored (the scheduler found them, server/block_index.py). Here its
+new rows become blocks (core/blocks.py) and its file lists all of them:
+
+1. each planned block is looked up by its key first: one that exists whole (another request, DP
+   rank, server or an earlier run of this one stored the same rows) is not written again; one that
+   exists damaged (truncated, a flipped byte: its seal says so) is replaced by these rows; the others
+   are written like capture files, sealed with the checksum of their content, through a temp file,
+   flushed per ``--capture-durability`` and linked into place, so a block is whole or absent and
+   two writers racing on one key leave one block;
+2. under the shared lock of ``.blocks/.gc.lock`` (``gc`` takes it exclusively), every block the
+   file references is touched (its mtime: ``gc`` never takes a block touched after it began) and
+   found present, then the file is published. A block of this capture that is gone already (``gc``
+   with a short ``--min-age`` took it) is written again; an earlier one that is gone fails the
+   capture (``MissingBlocks``), naming the blocks, and the scheduler forgets them: a retry
+   computes their rows again.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy
+
+from sglang_capture.core.blocks import (
+    BLOCK_KIND,
+    BLOCK_SUFFIX,
+    GC_LOCK,
+    Block,
+    BlockRef,
+)
+from sglang_capture.core.capture_dir import DirFds
+from sglang_capture.core.checksum import UnknownChecksum
+from sglang_capture.core.durable import LOCK_TIMEOUT_S, LockTimeout
+from sglang_capture.core.format import CaptureFileError, Codec, HostTensor, read_records, seal_intact
+from sglang_capture.writer.capture_file import write_file
+from sglang_capture.writer.durability import Durability
+
+SUBDIR_MODE = 0o750  # blocks are read by whoever reads the capture files (0640)
+
+
+class MissingBlocks(RuntimeError):
+    """Blocks a capture references are gone (removed by hand, or by ``gc`` with a short
+    ``--min-age``): its file would hold no rows for them, so none is published."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        shown = ", ".join(self.names[:4]) + (f" and {len(self.names) - 4} more" if len(self.names) > 4 else "")
+        super().__init__(f"the stored rows it reuses are gone or changed (block {shown}); retry the request: its "
+                         "rows are then computed again")
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    """A block of this capture as stored, and how many bytes this writer wrote (0: the same rows
+    were stored already)."""
+
+    block: Block
+    written_bytes: int
+    size: int  # of its file
+
+    def as_list(self) -> List[Any]:
+        """What the hand-off thread needs to index it (server/block_index.blocks_of)."""
+        b = self.block
+        return [b.name, b.slot_hash.hex(), b.start, b.end, self.size]
+
+
+@contextmanager
+def shared_lock(dir_fd: int, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold ``.gc.lock`` shared (created if missing) within ``timeout_s``; a filesystem without
+    locks is taken as it is (``gc`` then relies on the touched mtimes alone)."""
+    fd = os.open(GC_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640, dir_fd=dir_fd)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP):
+                    break
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+            if time.monotonic() > deadline:
+                raise LockTimeout(errno.ETIMEDOUT, f"waited {timeout_s:g} s for {GC_LOCK}, which a running "
+                                                   "sglang-capture gc holds")
+            time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
+
+
+class BlockStore:
+    """The capture dir's ``.blocks/`` as one writer process uses it: fan-out folders opened once."""
+
+    def __init__(self, dirs: DirFds, codec: Codec, durability: Durability, checksum: str,
+                 keep_page_cache: bool) -> None:
+        self.dirs = dirs
+        self.codec = codec
+        self.durability = durability
+        self.checksum = checksum
+        self.keep_page_cache = keep_page_cache
+        self._subdirs: Dict[str, int] = {}
+
+    def subdir(self, name: str) -> int:
+        """The fan-out folder of block ``name``, made (and its entry flushed) on first use."""
+        sub = name[:2]
+        fd = self._subdirs.get(sub)
+        if fd is None:
+            try:
+                os.mkdir(sub, SUBDIR_MODE, dir_fd=self.dirs.blocks)
+                self.durability.sync_names(self.dirs.blocks)
+            except FileExistsError:
+                pass
+            fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirs.blocks)
+            self._subdirs[sub] = fd
+        return fd
+
+    def _size(self, name: str) -> Optional[int]:
+        """The size of block ``name``'s file, None when it is not stored."""
+        try:
+            return os.stat(name + BLOCK_SUFFIX, dir_fd=self.subdir(name), follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return None
+
+    def _stored_whole(self, name: str) -> Optional[int]:
+        """The size of block ``name``'s file when it is stored whole; None when it is not stored, or is
+        damaged (then it is removed: the caller has the rows to store it again)."""
+        fd = None
+        try:
+            fd = os.open(name + BLOCK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.subdir(name))
+            with os.fdopen(fd, "rb") as f:
+                fd = None
+                buf = f.read()
+        except FileNotFoundError:
+            return None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        try:
+            meta, recs = read_records(buf, name)
+            whole = meta.get("key") == name and seal_intact(meta, recs)
+        except (CaptureFileError, UnknownChecksum):
+            whole = False
+        if whole:
+            return len(buf)
+        try:
+            os.unlink(name + BLOCK_SUFFIX, dir_fd=self.subdir(name))
+        except FileNotFoundError:
+            pass
+        return None
+
+    def put(self, blocks: Sequence[Block], rows: Mapping[str, HostTensor], first_row: int, tokens: numpy.ndarray,
+            meta: Mapping[str, Any], progress: Callable[[], None]) -> List[StoredBlock]:
+        """Store ``blocks``, whose rows are ``rows`` from position ``first_row`` on, unless stored already."""
+        out = []
+        for block in blocks:
+            written = 0
+            size = self._stored_whole(block.name)
+            if size is None:
+                lo, hi = block.start - first_row, block.end - first_row
+                tensors = {"tokens": HostTensor("int64", numpy.ascontiguousarray(tokens[block.slot_start:block.end])),
+                           **{k: HostTensor(t.dtype, t.array[lo:hi]) for k, t in rows.items()}}
+                block_meta = {**meta, "kind": BLOCK_KIND, "key": block.name, "slot_start": block.slot_start,
+                              "start": block.start, "end": block.end, "created": time.time()}
+                try:
+                    size = written = write_file(self.subdir(block.name), block.name + BLOCK_SUFFIX, self.dirs.tmp,
+                                                block_meta, tensors, self.codec, self.durability,
+                                                self.keep_page_cache, progress, self.checksum, seal_payload=True)[0]
+                except FileExistsError:  # another writer stored the same rows meanwhile
+                    size = self._size(block.name)
+                    if size is None:
+                        raise
+            out.append(StoredBlock(block, written, size))
+            progress()
+        return out
+
+    def touch(self, refs: Sequence[BlockRef], sizes: Mapping[str, int]) -> List[str]:
+        """Mark every referenced block as in use now (``gc`` keeps it); returns the names of those
+        gone, or whose size is not the one ``sizes`` says (truncated or replaced since). Call under
+        ``shared_lock``."""
+        missing = []
+        for ref in refs:
+            name = ref.name + BLOCK_SUFFIX
+            try:
+                size = os.stat(name, dir_fd=self.subdir(ref.name), follow_symlinks=False).st_size
+                os.utime(name, dir_fd=self.subdir(ref.name), follow_symlinks=False)
+            except FileNotFoundError:
+                missing.append(ref.name)
+                continue
+            if sizes.get(ref.name, size) != size:
+                missing.append(ref.name)
+        return missing
+
+
+def block_meta(meta: Mapping[str, Any], root_hex: str) -> Dict[str, Any]:
+    """What every block of a capture records about where its rows come from: the capture's own
+    metadata, without what belongs to one request."""
+    drop = {"rid", "capture_name", "num_prompt_tokens", "num_output_tokens", "finish_reason", "created"}
+    return {**{k: v for k, v in meta.items() if k not in drop}, "layout": root_hex}
+
+
+def refs_of(stored: Sequence[StoredBlock]) -> List[BlockRef]:
+    return [BlockRef(s.block.name, s.block.start, s.block.start, s.block.end) for s in stored]
+
+
+def split_rows(tensors: Mapping[str, HostTensor]) -> Tuple[Dict[str, HostTensor], Dict[str, HostTensor]]:
+    """(rows, the rest): hidden-state tensors go to blocks, the ids and loss mask stay in the file."""
+    rows = {k: v for k, v in tensors.items() if k not in ("input_ids", "output_ids", "loss_mask")}
+    return rows, {k: v for k, v in tensors.items() if k not in rows}

@@ -1,0 +1,215 @@
+"""Prefix sharing on real CPU servers (tiny DeepSeek-V3, float32): capture requests keep radix-cache
+hits where the rows are stored, every row is stored once, files read whole and exact; what happens
+when stored rows are deleted, damaged or reused across servers, restarts and ``gc``."""
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import sglang_capture
+from sglang_capture.core.blocks import BLOCKS_DIR, block_relpath
+from sglang_capture.core.capture_dir import read_stats
+from sglang_capture.core.format import SCHEMA, SCHEMA_REFS, CaptureFileError
+from sglang_capture.core.reader import load_records
+from sglang_capture.testbed.server import capture_cmd, stop_server
+from tests.reference import max_abs_diff, reference_states
+
+TOL = 1e-4  # against transformers, as tests/test_e2e_deepseek.py
+SAME = 1e-5  # a file read through shared blocks against a private capture of the same tokens
+SYSTEM = "You answer questions about the hidden states of language models, briefly and exactly. " * 5
+
+
+def _cmd(tiny_models, capture_dir, *extra):
+    return capture_cmd(tiny_models["tiny-dsv3"], capture_dir, "--capture-layers", "0,2,3", "--dtype", "float32",
+                       "--chunked-prefill-size", "64", *extra)
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_models, make_server, tmp_path_factory):
+    capture_dir = str(tmp_path_factory.mktemp("shared"))
+    return make_server(_cmd(tiny_models, capture_dir), capture_dir)
+
+
+@pytest.fixture(scope="module")
+def private(tiny_models, make_server, tmp_path_factory):
+    capture_dir = str(tmp_path_factory.mktemp("private"))
+    return make_server(_cmd(tiny_models, capture_dir, "--capture-prefix-sharing", "off"), capture_dir)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_models):
+    return AutoTokenizer.from_pretrained(tiny_models["tiny-dsv3"])
+
+
+def capture(server, ids, name, max_new_tokens=4):
+    r = server.generate({"input_ids": list(ids), "sampling_params": {
+        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True,
+        "custom_params": {"capture": True, "capture_name": name}}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _exact(model, data):
+    ids = data["input_ids"].tolist() + data["output_ids"].tolist()[:-1]
+    aux, last = reference_states(model, torch.float32, ids, data["layers"])
+    assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL
+    assert max_abs_diff(data["last_hidden_states"], last) <= TOL
+
+
+def _conversation(server, tok, prefix, turns, name):
+    """``turns`` turns, each re-sending the whole history; returns each turn's response."""
+    history, outs = tok(SYSTEM + prefix)["input_ids"], []
+    for t in range(turns):
+        out = capture(server, history, f"{name}-{t}")
+        outs.append(out)
+        history = history + out["output_ids"] + tok(f" Then what about layer {t}?")["input_ids"]
+    return outs
+
+
+def test_each_turn_reuses_the_stored_rows_of_the_turns_before_and_reads_as_a_private_capture(shared, private, tok,
+                                                                                          tiny_models):
+    outs = _conversation(shared, tok, "What is a residual stream?", 3, "conv")
+    rows = 0
+    for t, out in enumerate(outs):
+        ref = out["meta_info"]["capture"]
+        assert ref["status"] == "ok", ref
+        # turn t+1 reuses every row of turn t, its answer's decode rows too, and computes only what is new
+        assert ref["rows_shared"] == rows and ref["rows_stored"] == ref["rows"] - rows
+        rows = ref["rows"]
+        data = sglang_capture.load(ref["path"])
+        assert data["schema"] == SCHEMA_REFS
+        _exact(tiny_models["tiny-dsv3"], data)
+        alone = capture(private, data["input_ids"].tolist(), f"alone-{t}", max_new_tokens=len(out["output_ids"]))
+        theirs = sglang_capture.load(alone["meta_info"]["capture"]["path"])
+        assert theirs["schema"] == SCHEMA and theirs["output_ids"].tolist() == data["output_ids"].tolist()
+        assert max_abs_diff(data["aux_hidden_states"], theirs["aux_hidden_states"]) <= SAME
+        assert max_abs_diff(data["last_hidden_states"], theirs["last_hidden_states"]) <= SAME
+    # every row of the conversation is stored once: the blocks hold exactly its last turn's rows
+    stored = sum(r[3] - r[2] for f in glob.glob(os.path.join(shared.capture_dir, "conv-2.capture.msgpack"))
+                 for r in load_records(f)[0]["blocks"])
+    assert stored == rows
+
+
+def test_the_writer_stats_count_each_block_once(shared, tok):
+    _conversation(shared, tok, "Counting the blocks.", 2, "count")
+    stats = read_stats(shared.capture_dir, settled=True)
+    assert stats["blocks_written"] > 0 and stats["rows_shared"] > 0 and stats["missing_blocks"] == 0
+    on_disk = sum(os.path.getsize(p) for p in glob.glob(os.path.join(shared.capture_dir, BLOCKS_DIR, "*", "*.msgpack")))
+    assert on_disk == stats["block_bytes"]  # each block's bytes counted by the one writer that stored it
+
+
+def test_sharing_off_captures_as_before_every_file_whole(private, tok, tiny_models):
+    ids = tok(SYSTEM + "Private capture.")["input_ids"]
+    first = capture(private, ids, "off-1")["meta_info"]["capture"]
+    again = capture(private, ids, "off-2")["meta_info"]["capture"]  # the same prompt: computed whole again
+    for ref in (first, again):
+        assert ref["status"] == "ok" and "rows_shared" not in ref and "block_bytes" not in ref
+        data = sglang_capture.load(ref["path"])
+        assert data["schema"] == SCHEMA and "blocks" not in data["meta"]
+        _exact(tiny_models["tiny-dsv3"], data)
+    assert glob.glob(os.path.join(private.capture_dir, BLOCKS_DIR, "*", "*")) == []
+    assert "prefix sharing on" not in private.log()
+
+
+def test_a_prefix_a_plain_request_cached_is_computed_again_for_a_capture(shared, private, tok, tiny_models):
+    prefix = tok("Only plain requests have sent this prefix before. " * 4)["input_ids"]  # no stored block shares it
+    body = {"input_ids": prefix, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    plain = shared.generate(body).json()
+    assert plain["output_ids"] == private.generate(body).json()["output_ids"]  # the same answer as plain SGLang's
+    ref = capture(shared, prefix + tok(" And a question.")["input_ids"], "after-plain")["meta_info"]["capture"]
+    assert ref["status"] == "ok" and ref["rows_shared"] == 0 and ref["rows_stored"] == ref["rows"]
+    _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))
+    again = shared.generate(body).json()  # a plain request after the capture cached the same prefix
+    assert again["output_ids"] == plain["output_ids"] and "capture" not in again["meta_info"]
+
+
+def _blocks_of(ref):
+    meta, _ = load_records(ref["path"])
+    return [os.path.join(os.path.dirname(ref["path"]), BLOCKS_DIR, block_relpath(r[0])) for r in meta["blocks"]]
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_reused_rows_that_are_gone_fail_the_capture_loudly_and_its_retry_computes_them(shared, tok, tiny_models,
+                                                                                      damage):
+    first = capture(shared, tok(SYSTEM + f"Rows that get {damage}.")["input_ids"], f"{damage}-1")
+    block = _blocks_of(first["meta_info"]["capture"])[0]
+    if damage == "deleted":
+        os.unlink(block)
+    else:
+        os.truncate(block, os.path.getsize(block) // 2)
+    turn = first["meta_info"]["capture"]["rows"] + 1
+    ids = tok(SYSTEM + f"Rows that get {damage}.")["input_ids"] + first["output_ids"] + tok(" More.")["input_ids"]
+    failed = capture(shared, ids, f"{damage}-2")["meta_info"]["capture"]
+    assert failed["status"] == "error" and "gone or changed" in failed["error"] and "retry" in failed["error"]
+    assert not os.path.exists(failed["path"])
+    retry = capture(shared, ids, f"{damage}-3")["meta_info"]["capture"]
+    assert retry["status"] == "ok" and retry["rows_shared"] < turn  # the damaged block's rows computed again
+    _exact(tiny_models["tiny-dsv3"], sglang_capture.load(retry["path"]))
+
+
+def test_a_block_damaged_in_place_is_never_read_as_rows(shared, tok):
+    ref = capture(shared, tok(SYSTEM + "A flipped byte.")["input_ids"], "flipped")["meta_info"]["capture"]
+    block = _blocks_of(ref)[-1]
+    with open(block, "r+b") as f:
+        f.seek(os.path.getsize(block) - 40)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x55]))
+    with pytest.raises(CaptureFileError, match=f"block {os.path.basename(block).split('.')[0]} .* is corrupt"):
+        sglang_capture.load(ref["path"])
+
+
+def test_two_servers_on_one_directory_and_a_restart_store_the_same_rows_once(shared, tok, tiny_models,
+                                                                           make_test_server):
+    ids = tok("Two servers on one directory store these rows once. " * 6)["input_ids"]  # no stored prefix
+    one = capture(shared, ids, "two-a")["meta_info"]["capture"]
+    assert one["rows_shared"] == 0 and one["rows_stored"] == one["rows"]
+    other = make_test_server(_cmd(tiny_models, shared.capture_dir), shared.capture_dir)
+    two = capture(other, ids, "two-b")["meta_info"]["capture"]  # no radix hit there: computed, found stored
+    assert two["status"] == "ok" and two["rows_shared"] == two["rows"] and two["block_bytes"] == two["rows_stored"] == 0
+    assert _blocks_of(one) == _blocks_of(two)
+    # a restarted server knows no stored block until a capture stores or finds it: no stale radix hit either
+    stop_server(other)
+    restarted = make_test_server(_cmd(tiny_models, shared.capture_dir), shared.capture_dir)
+    again = capture(restarted, ids, "two-c")
+    assert again["meta_info"]["capture"]["block_bytes"] == 0
+    longer = ids + again["output_ids"] + tok(" And after the restart?")["input_ids"]
+    turn = capture(restarted, longer, "two-d")["meta_info"]["capture"]
+    assert turn["rows_shared"] == again["meta_info"]["capture"]["rows"]
+    for ref in (one, two, turn):
+        _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))
+
+
+def test_gc_beside_a_capturing_server_never_leaves_a_file_without_its_rows(shared, tok, tiny_models):
+    from sglang_capture.tools.gc import collect
+
+    stop, runs = threading.Event(), []
+
+    def collector():
+        while not stop.is_set():
+            runs.append(collect(shared.capture_dir, min_age_s=0))
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=collector)
+    thread.start()
+    try:
+        outs = [out for i in range(3) for out in _conversation(shared, tok, f"Collected while capturing {i}.", 3,
+                                                                f"gc-{i}")]
+    finally:
+        stop.set()
+        thread.join()
+    assert len(runs) > 3
+    # gc takes no block a published file references, and a capture whose own new blocks it took meanwhile
+    # writes them again: every turn is captured whole
+    for out in outs:
+        ref = out["meta_info"]["capture"]
+        assert ref["status"] == "ok", ref
+        _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))
+    final = collect(shared.capture_dir, min_age_s=0)
+    assert final.problems == [] and final.referenced == final.blocks
