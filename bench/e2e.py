@@ -17,8 +17,8 @@ closed loop (``--concurrency`` clients sending back to back for ``--seconds``) o
   load capturing nothing (b_prefill), in alternating windows: what capture costs that server
 - ``prefix_ab``: on the capture server, prompts that share their first ``--shared-prefix`` tokens
   (a radix-cache hit for every request but the first) against the usual prompts, nothing capturing
-  and capturing (a capture request reads the cache where the prefix's rows are stored, as with
-  prefix sharing on, the default, once the first capture stored them): what cached tokens cost a batch
+  and capturing (a capture request never reads the cache for a prefix this short: prefix sharing reuses
+  stored rows from 32 positions on, server/shared_rows.MIN_REUSE_ROWS): what one cached token costs a batch
 - ``--request-variants``: per-request capture settings (e.g. ``{"capture_dtype": "fp8"}``), one
   more window each in ``capture_ab`` (d_prefill_r0, ...) and in each mixed round (d_mixed_r0, ...)
   on the same capture server: an A/B of a per-request setting without a third server on the GPU

@@ -23,6 +23,7 @@ Writes OUT_DIR/gpu_sessions.json (rewritten after every window) and prints a tab
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import random
@@ -37,6 +38,7 @@ from typing import Any, Dict, List, Optional
 import requests
 
 from sglang_capture.core.capture_dir import writer_stats
+from sglang_capture.core.config import CaptureConfig
 from sglang_capture.testbed.cpu import server_env
 from sglang_capture.testbed.once import cache_dir
 from sglang_capture.testbed.server import Server, capture_cmd, start_server, stop_server
@@ -163,15 +165,34 @@ def summarize(windows: List[Dict[str, Any]]) -> Dict[str, Any]:
                          if cap[0]["delta"]["rows_stored"] else None,
                          "file_rows_per_unique_row": round(cap[0]["file_rows"] / cap[0]["unique_rows"], 4),
                          "errors": sum(w["errors"] for w in cap)}
-    on, off = out.get("on"), out.get("off")
-    if on and off:
-        on0 = next(w for w in windows if w["server"] == "on" and w["mode"] == "capture")
-        off0 = next(w for w in windows if w["server"] == "off" and w["mode"] == "capture")
-        per_row = off0["delta"]["bytes"] / max(off0["file_rows"], 1)
-        on["bytes_per_self_contained_unique_rows"] = round(
-            (on0["delta"]["block_bytes"] + on0["delta"]["bytes"]) / (on0["unique_rows"] * per_row), 4)
-        on["self_contained_bytes_per_row"] = round(per_row, 1)
     return out
+
+
+def check_bytes(on_files: List[str], n: int, system: int) -> Dict[str, Any]:
+    """What ``n`` chats' own rows take on disk (the blocks their last turn references past the shared
+    system prompt, and their files) against the same rows in one self-contained file each, encoded as
+    the server encodes files."""
+    import io
+
+    import sglang_capture
+    from sglang_capture.core.blocks import block_relpath
+    from sglang_capture.core.format import write_capture
+    from sglang_capture.core.reader import block_refs, blocks_dir, load_records
+
+    shared = alone = 0
+    for path in on_files[:n]:
+        meta, _ = load_records(path)
+        names = {r.name for r in block_refs(meta, path) if r.start >= system}
+        shared += sum(os.path.getsize(os.path.join(blocks_dir(path), block_relpath(b))) for b in names)
+        chat = os.path.basename(path).rsplit("-t", 1)[0]  # its turns' files: <window>-s<chat>-t<turn>
+        shared += sum(os.path.getsize(p) for p in glob.glob(os.path.join(os.path.dirname(path), chat + "-t*.capture.msgpack")))
+        d = sglang_capture.load(path)
+        buf = io.BytesIO()
+        write_capture(buf, d["meta"], {k: d[k][system:] for k in ("aux_hidden_states", "last_hidden_states")},
+                      CaptureConfig(capture_dir="/").codec_spec())
+        alone += len(buf.getvalue())
+    return {"chats": min(n, len(on_files)), "bytes": shared, "self_contained_bytes": alone,
+            "ratio": round(shared / max(alone, 1), 4)}
 
 
 def main(argv: List[str]) -> int:
@@ -207,8 +228,9 @@ def main(argv: List[str]) -> int:
         caps = os.path.join(a.caps, name)
         shutil.rmtree(caps, ignore_errors=True)
         os.makedirs(caps)
-        cmd = capture_cmd(a.model, caps, "--capture-prefix-sharing", name, *shlex.split(a.capture_args),
-                          *shlex.split(a.sglang_args))
+        # --sglang-args last: on a CPU they override the test bed's small KV pool
+        cmd = capture_cmd(a.model, caps, "--capture-prefix-sharing", name, *shlex.split(a.capture_args)) + \
+            shlex.split(a.sglang_args)
         t0 = time.monotonic()
         servers[name] = start_server(cmd, env, os.path.join(a.out, f"server-{name}.log"), caps)
         log(f"{name} up in {time.monotonic() - t0:.0f} s")
@@ -237,9 +259,11 @@ def main(argv: List[str]) -> int:
         on = [w for w in result["windows"] if w["server"] == "on" and w["mode"] == "capture"]
         if on and "off" in servers:
             result["rows"] = check_rows(on[-1]["last_files"], servers["off"], a.check)
+        if on:
+            result["bytes"] = check_bytes(on[0]["last_files"], a.check, a.system)
         result["summary"] = summarize(result["windows"])
         save()
-        print(json.dumps(result["summary"], indent=1))
+        print(json.dumps({k: result.get(k) for k in ("summary", "rows", "bytes")}, indent=1))
         return 0
     finally:
         for s in servers.values():

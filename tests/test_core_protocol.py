@@ -34,6 +34,7 @@ def test_the_prefix_caching_pass_before_n_samples_gets_no_file_and_leaves_field_
     ({"capture": True, "capture_dtype": "int4"}, 1, "custom_params.capture_dtype must be one of"),
     ({"capture": True, "capture_name": "../x"}, 1, "capture_name may only use letters"),
     ({"capture": True, "capture_loss_mask": [[5, 50]]}, 1, "custom_params.capture_loss_mask span [5, 50)"),
+    ({"capture": True, "capture_session": 7}, 1, "custom_params.capture_session must be a string of 1 to 256"),
 ])
 def test_each_bad_field_is_refused_in_one_line_naming_it(custom, samples, message):
     with pytest.raises(BadCaptureRequest) as e:
@@ -54,6 +55,9 @@ def test_what_the_server_reads_from_a_request_it_marked_and_what_a_client_said()
     assert [protocol.asks_capture(c) for c in ({}, {"capture": False}, {"capture": 0})] == [False, False, True]
     assert protocol.custom_params({"custom_params": {"capture": True}}) == {"capture": True}
     assert protocol.custom_params(None) == {} and protocol.custom_params({"custom_params": [1]}) == {}
+    # a capture_session that names nothing is the client's mistake, never a reason to refuse what the operator chose
+    assert _parse(protocol.marked({"capture_session": 7}, protocol.OPERATOR)) == \
+        CaptureRequest(name="rid-1", dtype="model", loss_spans=None)
 
 
 def test_the_reference_is_built_completed_and_found_by_the_same_keys():

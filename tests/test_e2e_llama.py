@@ -241,6 +241,19 @@ def test_fp8_captures_beside_sglang_json_requests_in_one_batch_stay_exact_for_bo
     assert after["fp8_packed_per_request_rows"] == before["fp8_packed_per_request_rows"] == 0
 
 
+def test_fp8_rows_are_shared_with_fp8_captures_only(llama_fp8):
+    """Under prefix sharing an FP8 capture reuses the FP8 blocks of a shorter one, never the bf16 blocks
+    of the same tokens (another layout), and the other way round; every file reads within the bar."""
+    text = "Shared prefixes, stored once per storage dtype. " * 5
+    first = _capture(llama_fp8, text, "fp8-turn-1")
+    as_bf16 = _capture(llama_fp8, text + " More.", "bf16-turn-2", capture_dtype="model")
+    as_fp8 = _capture(llama_fp8, text + " More.", "fp8-turn-2")
+    assert first["rows_shared"] == 0 and as_bf16["rows_shared"] == 0 and as_fp8["rows_shared"] > 0
+    a, b = sglang_capture.load(as_bf16["path"]), sglang_capture.load(as_fp8["path"])
+    assert b["meta"]["storage_dtype"] == "float8_e4m3fn" and "storage_dtype" not in a["meta"]
+    assert min(min_block_cosines(b["aux_hidden_states"], a["aux_hidden_states"], 256)) >= 0.999
+
+
 def test_the_storage_dtype_can_be_chosen_per_request_and_a_bad_one_is_refused(llama, llama_fp8):
     text = PROMPTS[0] + " per request"
     as_fp8 = _capture(llama, text, "per-request-fp8", capture_dtype="fp8")
@@ -266,7 +279,7 @@ def test_speculators_trains_on_the_export_of_pre_norm_captures_and_refuses_broke
     from safetensors.torch import load_file, save_file
 
     from sglang_capture.tools.export_speculators import export_speculators
-    from sglang_capture.tools.extract import link_blocks
+    from sglang_capture.tools.extract import move_to_sample
     from tests.reference import _model
     from tests.speculators_check import train_one_step
 
@@ -281,8 +294,7 @@ def test_speculators_trains_on_the_export_of_pre_norm_captures_and_refuses_broke
                                                                         "capture_loss_mask": [[5, 30]]}}}
         ref = llama_fp8.generate(body).json()["meta_info"]["capture"]
         assert ref["status"] == "ok", ref
-        link_blocks(ref["path"], str(src))  # a v3 file's rows travel in its blocks
-        shutil.copy(ref["path"], src)
+        move_to_sample(ref["path"], str(src / os.path.basename(ref["path"])), keep_source=True)  # its blocks too
     out = tmp_path / "spec"
     report = export_speculators(str(src), str(out), progress=False)
     assert (report.samples, report.written, report.layers) == (4, 4, [1, 2, 3]) and "stored as FP8" in report.note

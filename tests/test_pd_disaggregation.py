@@ -124,6 +124,21 @@ def test_capture_requests_sent_straight_to_a_prefill_server_store_every_prompt_r
         _check_rows(pd, refs[name], ids)
 
 
+def test_a_longer_prompt_reuses_the_stored_prompt_rows_of_an_earlier_capture_on_the_prefill_server(pd):
+    """Prefix sharing on a PD prefill server: the radix-cache hit is the prefill server's own, capped where
+    the earlier capture's blocks end; the file reads whole and exact."""
+    server = ServerInfo(pd.prefill.url, pd.prefill.capture_dir, pd.model, LAYERS)
+    ids = _prompt(31, 140)
+    first = capture_prefill(server, ids, "pd-turn-1", [], 600)
+    longer = ids + _prompt(32, 60)
+    second = capture_prefill(server, longer, "pd-turn-2", [], 600)
+    assert first["status"] == second["status"] == "ok"
+    # each DP rank has its own radix cache: on one rank the hit covers the first prompt's rows, on the other none
+    assert second["rows_shared"] == len(ids) if pd.dp_ranks == 1 else second["rows_shared"] in (0, len(ids))
+    assert second["rows_stored"] == len(longer) - second["rows_shared"]
+    _check_rows(pd, second, longer)
+
+
 def test_direct_capture_requests_are_captured_on_whichever_dp_rank_serves_them(pd):
     """Each DP rank of a prefill server captures the direct requests SGLang sends it (here routed
     to each rank by ``routed_dp_rank``; without it, by ``admit_capture_request``'s random bootstrap room)."""

@@ -96,6 +96,32 @@ def test_each_turn_reuses_the_stored_rows_of_the_turns_before_and_reads_as_a_pri
     assert stored == rows
 
 
+def test_a_specforge_export_of_shared_files_equals_one_of_private_captures(shared, private, tok, tmp_path):
+    """What a drafter trains on is the same whether the files share rows or not: the SpecForge export of
+    a conversation's shared-prefix files against that of private captures of the same tokens."""
+    import shutil
+
+    from sglang_capture.tools.export_specforge import export_specforge
+    from sglang_capture.tools.extract import move_to_sample
+
+    dirs = {"shared": tmp_path / "shared", "private": tmp_path / "private"}
+    for d in dirs.values():
+        d.mkdir()
+    for t, out in enumerate(_conversation(shared, tok, "What does the drafter train on?", 3, "export")):
+        ref = out["meta_info"]["capture"]
+        move_to_sample(ref["path"], str(dirs["shared"] / f"turn-{t}.capture.msgpack"), keep_source=True)
+        prompt = sglang_capture.load(ref["path"], tensors=("input_ids",))["input_ids"].tolist()
+        alone = capture(private, prompt, f"export-alone-{t}", max_new_tokens=len(out["output_ids"]))
+        shutil.copy(alone["meta_info"]["capture"]["path"], dirs["private"] / f"turn-{t}.capture.msgpack")
+    for name, d in dirs.items():
+        export_specforge(str(d), str(tmp_path / f"{name}-out"), all_tokens=True, progress=False)
+    for t in range(3):
+        a, b = (torch.load(tmp_path / f"{name}-out" / f"turn-{t}.ckpt", weights_only=False) for name in dirs)
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        for key in ("hidden_state", "aux_hidden_state"):  # bf16 there: rounding may move one value by an ulp
+            torch.testing.assert_close(a[key].float(), b[key].float(), atol=SAME, rtol=2 ** -7)
+
+
 def test_the_writer_stats_count_each_block_once(shared, tok):
     _conversation(shared, tok, "Counting the blocks.", 2, "count")
     stats = read_stats(shared.capture_dir, settled=True)

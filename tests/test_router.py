@@ -223,8 +223,14 @@ def test_the_operators_fraction_chooses_every_turn_of_a_conversation_alike(opera
     time.sleep(1)
     for rid, chosen in rids.items():
         assert os.path.exists(os.path.join(operator_server.capture_dir, rid + ".capture.msgpack")) == chosen, rid
+    # a capture_session that names no session is no session: the operator's choice never turns a request away,
+    # the rid decides; a client's own capture request with one is refused in one line
     r = requests.post(operator_server.url + "/generate", headers=auth, timeout=120, json={
-        "text": PROMPT, "sampling_params": {**SAMPLING, "custom_params": {"capture_session": 7}}})
+        "text": PROMPT, "rid": "bad-session", "sampling_params": {**SAMPLING, "custom_params": {"capture_session": 7}}})
+    assert r.status_code == 200, r.text
+    r = requests.post(operator_server.url + "/generate", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120,
+                      json={"text": PROMPT, "sampling_params": {**SAMPLING, "custom_params": {"capture": True,
+                                                                                              "capture_session": 7}}})
     assert r.status_code == 400 and ("custom_params.capture_session must be a string of 1 to 256 characters naming "
                                      "the conversation, got 7") in r.text
 

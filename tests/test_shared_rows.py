@@ -70,21 +70,21 @@ def test_the_index_covers_a_conversation_turn_by_turn_and_stops_where_tokens_dif
     turn1 = _ids(300)
     index.apply(BlockEvent(added=_indexed(turn1, 0, 299)))
     turn2 = numpy.concatenate([turn1, _ids(50, seed=1)])
-    cov = index.cover(turn2, len(turn2) - 1, ROOT)
+    cov = index.cover(turn2, len(turn2) - 1, [ROOT])
     assert cov.reach == 299 and [(r.first, r.last) for r in cov.refs] == [(0, B), (B, 299)]
     index.apply(BlockEvent(added=_indexed(turn2, 299, 349)))  # turn 2's head block continues turn 1's tail
     turn3 = numpy.concatenate([turn2, _ids(20, seed=2)])
-    assert index.cover(turn3, len(turn3) - 1, ROOT).reach == 349
+    assert index.cover(turn3, len(turn3) - 1, [ROOT]).reach == 349
     fork = turn2.copy()
     fork[280] += 1  # another conversation diverging inside turn 1's tail block: its first 280 rows are reusable
-    cov = index.cover(fork, len(fork) - 1, ROOT)
+    cov = index.cover(fork, len(fork) - 1, [ROOT])
     assert cov.reach == 280 and cov.refs[-1].last == 280
     assert cov.upto(200)[-1].last == 200 and len(cov.upto(200)) == 1
-    assert index.cover(turn2, 120, ROOT).reach == 120  # SGLang's own limit
-    assert index.cover(turn2, 400, layout_root({"model": "other"})).reach == 0  # another layout's rows
+    assert index.cover(turn2, 120, [ROOT]).reach == 120  # SGLang's own limit
+    assert index.cover(turn2, 400, [layout_root({"model": "other"})]).reach == 0  # another layout's rows
     version = index.version
     index.apply(BlockEvent(dropped=[cov.refs[0].name]))  # a block a writer found gone
-    assert index.version != version and index.cover(turn2, 349, ROOT).reach == 0
+    assert index.version != version and index.cover(turn2, 349, [ROOT]).reach == 0
 
 
 def test_the_index_forgets_its_least_recently_used_blocks_beyond_its_capacity():
@@ -92,9 +92,9 @@ def test_the_index_forgets_its_least_recently_used_blocks_beyond_its_capacity():
     a, b = _ids(B + 1, 1), _ids(B + 1, 2)
     index.add(_indexed(a, 0, B))
     index.add(_indexed(b, 0, B))
-    assert index.cover(a, B, ROOT).reach == B  # a is now the most recently used
+    assert index.cover(a, B, [ROOT]).reach == B  # a is now the most recently used
     index.add(_indexed(_ids(B + 1, 3), 0, B))
-    assert len(index) == 2 and index.cover(a, B, ROOT).reach == B and index.cover(b, B, ROOT).reach == 0
+    assert len(index) == 2 and index.cover(a, B, [ROOT]).reach == B and index.cover(b, B, [ROOT]).reach == 0
 
 
 def test_an_indexed_block_holds_the_tokens_of_its_slot_up_to_its_end():
@@ -130,7 +130,9 @@ class _Server:
         from sglang_capture.server.shared_rows import SharedRows
         from sglang_capture.server.writer_pool import WriterPool
 
-        self.shared = SharedRows({"model": "m"}, is_writer=True)
+        self.shared = SharedRows()
+        self.shared.configure({"model": "m"})
+        self.shared.apply(self.shared.take_events())
         self.pool = WriterPool(CaptureConfig(capture_dir=str(capture_dir), writers=1), HostMemoryLedger(1 << 30))
         self.pool.blocks_outcome = self.shared.stored
 
@@ -153,7 +155,7 @@ def test_a_conversation_stores_each_row_once_and_every_turn_reads_whole(tmp_path
     o1 = server.write(_job(tmp_path, turn1_in, out1, rows, 0, name="t1"))
     assert o1["status"] == "ok" and o1["rows_stored"] == 302 and o1["rows_shared"] == 0 and o1["block_bytes"] > 0
     turn2_in = numpy.concatenate([turn1_in, out1, _ids(40, 5)])
-    cov = server.shared.index.cover(turn2_in, len(turn2_in) - 1, ROOT)
+    cov = server.shared.index.cover(turn2_in, len(turn2_in) - 1, [ROOT])
     assert cov.reach == 302
     o2 = server.write(_job(tmp_path, turn2_in, [1, 2], rows, 302, cov.refs, "t2",
                            dict(zip([r.name for r in cov.refs], cov.sizes))))
@@ -171,32 +173,23 @@ def test_a_conversation_stores_each_row_once_and_every_turn_reads_whole(tmp_path
     assert torch.equal(load(os.path.join(tmp_path, "t1-again.capture.msgpack"))["aux_hidden_states"], rows[:302, :H])
 
 
-def test_a_capture_whose_reused_rows_are_gone_fails_naming_them_and_the_index_forgets_them(tmp_path):
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_capture_whose_reused_rows_are_gone_fails_naming_them_and_the_index_forgets_them(tmp_path, damage):
     server = _Server(tmp_path)
     first, rows = _ids(100), _rows(200)
     server.write(_job(tmp_path, first, [1], rows, 0, name="a"))
     second = numpy.concatenate([first, [1], _ids(10, 3)])
-    cov = server.shared.index.cover(second, len(second) - 1, ROOT)
-    gone = os.path.join(tmp_path, BLOCKS_DIR, block_relpath(cov.refs[0].name))
-    os.unlink(gone)
-    outcome = server.write(_job(tmp_path, second, [2], rows, cov.reach, cov.refs, "b"))
-    assert outcome["status"] == "error" and cov.refs[0].name in outcome["error"] and "retry" in outcome["error"]
-    assert not os.path.exists(os.path.join(tmp_path, "b.capture.msgpack"))
-    assert server.shared.index.cover(second, len(second) - 1, ROOT).reach == 0  # the retry computes them
-    server.pool.close()
-
-
-def test_a_referenced_block_truncated_since_it_was_stored_fails_the_capture(tmp_path):
-    server = _Server(tmp_path)
-    first, rows = _ids(100), _rows(200)
-    server.write(_job(tmp_path, first, [1], rows, 0, name="a"))
-    second = numpy.concatenate([first, [1], _ids(10, 3)])
-    cov = server.shared.index.cover(second, len(second) - 1, ROOT)
+    cov = server.shared.index.cover(second, len(second) - 1, [ROOT])
     path = os.path.join(tmp_path, BLOCKS_DIR, block_relpath(cov.refs[0].name))
-    os.truncate(path, os.path.getsize(path) - 10)
+    if damage == "deleted":
+        os.unlink(path)
+    else:
+        os.truncate(path, os.path.getsize(path) - 10)
     outcome = server.write(_job(tmp_path, second, [2], rows, cov.reach, cov.refs, "b",
                                 dict(zip([r.name for r in cov.refs], cov.sizes))))
-    assert outcome["status"] == "error" and "gone or changed" in outcome["error"]
+    assert outcome["status"] == "error" and cov.refs[0].name in outcome["error"] and "retry" in outcome["error"]
+    assert "gone or changed" in outcome["error"] and not os.path.exists(os.path.join(tmp_path, "b.capture.msgpack"))
+    assert server.shared.index.cover(second, len(second) - 1, [ROOT]).reach == 0  # the retry computes them
     server.pool.close()
 
 
@@ -256,7 +249,7 @@ def test_gc_removes_only_blocks_no_file_references_once_they_are_old_enough(tmp_
     rows, base = _rows(600), _ids(300)
     server.write(_job(tmp_path, base, [1], rows, 0, name="a"))
     turn = numpy.concatenate([base, [1], _ids(30, 4)])
-    cov = server.shared.index.cover(turn, len(turn) - 1, ROOT)
+    cov = server.shared.index.cover(turn, len(turn) - 1, [ROOT])
     server.write(_job(tmp_path, turn, [2], rows, cov.reach, cov.refs, "b"))
     server.pool.close()
     before = collect(str(tmp_path), dry_run=True)
@@ -326,3 +319,98 @@ def test_a_damaged_block_is_replaced_by_the_next_capture_that_computes_its_rows(
     server.pool.close()
     assert outcome["status"] == "ok" and outcome["rows_stored"] == B and outcome["blocks_written"] == 1
     assert torch.equal(load(path)["aux_hidden_states"], _rows(600)[:301, :H])  # the first file reads again
+
+
+def test_requests_whose_rows_depend_on_more_than_their_tokens_are_captured_privately_said_once(caplog):
+    from types import SimpleNamespace
+
+    from sglang_capture.server.shared_rows import SHARE_ATTR, SharedRows
+
+    shared = SharedRows()
+    assert not shared.mark(SimpleNamespace(), "model")  # before the writer rank's layout: nothing shared
+    shared.configure({"model": "m"})
+    shared.apply(shared.take_events())
+    plain = SimpleNamespace()
+    assert shared.mark(plain, "model") and getattr(plain, SHARE_ATTR).root == shared.root("model")
+    assert shared.root("fp8") != shared.root("model")
+    for field in ("lora_id", "input_embeds", "positional_embed_overrides", "multimodal_inputs", "session"):
+        with caplog.at_level("WARNING"):
+            assert not shared.mark(SimpleNamespace(**{field: object()}), "model")
+            assert not shared.mark(SimpleNamespace(**{field: object()}), "model")
+    said = [r.getMessage() for r in caplog.records if "prefix sharing does not cover" in r.getMessage()]
+    assert len(said) == 5  # one line per reason, however many requests
+
+
+def test_a_chat_is_one_session_whatever_its_turn_and_the_fraction_only_adds_sessions():
+    from sglang_capture.core.selection import chat_session, session_selects
+
+    opening = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    later = opening + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    assert chat_session(opening) == chat_session(later) != chat_session([{"role": "user", "content": "other"}])
+    sessions = [f"s{i}" for i in range(200)]
+    small = {s for s in sessions if session_selects(s, 0.2)}
+    large = {s for s in sessions if session_selects(s, 0.6)}
+    assert small < large and 20 < len(small) < 60
+
+
+def test_a_block_of_another_prefix_is_refused_even_when_its_own_tokens_agree(tmp_path):
+    """Two sequences that differ before a slot and agree inside it: a file of one pointed at the other's
+    block of that slot (resealed, as a forger would) is refused, not read as its rows."""
+    import io
+
+    from sglang_capture.core.format import Codec, write_capture
+    from sglang_capture.core.reader import load_records
+
+    same = _ids(60, seed=7)
+    x, y = numpy.concatenate([_ids(B, seed=1), same]), numpy.concatenate([_ids(B, seed=2), same])
+    server = _Server(tmp_path)
+    for name, seq in (("x", x), ("y", y)):
+        assert server.write(_job(tmp_path, seq, [1], _rows(400), 0, name=name))["status"] == "ok"
+    server.pool.close()
+    (mx, _), (my, _) = (load_records(tmp_path / f"{n}.capture.msgpack") for n in ("x", "y"))
+    assert mx["blocks"][1][0] != my["blocks"][1][0]  # the slot's tokens agree, its prefix does not: another block
+    meta = {k: v for k, v in my.items() if k != "seal"}
+    meta["blocks"] = [my["blocks"][0], mx["blocks"][1]]
+    ids = load(tmp_path / "y.capture.msgpack", tensors=("input_ids", "output_ids"))
+    buf = io.BytesIO()
+    write_capture(buf, meta, {k: ids[k] for k in ("input_ids", "output_ids")}, Codec(), schema=SCHEMA_REFS,
+                  seal_payload=True)
+    forged = tmp_path / "forged.capture.msgpack"
+    forged.write_bytes(buf.getvalue())
+    with pytest.raises(CaptureFileError, match="is not this file's"):
+        load(forged)
+
+
+def test_the_writer_rank_forgets_blocks_no_capture_used_for_a_lease_on_every_rank(tmp_path, monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    from sglang_capture.core.blocks import BLOCK_LEASE_S
+    from sglang_capture.server import shared_rows
+
+    server = _Server(tmp_path)
+    seq = _ids(100)
+    server.write(_job(tmp_path, seq, [1], _rows(200), 0, name="a"))
+    server.pool.close()
+    longer = numpy.concatenate([seq, [1, 2, 3]])
+    assert server.shared.index.cover(longer, len(longer) - 1, [ROOT]).reach == 100
+    assert server.shared.take_events() == []  # within the lease: nothing to forget
+    later = time.monotonic() + BLOCK_LEASE_S + shared_rows.LEASE_CHECK_S + 1
+    monkeypatch.setattr(shared_rows, "time", SimpleNamespace(monotonic=lambda: later))
+    events = server.shared.take_events()
+    assert len(events) == 1 and len(events[0].dropped) == 1  # what it tells every rank of its group
+    server.shared.apply(events)
+    assert server.shared.index.cover(longer, len(longer) - 1, [ROOT]).reach == 0
+
+
+def test_gc_refuses_a_file_whose_list_of_blocks_was_damaged(tmp_path):
+    from sglang_capture.tools.gc import GcError, collect
+
+    path, blocks = _file_with_blocks(tmp_path)
+    data = bytearray(open(path, "rb").read())
+    at = data.find(os.path.basename(blocks[0]).split(".")[0].encode())
+    data[at] = ord("0") if data[at] != ord("0") else ord("1")  # a block name in its metadata, one hex digit off
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(GcError, match="differs from the checksum sealed into it.*removed nothing"):
+        collect(str(tmp_path), min_age_s=0)
+    assert all(os.path.exists(b) for b in blocks)

@@ -168,6 +168,22 @@ def test_a_capture_after_a_plain_request_with_the_same_prefix_is_exact(chain, pa
     _check_exact(pair[0], _generate(chain, _body(text + " and more", capture_name="after-cache")))
 
 
+def test_a_conversations_next_turn_reuses_the_stored_rows_of_the_turn_before(chain, pair):
+    """Prefix sharing on a server that speculates: the second turn keeps its radix hit over the first
+    turn's rows (its prompt and accepted answer), computes the rest, and reads whole and exact."""
+    target, text = pair[0], "A server that speculates shares stored rows too. " * 3
+    first = _generate(chain, {"input_ids": _tokens(target, text), "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "custom_params": {"capture": True}}})
+    rows = _check_exact(target, first)["aux_hidden_states"].shape[0]
+    ids = _tokens(target, text) + first["output_ids"] + _tokens(target, " and then")
+    second = _generate(chain, {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "custom_params": {"capture": True}}})
+    ref = second["meta_info"]["capture"]
+    # the radix cache holds the first turn's KV but for its last few accepted tokens: those rows come again
+    assert rows - STEPS <= ref["rows_shared"] <= rows and ref["rows_stored"] == ref["rows"] - ref["rows_shared"]
+    _check_exact(target, second)
+
+
 def test_retracted_captures_stay_exact(tree, pair):
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(lambda i: _generate(tree, _body(f"Request {i}: " + PROMPTS[1], tokens=48,

@@ -32,7 +32,7 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Sequence
 
 import numpy
 
@@ -45,6 +45,9 @@ BLOCK_SUFFIX = ".block.msgpack"
 # it touches the blocks a new capture file references and publishes that file (writer/blocks.py).
 GC_LOCK = ".gc.lock"
 BLOCK_KIND = "block"  # a block file's meta["kind"]
+# A scheduler forgets a block no capture stored or reused for this long (server/shared_rows.py): ``gc``'s
+# default --min-age is twice it, so a block it takes is one no server would hand to its next capture.
+BLOCK_LEASE_S = 1800.0
 # A v3 file's meta: the blocks holding its rows (``BlockRef`` lists), and which tensors they hold.
 BLOCKS_KEY = "blocks"
 BLOCK_TENSORS_KEY = "block_tensors"
@@ -60,6 +63,11 @@ def _h(*parts: bytes) -> bytes:
 def token_bytes(tokens: numpy.ndarray) -> bytes:
     """Token ids as hashed: little-endian int64."""
     return numpy.ascontiguousarray(tokens, dtype="<i8").tobytes()
+
+
+def slot_start(position: int) -> int:
+    """The first position of the slot ``position`` lies in."""
+    return position - position % BLOCK_TOKENS
 
 
 def layout_root(layout: Mapping[str, Any]) -> bytes:
@@ -98,7 +106,7 @@ class Block:
 
     @property
     def slot_start(self) -> int:
-        return self.start - self.start % BLOCK_TOKENS
+        return slot_start(self.start)
 
     @property
     def name(self) -> str:
@@ -162,8 +170,8 @@ class BlockRef:
         name, start, first, last = value
         if not (isinstance(name, str) and is_key(name)):
             raise ValueError(f"a block reference names no block: {name!r:.80}")
-        if not all(isinstance(v, int) for v in (start, first, last)) or not 0 <= start <= first < last \
-                or last - start > BLOCK_TOKENS:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, first, last)) \
+                or not 0 <= start <= first < last or last - slot_start(start) > BLOCK_TOKENS:
             raise ValueError(f"block reference {name} has invalid rows {start}, {first}, {last}")
         return cls(name, start, first, last)
 
@@ -178,9 +186,3 @@ def check_coverage(refs: Sequence[BlockRef], n_rows: int) -> Optional[str]:
     if at != n_rows:
         return f"the blocks hold {at} rows, the file has {n_rows}"
     return None
-
-
-def runs(refs: Sequence[BlockRef]) -> Iterator[Tuple[BlockRef, int, int]]:
-    """Each reference with its rows' place in the block: ``(ref, lo, hi)``."""
-    for ref in refs:
-        yield ref, ref.first - ref.start, ref.last - ref.start

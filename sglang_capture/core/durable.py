@@ -20,6 +20,7 @@ for people, the writing process.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -28,7 +29,7 @@ import os
 import socket
 import time
 import uuid
-from typing import IO, Callable, Optional, Tuple, TypeVar, Union
+from typing import IO, Callable, Iterator, Optional, Tuple, TypeVar, Union
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -50,16 +51,19 @@ class LockTimeout(TimeoutError):
     """A lock was not had within its bound; the message says which and what holds it up."""
 
 
-def lock_within(fd: int, what: str, timeout_s: float = LOCK_TIMEOUT_S) -> None:
-    """Take the exclusive ``flock`` of ``fd`` within ``timeout_s``, or raise LockTimeout naming
-    ``what``. Never blocks unbounded: a lock held forever (a second open of a file this process
-    has locked, a hung peer) becomes a one-line error instead of a silent hang. Logs one line
-    when the wait passes a second, so a person watching knows what it waits for."""
+def lock_within(fd: int, what: str, timeout_s: float = LOCK_TIMEOUT_S, shared: bool = False,
+                max_delay_s: float = 0.1) -> None:
+    """Take the exclusive (``shared``: shared) ``flock`` of ``fd`` within ``timeout_s``, or raise
+    LockTimeout naming ``what``. Never blocks unbounded: a lock held forever (a second open of a
+    file this process has locked, a hung peer) becomes a one-line error instead of a silent hang.
+    Logs one line when the wait passes a second, so a person watching knows what it waits for.
+    ``max_delay_s``: the longest pause between tries (short where holders come and go quickly)."""
     deadline = time.monotonic() + timeout_s
-    delay, told = 0.005, False
+    delay, told = min(0.005, max_delay_s), False
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
             return
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # EACCES: how some mounts say "held"
@@ -73,7 +77,24 @@ def lock_within(fd: int, what: str, timeout_s: float = LOCK_TIMEOUT_S) -> None:
                            what, timeout_s)
             told = True
         time.sleep(min(delay, left))
-        delay = min(delay * 2, 0.1)
+        delay = min(delay * 2, max_delay_s)
+
+
+@contextlib.contextmanager
+def held_lock(name: str, dir_fd: Optional[int], what: str, shared: bool = False,
+              timeout_s: float = LOCK_TIMEOUT_S, max_delay_s: float = 0.1) -> Iterator[None]:
+    """Hold the ``flock`` of the lock file ``name`` (in ``dir_fd``; created if missing) for the
+    ``with`` block (``lock_within``). A filesystem without locks is taken as it is."""
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640, dir_fd=dir_fd)
+    try:
+        try:
+            lock_within(fd, what, timeout_s, shared, max_delay_s)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+        yield
+    finally:
+        os.close(fd)
 
 
 def create_owned(name: str, dir_fd: Optional[int] = None, mode: int = 0o640) -> int:

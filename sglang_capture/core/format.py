@@ -29,7 +29,7 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
+from typing import IO, TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import msgpack
 import numpy
@@ -303,15 +303,17 @@ def _fail(path: str, why: str) -> CaptureFileError:
     return CaptureFileError(f"{path}: {why}")
 
 
-def decode_tensor(name: str, rec: Any, path: str = "<capture>") -> torch.Tensor:
-    """Validate one tensor record and rebuild the tensor (dtype kept as stored)."""
-    import torch
+# bytes per element of each stored dtype, and the numpy type a writer process reads it as (bf16: its bits)
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int64": 8, "int32": 4, "uint8": 1, "float8_e4m3fn": 1}
+_NUMPY = {"bfloat16": "uint16", "float8_e4m3fn": "uint8"}
 
+
+def _decode_bytes(name: str, rec: Any, path: str) -> Tuple[bytearray, str, List[int]]:
+    """Validate one tensor record and return its raw little-endian bytes, dtype name and shape."""
     if not isinstance(rec, dict) or set(rec) != _RECORD_FIELDS:
         raise _fail(path, f"tensor {name!r} is not a tensor record")
-    dtype = getattr(torch, rec["dtype"]) if rec["dtype"] in DTYPES else None
     shape = rec["shape"]
-    if dtype is None:
+    if rec["dtype"] not in DTYPES:
         raise _fail(path, f"tensor {name!r} has unknown dtype {rec['dtype']!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise _fail(path, f"tensor {name!r} has an invalid shape {shape!r}")
@@ -319,7 +321,7 @@ def decode_tensor(name: str, rec: Any, path: str = "<capture>") -> torch.Tensor:
     if rec["byteorder"] != "little" or rec["codec"] not in CODECS or not isinstance(frames, list) \
             or not all(isinstance(fr, bytes) for fr in frames):
         raise _fail(path, f"tensor {name!r} has an unsupported byteorder, codec or data layout")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[rec["dtype"]]
     nbytes = math.prod(shape) * itemsize
     rows = shape[0] if shape else 1
     frame_rows = rec["frame_rows"]
@@ -345,9 +347,24 @@ def decode_tensor(name: str, rec: Any, path: str = "<capture>") -> torch.Tensor:
         else:
             view[pos:pos + want] = frame
         pos += want
-    if not nbytes:
+    return out, rec["dtype"], shape
+
+
+def decode_tensor(name: str, rec: Any, path: str = "<capture>") -> torch.Tensor:
+    """Validate one tensor record and rebuild the tensor (dtype kept as stored)."""
+    import torch
+
+    out, dtype_name, shape = _decode_bytes(name, rec, path)
+    dtype = getattr(torch, dtype_name)
+    if not out:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(out, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def decode_array(name: str, rec: Any, path: str = "<capture>") -> numpy.ndarray:
+    """``decode_tensor`` without torch (writer processes): a numpy array, bf16 and FP8 as their bits."""
+    out, dtype_name, shape = _decode_bytes(name, rec, path)
+    return numpy.frombuffer(out, dtype=_NUMPY.get(dtype_name, dtype_name)).reshape(shape)
 
 
 def read_records(buf: bytes, path: str = "<capture>") -> Tuple[dict, dict]:
@@ -361,6 +378,8 @@ def read_records(buf: bytes, path: str = "<capture>") -> Tuple[dict, dict]:
     meta, recs = doc.get("meta"), doc.get("tensors")
     if not isinstance(meta, dict) or not isinstance(recs, dict):
         raise _fail(path, "missing 'meta' or 'tensors' section")
+    if SCHEMA_REFS in (doc["schema"], meta.get("schema")) and meta.get("schema") != doc["schema"]:  # readers go by meta's
+        raise _fail(path, f"its header says {doc['schema']} and its metadata {meta.get('schema')!r}; the file is corrupted")
     return meta, recs
 
 

@@ -120,7 +120,8 @@ def parse_request(custom: Mapping[str, Any], *, rid: str, prompt_len: int, sampl
                                 "leave capture_name out and each sample's file is named by its request id")
     if prefix_pass:
         return None
-    session_of(custom)  # checked here too, though only --capture-fraction reads it (hooks/tokenize.py)
+    if custom.get(CAPTURE_BY) != OPERATOR:  # the operator's choice never turns a request away (hooks/tokenize.py)
+        session_of(custom)  # checked for a client's capture, though only --capture-fraction reads it
     dtype = custom.get(CAPTURE_DTYPE, default_dtype)
     if dtype not in CAPTURE_DTYPES:
         raise BadCaptureRequest(f"custom_params.capture_dtype must be one of {', '.join(CAPTURE_DTYPES)}, got {dtype!r}")

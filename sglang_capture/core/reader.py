@@ -19,11 +19,15 @@ import numpy
 from sglang_capture.core.blocks import (
     BLOCK_KIND,
     BLOCK_TENSORS_KEY,
+    BLOCK_TOKENS,
     BLOCKS_DIR,
     BLOCKS_KEY,
     BlockRef,
+    block_key,
     block_relpath,
     check_coverage,
+    slot_hashes,
+    slot_start,
 )
 from sglang_capture.core.checksum import UnknownChecksum
 from sglang_capture.core.final_state import TENSOR as FINAL_TENSOR
@@ -195,25 +199,46 @@ def check_blocks(meta: Dict[str, Any], path: str) -> List[str]:
 
 
 def _rows_from_blocks(meta: Dict[str, Any], path: str, wanted: Set[str], tokens: numpy.ndarray) -> Dict[str, Any]:
-    """The ``wanted`` tensors of a v3 file, put together from its blocks' rows."""
+    """The ``wanted`` tensors of a v3 file, put together from its blocks' rows. Each block must be the
+    one its name says for this file: its key recomputed from the file's own tokens before its slot and
+    the file's layout, its tokens the file's where the file uses its rows, its tensors of its rows."""
     import torch
 
+    if meta.get("block_tokens") != BLOCK_TOKENS:
+        raise CaptureFileError(f"{path}: its blocks are cut every {meta.get('block_tokens')!r} tokens; this version "
+                               f"reads blocks of {BLOCK_TOKENS}")
+    layout = meta.get("block_layout")
+    try:
+        root = bytes.fromhex(layout)
+    except (TypeError, ValueError):
+        raise CaptureFileError(f"{path}: its metadata has no valid block_layout") from None
+    refs = block_refs(meta, path)
+    hashes = slot_hashes(tokens, root, refs[-1].start // BLOCK_TOKENS + 1) if refs else []
     parts: Dict[str, List[Any]] = {name: [] for name in wanted}
-    slot_tokens = meta.get("block_tokens")
-    if not isinstance(slot_tokens, int) or slot_tokens < 1:
-        raise CaptureFileError(f"{path}: its metadata has no valid block_tokens")
-    for ref in block_refs(meta, path):
-        block_path, _, recs = _block(blocks_dir(path), ref, path)
-        slot = ref.start - ref.start % slot_tokens
+    for ref in refs:
+        block_path, bmeta, recs = _block(blocks_dir(path), ref, path)
+        slot, end = slot_start(ref.start), bmeta.get("end")
         held = decode_tensor("tokens", recs["tokens"], block_path).numpy()
-        if len(held) < ref.last - slot or not numpy.array_equal(held[:ref.last - slot], tokens[slot:ref.last]):
-            raise CaptureFileError(f"{path}: block {ref.name} holds rows of other tokens than the file's")
+        if not isinstance(end, int) or len(held) != end - slot or bmeta.get("layout") != layout \
+                or block_key(hashes[ref.start // BLOCK_TOKENS], ref.start - slot, end - slot, held).hex() != ref.name \
+                or ref.last > end or not numpy.array_equal(held[:ref.last - slot], tokens[slot:ref.last]):
+            raise CaptureFileError(f"{path}: block {ref.name} is not this file's: it holds the rows of other tokens "
+                                   "or another layout")
         lo, hi = ref.first - ref.start, ref.last - ref.start
         for name in wanted:
             if name not in recs:
                 raise CaptureFileError(f"{path}: block {ref.name} has no {name!r} tensor")
-            parts[name].append(decode_tensor(name, recs[name], block_path)[lo:hi])
-    return {name: torch.cat(ts) if len(ts) != 1 else ts[0].clone() for name, ts in parts.items()}
+            rows = decode_tensor(name, recs[name], block_path)
+            if rows.ndim != 2 or rows.shape[0] != end - ref.start:
+                raise CaptureFileError(f"{path}: block {ref.name}'s {name!r} has {tuple(rows.shape)} rows, not "
+                                       f"{end - ref.start}")
+            parts[name].append(rows[lo:hi])
+    out = {}
+    for name, ts in parts.items():
+        if len({(tuple(t.shape[1:]), t.dtype) for t in ts}) > 1:
+            raise CaptureFileError(f"{path}: its blocks hold {name!r} of different widths or dtypes")
+        out[name] = torch.cat(ts) if len(ts) != 1 else ts[0].clone()
+    return out
 
 
 def loads(buf: bytes, path: str = "<capture>", tensors: Optional[Iterable[str]] = None,

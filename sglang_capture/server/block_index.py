@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy
 
-from sglang_capture.core.blocks import BLOCK_TOKENS, BlockRef, slot_hash
+from sglang_capture.core.blocks import BLOCK_TOKENS, BlockRef, slot_hash, slot_start
 
 # The index keeps up to this many slot tokens (8 bytes each): far more than a radix cache holds, whose
 # hits are the only ones worth covering.
@@ -51,17 +51,20 @@ class IndexedBlock:
     size: int
 
     def __post_init__(self) -> None:
-        if len(self.tokens) != self.end - (self.start - self.start % BLOCK_TOKENS):
+        if len(self.tokens) != self.end - slot_start(self.start):
             raise ValueError(f"block {self.name}: {len(self.tokens)} slot tokens for rows [{self.start}, {self.end})")
 
 
 @dataclass
 class BlockEvent:
-    """What the writer rank tells every rank of its group about stored blocks, through SGLang's
-    request broadcast (picklable: plain values and numpy arrays)."""
+    """What the writer rank tells every rank of its group, through SGLang's request broadcast
+    (picklable: plain values and numpy arrays): blocks stored, blocks to forget, and once, first,
+    the capture layout every rank names blocks by (server/shared_rows.py), or why there is none."""
 
     added: List[IndexedBlock] = field(default_factory=list)
     dropped: List[str] = field(default_factory=list)
+    layout: Optional[Dict[str, Any]] = None
+    off: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -136,13 +139,17 @@ class BlockIndex:
         self._tokens -= len(block.tokens)
         self.version += 1
 
-    def cover(self, tokens: numpy.ndarray, limit: int, root: bytes) -> Coverage:
+    def cover(self, tokens: numpy.ndarray, limit: int, hashes: List[bytes]) -> Coverage:
         """The stored rows that ``tokens`` (the request's ids) can reuse among its first ``limit``:
         slot by slot, the block whose tokens agree with the request's the furthest past where the
-        covered rows end. A block's rows are only reused where every token before them agrees."""
+        covered rows end. A block's rows are only reused where every token before them agrees.
+        ``hashes``: the request's slot hashes, ``[root, h_1, ...]``, extended here as slots are passed
+        (its tokens never change where they are counted, so later calls hash nothing twice)."""
         refs: List[BlockRef] = []
         sizes: List[int] = []
-        at, h, slot = 0, root, 0
+        if len(tokens) < (len(hashes) - 1) * BLOCK_TOKENS:  # the request's tokens shrank: hash them again
+            del hashes[1:]
+        at, h, slot = 0, hashes[0], 0
         limit = min(limit, len(tokens))
         while at < limit:
             best: Optional[IndexedBlock] = None
@@ -161,7 +168,10 @@ class BlockIndex:
             sizes.append(best.size)
             at = reach
             if at == slot + BLOCK_TOKENS:
-                h, slot = slot_hash(h, tokens[slot:at]), at
+                k = at // BLOCK_TOKENS
+                if len(hashes) <= k:
+                    hashes.append(slot_hash(h, tokens[slot:at]))
+                h, slot = hashes[k], at
         return Coverage(at, tuple(refs), tuple(sizes))
 
 
@@ -170,6 +180,5 @@ def blocks_of(stored: Sequence[Sequence[Any]], tokens: numpy.ndarray) -> List[In
     start, end, size]`` each), whose sequence has ``tokens``."""
     out = []
     for name, slot_h, start, end, size in stored:
-        slot = start - start % BLOCK_TOKENS
-        out.append(IndexedBlock(name, bytes.fromhex(slot_h), start, end, tokens[slot:end].copy(), size))
+        out.append(IndexedBlock(name, bytes.fromhex(slot_h), start, end, tokens[slot_start(start):end].copy(), size))
     return out

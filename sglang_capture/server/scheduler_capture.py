@@ -142,10 +142,14 @@ class SchedulerCapture:
                     layers, arch, type(model).__name__,
                     self.config.final if self.config.keep_last_hidden else "dropped")
         if self.config.sharing and self.shared is None:
-            self.shared = SharedRows(self._layout(runner.server_args), self.is_writer)
-            self.writer.blocks_outcome = self.shared.stored
-            logger.info("sglang_capture: prefix sharing on: capture requests reuse stored rows of cached prefixes, "
-                        "and files reference rows stored once under %s/.blocks", self.config.capture_dir)
+            self.shared = SharedRows()
+            if self.is_writer:  # the group's other ranks take its layout from its first block event
+                layout, why_not = self._layout(runner.server_args)
+                self.shared.configure(layout, why_not)
+                self.writer.blocks_outcome = self.shared.stored
+                if layout is not None:
+                    logger.info("sglang_capture: prefix sharing on: capture requests reuse stored rows of cached "
+                                "prefixes, and files reference rows stored once under %s/.blocks", self.config.capture_dir)
         if self.is_writer and self.pool is None:
             budget = NodeBudget.for_server(self.config, runner.server_args)
             logger.info("sglang_capture: %s", budget.describe())
@@ -154,16 +158,20 @@ class SchedulerCapture:
             self.gc_watch_pending = True
             self.writer.start(self.pool, budget.writers, self.stats)
 
-    def _layout(self, server_args: Any) -> Dict[str, Any]:
+    def _layout(self, server_args: Any) -> Tuple[Optional[Dict[str, Any]], str]:
         """What captured rows depend on besides their tokens (core/blocks.layout_root; the storage
-        dtype and LoRA adapter are added per request): rows of another layout are never reused."""
+        dtype is added per request): rows of another layout are never reused. None, with the reason,
+        when the weights cannot be told apart from others (server/shared_rows.weights_identity)."""
+        weights, why_not = weights_identity(server_args)
+        if weights is None:
+            return None, why_not
         m = self.model
         return {"model": m.model_path, "architecture": m.architecture, "model_class": m.model_class,
                 "hidden_size": m.hidden_size, "num_layers": m.num_layers, "layers": list(m.layers), "dtype": m.dtype,
-                "final": self.config.final if self.config.keep_last_hidden else None,
-                "weights": weights_identity(server_args),
+                "layer_convention": LAYER_CONVENTION,
+                "final": self.config.final if self.config.keep_last_hidden else None, "weights": weights,
                 "quantization": getattr(server_args, "quantization", None),
-                "kv_cache_dtype": str(getattr(server_args, "kv_cache_dtype", None))}
+                "kv_cache_dtype": str(getattr(server_args, "kv_cache_dtype", None))}, ""
 
     def _make_pool(self, size_bytes: int, pin: bool) -> None:
         """The host pool for capture batches, before the first request; without one (no memory to

@@ -3,36 +3,41 @@ their radix-cache hits where the rows of the hit are stored, and their files ref
 
 What each part does:
 
+- the layout (``configure``, the writer rank at model load): what rows depend on besides their
+  tokens (core/blocks.layout_root): the model and the identity of its weights (names, sizes and
+  times of the checkpoint's files, and its config's digest; for dummy weights the SGLang release),
+  config overrides, layers, final states, model dtype, quantization, KV-cache dtype, the layer
+  convention; the storage dtype is added per request. It is the writer rank's alone and reaches
+  the group's other ranks in the first block event, so every rank names blocks alike whatever its
+  node's copy of the weights looks like. Weights that cannot be told apart turn sharing off, on
+  every rank alike.
 - ``mark`` (``Req.__init__``, every rank): a capture request stays in the radix cache's shared
   namespace and carries a ``RequestShare``; a request whose rows do not follow from its token ids
-  alone (input embeddings, positional overrides, images, a streaming session) is captured
-  privately instead, as with sharing off, and the log says so once per reason.
+  and the layout alone (a LoRA adapter, input embeddings, positional overrides, images, a streaming
+  session) is captured privately instead, as with sharing off, and the log says so once per reason.
 - ``limit`` (SGLang's prefix limit, ``Req._compute_max_prefix_len``, every rank): the radix match
   is capped where the stored blocks this index knows of stop covering the request's tokens
-  (server/block_index.py). A prefix cached by a plain request, or by a capture whose blocks are not
-  stored, is therefore computed again, never referenced.
+  (server/block_index.py), and not taken below ``MIN_REUSE_ROWS``. A prefix cached by a plain
+  request, or by a capture whose blocks are not stored, is therefore computed again, never referenced.
 - ``share_of`` (finish, the writer rank): the job's references for the rows before the first row
   the request computed, and the layout its new blocks are keyed under.
 - ``stored`` (a hand-off thread): the blocks a writer stored or found missing become a
   ``BlockEvent``; ``take_events`` (the writer rank's scheduler thread) puts the events into
-  SGLang's request broadcast, and ``apply`` (every rank) applies them, so every rank of the group
-  caps every request alike.
-
-The layout root names what rows depend on besides the tokens (core/blocks.py): the model and the
-identity of its weights (names, sizes and times of the checkpoint's files; the snapshot of a hub
-model; for dummy weights the SGLang release), layers, final states, storage dtype, quantization,
-KV-cache dtype, and the request's LoRA adapter.
+  SGLang's request broadcast, with one dropping the blocks no capture used for ``BLOCK_LEASE_S``
+  (``gc`` may take them after twice that), and ``apply`` (every rank) applies them, so every rank
+  of the group caps every request alike.
 """
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import os
-import secrets
 import threading
+import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from sglang_capture.core.blocks import layout_root
+from sglang_capture.core.blocks import BLOCK_LEASE_S, layout_root
 from sglang_capture.server.block_index import (
     NOTHING,
     BlockEvent,
@@ -45,56 +50,89 @@ from sglang_capture.server.block_index import (
 logger = logging.getLogger(__name__)
 
 SHARE_ATTR = "_sglang_capture_share"  # the RequestShare of a capture request whose rows are shared
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
+# Stored rows covering fewer positions than this are computed again: a chat template's common header is
+# not worth a radix hit, which on MLA models moves the whole prefill batch off SGLang's MHA path (a
+# 1-token hit in every request cost a Kimi-compute server a third of its prefill rate, bench/RESULTS.md r51).
+MIN_REUSE_ROWS = 32
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".py")
+LEASE_CHECK_S = 60.0  # how often the writer rank looks for blocks whose lease ran out
 
 
 class RequestShare:
-    """A capture request's view of the stored blocks: its layout root and the coverage of its
-    latest prefix match (cached until the index or the request's limit changes)."""
+    """A capture request's view of the stored blocks: its layout root, its slots' prefix hashes (its
+    tokens only grow), the coverage of its latest prefix match (cached until the index or the
+    request's limit changes) and the widest one seen, which its finish may need when a later match
+    (a prefill chunk's, after the prefix was taken) found less."""
 
-    __slots__ = ("root", "coverage", "_key")
+    __slots__ = ("root", "hashes", "coverage", "widest", "_key")
 
     def __init__(self, root: bytes) -> None:
         self.root = root
+        self.hashes: List[bytes] = [root]
         self.coverage: Coverage = NOTHING
+        self.widest: Coverage = NOTHING
         self._key: Optional[Tuple[int, int]] = None
 
     def cap(self, index: BlockIndex, tokens: Any, limit: int) -> int:
         """How many of the first ``limit`` positions may come from the radix cache: those whose rows are stored."""
         key = (limit, index.version)
         if key != self._key:
-            self.coverage = index.cover(as_tokens(tokens), limit, self.root)
+            self.coverage = index.cover(as_tokens(tokens), limit, self.hashes)
             self._key = key
+            if self.coverage.reach >= self.widest.reach:
+                self.widest = self.coverage
         return self.coverage.reach
 
+    def covering(self, first_row: int) -> Optional[Coverage]:
+        """A coverage of the rows before ``first_row``: the latest match's, else the widest seen."""
+        return next((c for c in (self.coverage, self.widest) if c.reach >= first_row), None)
 
-def weights_identity(server_args: Any) -> Dict[str, Any]:
-    """What names the weights a server loads, for the layout root: rows from other weights must
-    never be reused."""
+
+def _files_identity(directory: str) -> List[List[Any]]:
+    """Names, sizes and modification times of a checkpoint's files, and its config's digest."""
+    out = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(WEIGHT_SUFFIXES):
+            st = os.stat(os.path.join(directory, name))
+            out.append([name, st.st_size, st.st_mtime_ns])
+    config = os.path.join(directory, "config.json")
+    if os.path.isfile(config):
+        with open(config, "rb") as f:
+            out.append(["config.json sha256", hashlib.sha256(f.read()).hexdigest()])
+    return out
+
+
+def weights_identity(server_args: Any) -> Tuple[Optional[Dict[str, Any]], str]:
+    """What names the weights a server loads, for the layout root (rows from other weights must never
+    be reused), and None with the reason when they cannot be told apart."""
     load_format = str(getattr(server_args, "load_format", "auto"))
+    path = str(server_args.model_path)
+    revision = getattr(server_args, "revision", None)
+    out: Dict[str, Any] = {"load_format": load_format, "revision": revision,
+                           "overrides": getattr(server_args, "json_model_override_args", None),
+                           "loader": getattr(server_args, "model_loader_extra_config", None)}
     if load_format == "dummy":
         from sglang_capture.patches.version_gate import installed_sglang_version
 
-        return {"load_format": load_format, "sglang": installed_sglang_version()}
-    path = str(server_args.model_path)
-    revision = getattr(server_args, "revision", None)
+        out["sglang"] = installed_sglang_version()  # random weights from its seed: alike while SGLang is
+    if os.path.isfile(path):  # one file (GGUF)
+        st = os.stat(path)
+        return {**out, "path": os.path.realpath(path), "files": [[os.path.basename(path), st.st_size, st.st_mtime_ns]]}, ""
     if not os.path.isdir(path):
         try:
             from huggingface_hub import snapshot_download
 
-            path = snapshot_download(path, revision=revision, local_files_only=True)
-        except Exception:  # noqa: BLE001 - not in the local hub cache: these rows are reused by this server only
-            return {"path": path, "revision": revision, "unresolved": secrets.token_hex(8)}
-    files = []
-    for name in sorted(os.listdir(path)):
-        if name.endswith(WEIGHT_SUFFIXES):
-            st = os.stat(os.path.join(path, name))
-            files.append([name, st.st_size, st.st_mtime_ns])
-    return {"path": os.path.realpath(path), "revision": revision, "load_format": load_format, "files": files}
+            path = snapshot_download(path, revision=revision, local_files_only=True,
+                                     cache_dir=getattr(server_args, "download_dir", None))
+        except Exception as e:  # noqa: BLE001 - not in a local hub cache this process can read
+            return None, f"its weights ({path}) are not in a local directory or hub cache to tell them apart by ({e})"
+    return {**out, "path": os.path.realpath(path), "files": _files_identity(path)}, ""
 
 
 def private_reason(req: Any) -> Optional[str]:
-    """Why a capture request's rows cannot be shared: they depend on more than its token ids."""
+    """Why a capture request's rows cannot be shared: they depend on more than its token ids and the layout."""
+    if getattr(req, "lora_id", None) is not None:
+        return "requests with a LoRA adapter"
     if getattr(req, "input_embeds", None) is not None:
         return "requests with input_embeds"
     if getattr(req, "positional_embed_overrides", None) is not None:
@@ -109,25 +147,30 @@ def private_reason(req: Any) -> Optional[str]:
 class SharedRows:
     """One scheduler process's side of prefix sharing (see the module docstring)."""
 
-    def __init__(self, layout: Dict[str, Any], is_writer: bool, capacity_tokens: Optional[int] = None) -> None:
-        self.layout = layout
-        self.is_writer = is_writer
+    def __init__(self, capacity_tokens: Optional[int] = None) -> None:
         self.index = BlockIndex(capacity_tokens) if capacity_tokens else BlockIndex()
-        self._roots: Dict[Tuple[str, Optional[str]], bytes] = {}
+        self.layout: Optional[Dict[str, Any]] = None  # the writer rank's, from the first block event
+        self.off: Optional[str] = None  # why this group shares nothing after all (every rank alike)
+        self._roots: Dict[str, bytes] = {}
         self._events: Deque[BlockEvent] = collections.deque()
         self._told: set = set()
-        self._told_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._used: Dict[str, float] = {}  # the writer rank: when a capture last stored or reused each block
+        self._next_lease_check = time.monotonic() + LEASE_CHECK_S
 
-    def root(self, storage: str, lora: Optional[str]) -> bytes:
-        """The layout root of rows stored as ``storage`` (model, fp8) under LoRA adapter ``lora``."""
-        key = (storage, lora)
-        root = self._roots.get(key)
+    def configure(self, layout: Optional[Dict[str, Any]], why_not: str = "") -> None:
+        """The writer rank, at model load: its layout (None: sharing off, ``why_not``), for every rank."""
+        self._events.append(BlockEvent(layout=layout, off=why_not if layout is None else None))
+
+    def root(self, storage: str) -> bytes:
+        """The layout root of rows stored as ``storage`` (model, fp8)."""
+        root = self._roots.get(storage)
         if root is None:
-            root = self._roots[key] = layout_root({**self.layout, "storage": storage, "lora": lora})
+            root = self._roots[storage] = layout_root({**self.layout, "storage": storage})
         return root
 
     def say_once(self, reason: str) -> None:
-        with self._told_lock:
+        with self._lock:
             if reason in self._told:
                 return
             self._told.add(reason)
@@ -136,11 +179,13 @@ class SharedRows:
 
     def mark(self, req: Any, storage: str) -> bool:
         """Give a new capture request its share of the stored blocks; False when it must be private."""
+        if self.layout is None:  # turned off, on every rank (the writer rank's first event says why)
+            return False
         why = private_reason(req)
         if why is not None:
             self.say_once(why)
             return False
-        setattr(req, SHARE_ATTR, RequestShare(self.root(storage, getattr(req, "lora_id", None))))
+        setattr(req, SHARE_ATTR, RequestShare(self.root(storage)))
         return True
 
     def limit(self, req: Any, limit: int) -> Optional[int]:
@@ -155,7 +200,8 @@ class SharedRows:
         tokens = req.full_untruncated_fill_ids
         if len(tokens) < limit:  # not refreshed yet (a waiting request ranked before its first match)
             tokens = list(req.origin_input_ids) + list(req.output_ids)
-        return min(limit, share.cap(self.index, tokens, limit))
+        reach = share.cap(self.index, tokens, limit)
+        return min(limit, reach) if reach >= MIN_REUSE_ROWS else 0
 
     def share_of(self, req: Any, first_row: int) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
         """The job's shared-rows part for a finished request whose rows start at ``first_row``, or
@@ -163,28 +209,49 @@ class SharedRows:
         share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
         if share is None:
             return None, None
-        coverage = share.coverage
-        if first_row > coverage.reach:
-            return None, (f"rows {coverage.reach}-{first_row - 1} were neither computed nor found stored "
+        coverage = share.covering(first_row)
+        if coverage is None:
+            return None, (f"rows {share.widest.reach}-{first_row - 1} were neither computed nor found stored "
                           "(the radix cache reused more than the stored blocks cover)")
         refs = coverage.upto(first_row)
         return {"root": share.root.hex(), "start": first_row, "refs": [r.as_list() for r in refs],
                 "sizes": {r.name: size for r, size in zip(refs, coverage.sizes)}}, None
 
     def stored(self, job: Any, stored: List[list], missing: List[str]) -> None:
-        """A hand-off thread: the blocks a writer stored (or found gone) for ``job``, for every rank's index."""
-        if not stored and not missing:
-            return
-        tokens = as_tokens(list(job.input_ids) + list(job.output_ids))
-        self._events.append(BlockEvent(added=blocks_of(stored, tokens), dropped=list(missing)))
+        """A hand-off thread: the blocks a writer stored or reused for ``job`` (or found gone), for every rank's index."""
+        now = time.monotonic()
+        with self._lock:
+            for name in [s[0] for s in stored] + [r[0] for r in job.share["refs"]]:
+                self._used[name] = now
+            for name in missing:
+                self._used.pop(name, None)
+        if stored or missing:
+            tokens = as_tokens(list(job.input_ids) + list(job.output_ids))
+            self._events.append(BlockEvent(added=blocks_of(stored, tokens), dropped=list(missing)))
 
     def take_events(self) -> List[BlockEvent]:
-        """The writer rank's scheduler thread: the events posted since the last call."""
+        """The writer rank's scheduler thread: the events posted since the last call, and now and
+        then one dropping the blocks whose lease ran out."""
+        now = time.monotonic()
+        if now >= self._next_lease_check:
+            self._next_lease_check = now + LEASE_CHECK_S
+            with self._lock:
+                expired = [name for name, at in self._used.items() if now - at > BLOCK_LEASE_S]
+                for name in expired:
+                    del self._used[name]
+            if expired:
+                self._events.append(BlockEvent(dropped=expired))
         out = []
         while self._events:
             out.append(self._events.popleft())
         return out
 
     def apply(self, events: List[BlockEvent]) -> None:
+        """Every rank: the writer rank's events, in order."""
         for event in events:
+            if event.layout is not None or event.off is not None:
+                self.layout, self.off, self._roots = event.layout, event.off, {}
+                if event.off:
+                    logger.warning("sglang_capture: prefix sharing is off on this server: %s; every capture is "
+                                   "private (its whole sequence computed and stored in its own file)", event.off)
             self.index.apply(event)

@@ -10,6 +10,7 @@ run resumes without duplicates or half samples.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import os
@@ -23,8 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import requests
 
 from sglang_capture.core import checksum
-from sglang_capture.core.blocks import BLOCKS_DIR, block_relpath
-from sglang_capture.core.durable import LockTimeout, fsync_dir, publish_new
+from sglang_capture.core.blocks import BLOCKS_DIR, GC_LOCK, block_relpath
+from sglang_capture.core.durable import LockTimeout, fsync_dir, held_lock, publish_new
 from sglang_capture.core.format import CaptureFileError
 from sglang_capture.core.fp8 import CAPTURE_DTYPES
 from sglang_capture.core.loss_mask import spans_from_mask
@@ -67,60 +68,70 @@ def sample_path(out: str, sample_id: str) -> str:
     return os.path.join(out, sample_id + FILE_SUFFIX)
 
 
-def link_blocks(src: str, out: str) -> None:
-    """Bring the shared blocks a capture file references (schema v3) from beside ``src`` into
-    ``out/.blocks``, before the file itself comes: linked on one filesystem (no bytes copied; the
-    server's ``gc`` then only drops its own name for them), else copied, each whole or absent. A
-    block already there stays: any block of a name holds the same rows (core/blocks.py)."""
-    names = block_names(read_meta(src), src)
+def link_blocks(src: str, out: str, names: Sequence[str]) -> None:
+    """Bring the shared blocks ``names`` that the capture file ``src`` references (schema v3) from
+    beside it into ``out/.blocks``, and touch each there (``gc`` keeps it): linked on one filesystem
+    (no bytes copied; the server's ``gc`` then only drops its own name for them), else copied, each
+    whole or absent. A block already there stays: any block of a name holds the same rows
+    (core/blocks.py). Call under ``out``'s gc lock (``move_to_sample``)."""
     here, there = blocks_dir(src), os.path.join(out, BLOCKS_DIR)
-    if not names or (os.path.isdir(there) and os.path.samefile(here, there)):
-        return
     linked, new_dirs = set(), False
     for name in names:
         rel = block_relpath(name)
         dst = os.path.join(there, rel)
-        if os.path.exists(dst):
-            continue
         sub = os.path.dirname(dst)
         if not os.path.isdir(sub):
             os.makedirs(sub, mode=0o750, exist_ok=True)
             new_dirs = True
         try:
             os.link(os.path.join(here, rel), dst)
+            linked.add(sub)
         except FileExistsError:
-            continue
+            pass
         except OSError:  # another filesystem: a flushed copy, linked into place
             with open(os.path.join(here, rel), "rb") as fi:
                 try:
                     publish_new(dst, lambda fo: shutil.copyfileobj(fi, fo, 1 << 22))
+                    linked.add(sub)
                 except FileExistsError:
-                    continue
-        linked.add(sub)
+                    pass
+        os.utime(dst)
     for sub in linked:
         fsync_dir(sub)
     if new_dirs:
         fsync_dir(there)
-        fsync_dir(out)
 
 
-def move_to_sample(src: str, dst: str) -> None:
-    """Move a server's file to its sample name, its shared blocks first: never overwrite, never
-    expose a partial copy or a file whose blocks are not there yet."""
-    link_blocks(src, os.path.dirname(dst))
-    try:
+def move_to_sample(src: str, dst: str, keep_source: bool = False) -> None:
+    """Move (``keep_source``: link) a server's file to its sample name, its shared blocks first:
+    never overwrite, never expose a partial copy or a file whose blocks are not there yet. The
+    blocks come and the file appears under the output's gc lock, held shared, as a writer publishes
+    (writer/blocks.py): a ``gc`` of the output never takes a block between the two."""
+    out = os.path.dirname(os.path.abspath(dst))
+    names = block_names(read_meta(src), src)
+    there = os.path.join(out, BLOCKS_DIR)
+    elsewhere = bool(names) and not (os.path.isdir(there) and os.path.samefile(blocks_dir(src), there))
+    if elsewhere:
+        os.makedirs(there, mode=0o750, exist_ok=True)
+    held = (held_lock(os.path.join(there, GC_LOCK), None, os.path.join(there, GC_LOCK), shared=True, max_delay_s=0.01)
+            if elsewhere else contextlib.nullcontext())
+    with held:
+        if elsewhere:
+            link_blocks(src, out, names)
         try:
-            os.link(src, dst)
+            try:
+                os.link(src, dst)
+            except FileExistsError:
+                raise
+            except OSError:  # another filesystem: publish a copy (flushed, then linked into place)
+                with open(src, "rb") as fi:
+                    publish_new(dst, lambda fo: shutil.copyfileobj(fi, fo, 1 << 22))
+            else:
+                fsync_dir(out)
         except FileExistsError:
-            raise
-        except OSError:  # another filesystem: publish a copy (flushed, then linked into place)
-            with open(src, "rb") as fi:
-                publish_new(dst, lambda fo: shutil.copyfileobj(fi, fo, 1 << 22))
-        else:
-            fsync_dir(os.path.dirname(dst))
-    except FileExistsError:
-        raise FileExistsError(f"{dst} already exists; another extract may be writing to this directory") from None
-    os.unlink(src)
+            raise FileExistsError(f"{dst} already exists; another extract may be writing to this directory") from None
+    if not keep_source:
+        os.unlink(src)
 
 
 class _Rates:

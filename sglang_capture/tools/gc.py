@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Set, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
-from sglang_capture.core.blocks import BLOCKS_DIR, GC_LOCK, is_block_name
-from sglang_capture.core.durable import lock_within
-from sglang_capture.core.format import CaptureFileError
+from sglang_capture.core.blocks import BLOCK_LEASE_S, BLOCKS_DIR, GC_LOCK, is_block_name
+from sglang_capture.core.durable import held_lock
+from sglang_capture.core.format import SCHEMA_REFS, CaptureFileError
 from sglang_capture.core.names import FILE_SUFFIX
-from sglang_capture.core.reader import block_names, read_meta
+from sglang_capture.core.reader import block_names, check_seal, load_records, read_meta
 
 EPOCH = ".gc-epoch"
-DEFAULT_MIN_AGE_S = 3600.0
+REMOVE_BATCH = 256  # blocks removed under one hold of the lock
+LOCK_WAIT_S = 600.0
+DEFAULT_MIN_AGE_S = 2 * BLOCK_LEASE_S
 
 
 class GcError(RuntimeError):
@@ -52,27 +54,21 @@ class GcReport:
     problems: List[str] = field(default_factory=list)
 
 
-def _lock(blocks: str) -> int:
-    fd = os.open(os.path.join(blocks, GC_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-    try:
-        lock_within(fd, os.path.join(blocks, GC_LOCK))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+def _locked(blocks: str) -> Any:
+    """The exclusive lock of ``.blocks/.gc.lock``: writers hold it shared for a moment at a time, so
+    it is tried often (a writer waits for it at most ``LOCK_TIMEOUT_S``: gc holds it for a batch)."""
+    return held_lock(os.path.join(blocks, GC_LOCK), None, os.path.join(blocks, GC_LOCK), timeout_s=LOCK_WAIT_S,
+                     max_delay_s=0.002)
 
 
 def _start(blocks: str) -> float:
     """The mtime of a file touched now, under the exclusive lock (step 1)."""
-    fd = _lock(blocks)
-    try:
+    with _locked(blocks):
         path = os.path.join(blocks, EPOCH)
         with open(path, "ab"):
             pass
         os.utime(path)
         return os.stat(path).st_mtime
-    finally:
-        os.close(fd)
 
 
 def _referenced(directory: str, report: GcReport) -> Set[str]:
@@ -85,7 +81,11 @@ def _referenced(directory: str, report: GcReport) -> Set[str]:
         path = os.path.join(directory, entry)
         try:
             st = os.stat(path)
-            refs = block_names(read_meta(path), path)
+            meta = read_meta(path)
+            if meta.get("schema") == SCHEMA_REFS:  # its list of blocks must be the one it was sealed with
+                meta, recs = load_records(path)
+                check_seal(meta, recs, path)
+            refs = block_names(meta, path)
         except FileNotFoundError:
             continue  # deleted meanwhile: its blocks are no longer referenced by it
         except (OSError, CaptureFileError) as e:
@@ -143,19 +143,18 @@ def collect(directory: str, min_age_s: float = DEFAULT_MIN_AGE_S, dry_run: bool 
     if dry_run or not doomed:
         report.removed, report.removed_bytes = len(doomed), sum(st.st_size for _, st in doomed.values())
         return report
-    fd = _lock(blocks)
-    try:
-        for path, st in doomed.values():
-            try:
-                now = os.stat(path, follow_symlinks=False)
-                if now.st_mtime >= start - min_age_s:
-                    report.young += 1  # touched since: a new file references it
+    doomed_paths = [path for path, _ in doomed.values()]
+    for i in range(0, len(doomed_paths), REMOVE_BATCH):  # the lock between batches: writers wait one at most
+        with _locked(blocks):
+            for path in doomed_paths[i:i + REMOVE_BATCH]:
+                try:
+                    now = os.stat(path, follow_symlinks=False)
+                    if now.st_mtime >= start - min_age_s:
+                        report.young += 1  # touched since: a new file references it
+                        continue
+                    os.unlink(path)
+                except FileNotFoundError:
                     continue
-                os.unlink(path)
-            except FileNotFoundError:
-                continue
-            report.removed += 1
-            report.removed_bytes += now.st_size
-    finally:
-        os.close(fd)
+                report.removed += 1
+                report.removed_bytes += now.st_size
     return report

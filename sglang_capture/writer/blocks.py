@@ -19,27 +19,25 @@ new rows become blocks (core/blocks.py) and its file lists all of them:
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy
 
 from sglang_capture.core.blocks import (
     BLOCK_KIND,
     BLOCK_SUFFIX,
+    BLOCKS_DIR,
     GC_LOCK,
     Block,
     BlockRef,
 )
 from sglang_capture.core.capture_dir import DirFds
 from sglang_capture.core.checksum import UnknownChecksum
-from sglang_capture.core.durable import LOCK_TIMEOUT_S, LockTimeout
-from sglang_capture.core.format import CaptureFileError, Codec, HostTensor, read_records, seal_intact
+from sglang_capture.core.durable import held_lock, unlink_if_same
+from sglang_capture.core.format import CaptureFileError, Codec, HostTensor, decode_array, read_records, seal_intact
 from sglang_capture.writer.capture_file import write_file
 from sglang_capture.writer.durability import Durability
 
@@ -72,29 +70,10 @@ class StoredBlock:
         return [b.name, b.slot_hash.hex(), b.start, b.end, self.size]
 
 
-@contextmanager
-def shared_lock(dir_fd: int, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold ``.gc.lock`` shared (created if missing) within ``timeout_s``; a filesystem without
-    locks is taken as it is (``gc`` then relies on the touched mtimes alone)."""
-    fd = os.open(GC_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640, dir_fd=dir_fd)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
-            except OSError as e:
-                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP):
-                    break
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-            if time.monotonic() > deadline:
-                raise LockTimeout(errno.ETIMEDOUT, f"waited {timeout_s:g} s for {GC_LOCK}, which a running "
-                                                   "sglang-capture gc holds")
-            time.sleep(0.01)
-        yield
-    finally:
-        os.close(fd)
+def gc_lock(dirs: DirFds) -> Any:
+    """``.blocks/.gc.lock`` held shared for a ``with`` block: ``gc`` (exclusive) waits for it."""
+    return held_lock(GC_LOCK, dirs.blocks, f"{BLOCKS_DIR}/{GC_LOCK} (a running sglang-capture gc holds it)",
+                     shared=True, max_delay_s=0.01)
 
 
 class BlockStore:
@@ -130,40 +109,38 @@ class BlockStore:
         except FileNotFoundError:
             return None
 
-    def _stored_whole(self, name: str) -> Optional[int]:
-        """The size of block ``name``'s file when it is stored whole; None when it is not stored, or is
-        damaged (then it is removed: the caller has the rows to store it again)."""
-        fd = None
+    def _stored_whole(self, block: Block, layout: str, tokens: numpy.ndarray) -> Optional[int]:
+        """The size of ``block``'s file when it is stored whole, sealed and of these tokens and layout;
+        None when it is not stored, or is damaged (then it is removed, that file and no other that took
+        the name meanwhile: the caller has the rows to store it again)."""
+        name, sub = block.name, self.subdir(block.name)
         try:
-            fd = os.open(name + BLOCK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.subdir(name))
-            with os.fdopen(fd, "rb") as f:
-                fd = None
-                buf = f.read()
+            fd = os.open(name + BLOCK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
         except FileNotFoundError:
             return None
-        finally:
-            if fd is not None:
-                os.close(fd)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            buf = f.read()
         try:
             meta, recs = read_records(buf, name)
-            whole = meta.get("key") == name and seal_intact(meta, recs)
-        except (CaptureFileError, UnknownChecksum):
+            whole = (meta.get("key") == name and meta.get("layout") == layout and meta.get("start") == block.start
+                     and meta.get("end") == block.end and seal_intact(meta, recs)
+                     and numpy.array_equal(decode_array("tokens", recs["tokens"], name), tokens[block.slot_start:block.end]))
+        except (CaptureFileError, UnknownChecksum, KeyError, ValueError):
             whole = False
         if whole:
             return len(buf)
-        try:
-            os.unlink(name + BLOCK_SUFFIX, dir_fd=self.subdir(name))
-        except FileNotFoundError:
-            pass
+        unlink_if_same(name + BLOCK_SUFFIX, sub, (st.st_dev, st.st_ino))
         return None
 
     def put(self, blocks: Sequence[Block], rows: Mapping[str, HostTensor], first_row: int, tokens: numpy.ndarray,
             meta: Mapping[str, Any], progress: Callable[[], None]) -> List[StoredBlock]:
-        """Store ``blocks``, whose rows are ``rows`` from position ``first_row`` on, unless stored already."""
+        """Store ``blocks``, whose rows are ``rows`` from position ``first_row`` on, unless stored already
+        (``meta``: ``block_meta``'s, which names the layout)."""
         out = []
         for block in blocks:
             written = 0
-            size = self._stored_whole(block.name)
+            size = self._stored_whole(block, meta["layout"], tokens)
             if size is None:
                 lo, hi = block.start - first_row, block.end - first_row
                 tensors = {"tokens": HostTensor("int64", numpy.ascontiguousarray(tokens[block.slot_start:block.end])),
@@ -185,7 +162,7 @@ class BlockStore:
     def touch(self, refs: Sequence[BlockRef], sizes: Mapping[str, int]) -> List[str]:
         """Mark every referenced block as in use now (``gc`` keeps it); returns the names of those
         gone, or whose size is not the one ``sizes`` says (truncated or replaced since). Call under
-        ``shared_lock``."""
+        ``gc_lock``."""
         missing = []
         for ref in refs:
             name = ref.name + BLOCK_SUFFIX
@@ -209,9 +186,3 @@ def block_meta(meta: Mapping[str, Any], root_hex: str) -> Dict[str, Any]:
 
 def refs_of(stored: Sequence[StoredBlock]) -> List[BlockRef]:
     return [BlockRef(s.block.name, s.block.start, s.block.start, s.block.end) for s in stored]
-
-
-def split_rows(tensors: Mapping[str, HostTensor]) -> Tuple[Dict[str, HostTensor], Dict[str, HostTensor]]:
-    """(rows, the rest): hidden-state tensors go to blocks, the ids and loss mask stay in the file."""
-    rows = {k: v for k, v in tensors.items() if k not in ("input_ids", "output_ids", "loss_mask")}
-    return rows, {k: v for k, v in tensors.items() if k not in rows}

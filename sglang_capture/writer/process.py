@@ -19,14 +19,21 @@ from typing import Any, Dict, Optional
 
 import numpy
 
-from sglang_capture.core.blocks import BLOCK_TENSORS_KEY, BLOCK_TOKENS, BLOCKS_KEY, BlockRef, plan_blocks
+from sglang_capture.core.blocks import (
+    BLOCK_TENSORS_KEY,
+    BLOCK_TOKENS,
+    BLOCKS_KEY,
+    BlockRef,
+    check_coverage,
+    plan_blocks,
+)
 from sglang_capture.core.capture_dir import DirFds, error_text, sweep_records
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.format import SCHEMA_REFS, HostTensor
 from sglang_capture.core.handoff import Heartbeat, chunk_arrays, ids_array, recv, send
 from sglang_capture.core.loss_mask import mask_from_spans
 from sglang_capture.writer.assemble import assemble_rows, relabel
-from sglang_capture.writer.blocks import BlockStore, MissingBlocks, block_meta, refs_of, shared_lock
+from sglang_capture.writer.blocks import BlockStore, MissingBlocks, block_meta, gc_lock, refs_of
 from sglang_capture.writer.capture_file import write_capture_file
 from sglang_capture.writer.durability import durability_for
 
@@ -137,7 +144,10 @@ class WriterProcess:
         meta = {**msg["meta"], "schema": SCHEMA_REFS, BLOCKS_KEY: [r.as_list() for r in refs],
                 BLOCK_TENSORS_KEY: list(rows), "block_tokens": BLOCK_TOKENS, "block_layout": share["root"]}
         blocks_s = time.monotonic() - t0
-        with shared_lock(self.dirs.blocks):
+        gap = check_coverage(refs, n_rows)
+        if gap is not None:  # never a file without its rows: what the scheduler handed over does not add up
+            raise RuntimeError(f"the capture's blocks do not cover its rows: {gap}")
+        with gc_lock(self.dirs):
             missing = self.blocks.touch(refs, {**share.get("sizes", {}), **{s.block.name: s.size for s in stored}})
             own = {s.block.name: s.block for s in stored}
             gone = [name for name in missing if name not in own]

@@ -50,13 +50,15 @@ def selects(config: CaptureConfig, obj: Any) -> Optional[str]:
 def session_key(config: CaptureConfig, obj: Any) -> Optional[str]:
     """The conversation ``obj`` belongs to, when prefix sharing wants its turns chosen together: the
     client's ``custom_params.capture_session``, else the one derived from an OpenAI chat's opening
-    messages (``derive_capture_session``); None otherwise (then the rid decides, turn by turn)."""
+    messages (``derive_capture_session``); None otherwise (then the rid decides, turn by turn). A
+    ``capture_session`` that is no session name is not one: the operator's choice never turns a
+    request away (a client's own capture request with it is refused, ``protocol.parse_request``)."""
     if not config.sharing:
         return None
     try:
         given = protocol.session_of(protocol.custom_params(obj.sampling_params))
-    except protocol.BadCaptureRequest as e:
-        raise ValueError(str(e)) from None  # SGLang answers it with HTTP 400
+    except protocol.BadCaptureRequest:
+        given = None
     return given if given is not None else getattr(obj, SESSION_ATTR, None)
 
 
