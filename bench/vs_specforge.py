@@ -30,12 +30,15 @@ its last file), start-up apart (SpecForge's first batch, which compiles kernels,
 samples written against given, bytes on disk, peak host RSS of the tool's process tree, GPU busy
 share (``nvidia-smi`` utilization sampled every 200 ms). ``run`` does the pending stages in
 order and stops before one that would not finish by ``--deadline-s`` (a device call's limit):
-call it again to go on. Results: WORK/results/*.json, ``report`` prints the table.
+call it again to go on. Results: WORK/results/*.json; ``report`` (also at the end of ``run``) prints the
+table and writes the run's merged record beside them (``vs_specforge_report.py``, which also reads
+that record back anywhere).
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import datetime
 import glob
 import json
 import os
@@ -50,14 +53,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import psutil
 import requests
-from drafter_run import _cli, regen  # bench/ is on sys.path: this script lives there
+import vs_specforge_report  # bench/ is on sys.path: this script lives there
+from drafter_run import _cli, regen
 
 from sglang_capture.testbed.cpu import server_env
 from sglang_capture.testbed.once import cache_dir
 from sglang_capture.testbed.server import Server, start_server, stop_server
 
 SYSTEM = "You are a helpful assistant."  # SpecForge's qwen template adds it when a sample has none
-BATCHES = (8, 32, 64)
 SF_ORDER = (32, 64, 8)  # SpecForge's default first
 TARGETS = ("smol", "l8b")
 # Same flags for the ceiling and for our launcher. No decode step runs (max_new_tokens 1), so CUDA
@@ -816,8 +819,8 @@ def result(a: argparse.Namespace, name: str) -> Optional[Dict]:
 
 
 def best_batch(a: argparse.Namespace, target: str) -> int:
-    runs = [(result(a, f"{target}-sf-{b}") or {}).get("tok_per_s", 0) for b in BATCHES]
-    return BATCHES[max(range(len(BATCHES)), key=lambda k: runs[k])]
+    runs = {f"{target}-sf-{b}": result(a, f"{target}-sf-{b}") or {} for b in vs_specforge_report.BATCHES}
+    return vs_specforge_report.best_batch(runs, target)
 
 
 def plan(a: argparse.Namespace) -> List[Tuple[str, int, Callable[[GpuBusy], None]]]:
@@ -893,40 +896,9 @@ def run(a: argparse.Namespace) -> int:
 
 
 def report(a: argparse.Namespace) -> None:
-    """The comparison as one table (markdown), also written to WORK/results/report.md."""
-    lines = ["| target | tool | setting | tok/s (real tokens, whole stage) | of ceiling | start-up s | written/given | "
-             "bytes | bytes / SpecForge .ckpt | peak RSS GB | GPU busy |", "|" + "---|" * 11]
-    for target in a.targets:
-        s = result(a, f"{target}-servers")
-        ref = result(a, f"{target}-sf-{best_batch(a, target)}") or {}
-        ceiling = (s or {}).get("ceiling", {}).get("tok_per_s")
-
-        def ratio(x: Optional[float], y: Optional[float]) -> str:
-            return f"{x / y:.3f}" if x and y else "-"
-
-        if s:
-            c = s["ceiling"]
-            lines.append(f"| {target} | plain SGLang 0.5.17 (ceiling) | prefill only | {c['tok_per_s']:,} | 1 | "
-                         f"{s['plain_startup_s']} | {c['samples']}/{c['samples']} | - | - | {c['peak_rss_gb']} | {c['gpu_busy']} |")
-            for dtype in ("bf16", "fp8"):
-                o = s[dtype]
-                lines.append(f"| {target} | sglang_capture | {dtype} | {o['tok_per_s']:,} | {o['of_ceiling']} | "
-                             f"{s['ours_startup_s']} | {o['written']}/{o['given']} | {o['bytes'] / 1e9:.2f} GB | "
-                             f"{ratio(o['bytes'], ref.get('bytes'))} | {o['peak_rss_gb']} | {o['gpu_busy']} |")
-        for b in BATCHES:
-            for gz in ("", "-gz"):
-                r = result(a, f"{target}-sf-{b}{gz}")
-                if not r or r.get("rc"):
-                    continue
-                lines.append(f"| {target} | SpecForge prepare_hidden_states | batch {b}{' --compress' if gz else ''} | "
-                             f"{r['tok_per_s']:,} ({r['padding_share']:.0%} padding) | {ratio(r['tok_per_s'], ceiling)} | "
-                             f"{r['startup_s']} | {r['written']}/{r['given']} | {r['bytes'] / 1e9:.2f} GB | "
-                             f"{ratio(r['bytes'], ref.get('bytes'))} | {r['peak_rss_gb']} | {r['gpu_busy_stage']} |")
-    text = "\n".join(lines)
-    os.makedirs(os.path.join(a.work, "results"), exist_ok=True)
-    with open(os.path.join(a.work, "results", "report.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    """The table (printed, and WORK/results/report.md) and the run's merged record beside it (vs_specforge_report.py)."""
+    print(vs_specforge_report.write_report(os.path.join(a.work, "results"), a.targets, a.device,
+                                           datetime.date.today().isoformat(), a.tree))
 
 
 def main() -> int:
@@ -947,6 +919,8 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=540)
     ap.add_argument("--spy-s", type=float, default=6, help="py-spy window of an extra extract pass after the sweep (0: none)")
     ap.add_argument("--server-args", default="", help="replaces the servers' flags (a CPU dry run)")
+    ap.add_argument("--device", default="h200", help="names the merged record (vs_specforge-DEVICE-DATE.json)")
+    ap.add_argument("--tree", default="unknown", help="the commit the wheel was built from, for the merged record")
     a = ap.parse_args()
     a.targets = [t for t in a.targets.split(",") if t]
     a.sweep = [int(c) for c in a.sweep.split(",") if c]

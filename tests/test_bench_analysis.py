@@ -7,6 +7,7 @@ RESULTS.md stays the current picture: short, every raw record it names present.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -349,3 +350,55 @@ def test_results_page_is_the_current_picture_and_every_record_it_names_exists():
         assert usage.returncode == 0 and usage.stdout.startswith(f"usage: bash bench/{family}.sh"), usage
         phases = set(re.split(r"[ |]", usage.stdout.split(".sh ", 1)[1].split(" OUT")[0]))
         assert {phase for f, phase in commands if f == family} <= phases, (family, phases)
+
+
+def test_vs_specforge_report_needs_only_the_standard_library_and_its_merged_record_gives_the_same_table(tmp_path):
+    """Issue 51: the side by side's table comes back from its stage JSONs anywhere. Under `python -I -S` (no
+    site-packages: neither the package nor SGLang importable) the report writes the table and one merged record
+    with the stage names as keys; the record alone gives the same table; the harness's own `report` stage writes
+    the same record; RESULTS.md's figures are the recorded run's."""
+    import subprocess
+
+    record = json.load(open(os.path.join(BENCH, "results", "vs_specforge-h200-2026-12-04-r73.json")))
+    assert record["run"] == {"date": "2026-12-04", "device": "h200", "tree": "9cd7e2b"}
+    assert {"l8b-servers", "l8b-sf-32", "l8b-sf-64", "smol-servers", "smol-sf-64", "smol-sf-64-gz", "smol-rows"} <= set(record)
+    results = tmp_path / "work" / "results"
+    results.mkdir(parents=True)
+    for name, stage in record.items():
+        if name != "run":
+            (results / f"{name}.json").write_text(json.dumps(stage))
+
+    def bare(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-I", "-S", *args], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+
+    assert bare("-c", "import sglang_capture").returncode != 0  # the premise: nothing beyond the standard library
+    report = os.path.join(BENCH, "vs_specforge_report.py")
+    proc = bare(report, str(results), "--date", "2026-12-04", "--tree", "9cd7e2b")
+    assert proc.returncode == 0, proc.stderr
+    merged = results / "vs_specforge-h200-2026-12-04.json"
+    assert json.load(open(merged)) == record
+    assert (results / "report.md").read_text() == proc.stdout
+    assert bare(report, str(merged)).stdout == proc.stdout
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert "| 34,728 (39,621) | 0.849 (0.968) |" in rows[("l8b", "sglang_capture", "bf16")]
+    assert "| 10.43 GB | 0.175 |" in rows[("l8b", "sglang_capture", "fp8")]  # per real token: SpecForge had 1,000 samples
+    assert "| 5,378 (11,482; 57% padding) |" in rows[("l8b", "SpecForge prepare_hidden_states", "batch 64")]
+    assert "| 960/1000 |" in rows[("l8b", "SpecForge prepare_hidden_states", "batch 64")]
+    assert "| 0.792 |" in rows[("smol", "SpecForge prepare_hidden_states", "batch 64 --compress")]
+    assert "bf16 0.1st-percentile cosine >= 0.99977 in every column; fp8 0.1st-percentile cosine >= 0.99946" in proc.stdout
+    missing = bare(report, str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1 and "results dir" in missing.stderr
+
+    os.remove(merged)
+    harness = subprocess.run([sys.executable, os.path.join(BENCH, "vs_specforge.py"), "report", "--work", str(tmp_path / "work"),
+                              "--device", "cpu", "--tree", "9cd7e2b"], capture_output=True, text=True, timeout=120)
+    assert harness.returncode == 0, harness.stderr[-2000:]
+    written = glob.glob(str(results / "vs_specforge-cpu-*.json"))
+    assert len(written) == 1 and {k: v for k, v in json.load(open(written[0])).items() if k != "run"} == \
+        {k: v for k, v in record.items() if k != "run"}
+
+    text = open(os.path.join(BENCH, "RESULTS.md")).read()
+    for figure in ("**34,728 / 34,906** (39,621 / 40,059)", "0.849 / 0.853 (0.968 / 0.979)", "2,808 / **5,378** (11,462 / 11,482)",
+                   "0.291 / **0.175**", "**64,068 / 71,596** (88,354 / 99,244)", "36,056** (20,478 / 55,675 / 84,695)",
+                   "9,483 (11,927)", "0.99977", "0.99946"):
+        assert figure in text, figure
