@@ -199,8 +199,10 @@ class Run:
         """One window of ``clients`` (plus an open-loop stream in ``kw``) with the probes around it."""
         a = self.a
         Load(server.url, self.prompts).run(clients[:4], 3, max_requests=8)  # warm-up
-        spying = (e2e_probes.py_spy_window(server, name.split(" ")[0], a.py_spy_seconds, os.path.join(a.out, "pyspy"), self.res)
-                  if spy and a.py_spy_seconds > 0 else None)
+        spy_dir = os.path.join(a.out, "pyspy")
+        spying = ([e2e_probes.py_spy_window(server, name.split(" ")[0], a.py_spy_seconds, spy_dir, self.res),
+                   e2e_probes.py_spy_window(server, name.split(" ")[0] + "-http", a.py_spy_seconds, spy_dir, self.res, http=True)]
+                  if spy and a.py_spy_seconds > 0 else [])
         sampler = e2e_probes.RssSampler(server.proc.pid)
         sampler.start()
         client_cpu, vm, gpu = e2e_probes.client_cpu_s(), e2e_probes.vmstat(), e2e_probes.GpuSampler()
@@ -212,8 +214,8 @@ class Run:
         r["_prefill_batches"] = e2e_probes.prefill_batches(server, log_at, a.tokens)
         sampler.stop_event.set()
         r["_peak_rss_bytes"] = sampler.peak
-        if spying is not None:
-            spying.join()
+        for t in spying:
+            t.join()
         r["_cpu"] = {**sampler.cpu(), "client_cores": client_cores, "vm": e2e_probes.vm_window(vm)}
         print(f"{name}: " + ", ".join(f"{k} {v['tok_per_s']:,.0f} tok/s" for k, v in r.items()
                                       if isinstance(v, dict) and "tok_per_s" in v)

@@ -118,14 +118,16 @@ def _py_spy() -> Optional[str]:
     return next((p for p in (os.path.join(d, "bin", "py-spy") for d in sys.path if d) if os.path.exists(p)), None)
 
 
-def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: Dict) -> threading.Thread:
-    """Sample ``server``'s scheduler process for ``seconds``, 2 s from now, with and without idle
-    samples at once (``pyspy_summary`` says why both); the summary goes to ``res['pyspy'][name]``.
+def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: Dict, http: bool = False) -> threading.Thread:
+    """Sample ``server``'s scheduler process (``http``: its HTTP process, where the tokenizer manager and
+    the response hooks run) for ``seconds``, 2 s from now, with and without idle samples at once
+    (``pyspy_summary`` says why both); the summary goes to ``res['pyspy'][name]``.
     ``--nonblocking``: the process is never paused, so the window's throughput is not disturbed."""
     def record() -> None:
         summaries = res.setdefault("pyspy", {})
         exe = _py_spy()
-        sched = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True) if "scheduler" in p.name()]
+        sched = [server.proc.pid] if http else \
+            [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True) if "scheduler" in p.name()]
         if exe is None or not sched:
             summaries[name] = {"error": "no py-spy executable" if exe is None else "no scheduler process found"}
             return

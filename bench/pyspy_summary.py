@@ -91,7 +91,7 @@ def _leaves(stacks: Counter[Tuple[str, ...]]) -> Counter[str]:
 
 def summarize(active: Stacks, every: Stacks, seconds: float, rate: float, main: str = "MainThread") -> Dict:
     """Percent of wall time (``seconds`` x ``rate`` samples) per key frame and per leaf of the
-    main thread, in all and on CPU; on-CPU percent of every other thread. The two recordings sample
+    main thread, in all and on CPU; on-CPU percent of every other thread, and of its top leaves. The two recordings sample
     independently, so a frame's on-CPU share can exceed its wall share by the sampling noise."""
     wall = max(sum(every.get(main, {}).values()), 1)
     inc_all, inc_cpu = _inclusive(every.get(main, collections.Counter())), _inclusive(active.get(main, collections.Counter()))
@@ -106,6 +106,10 @@ def summarize(active: Stacks, every: Stacks, seconds: float, rate: float, main: 
                    for k in sorted(inc_all, key=lambda k: -inc_all[k])},
         "leaves_top": [{"leaf": k, "wall_pct": pct(n), "cpu_pct": pct(leaf_cpu[k])} for k, n in leaf_all.most_common(15)],
         "other_threads_cpu_pct": {t: pct(sum(c.values())) for t, c in sorted(active.items()) if t != main},
+        # where each other thread's CPU goes (% of a core per leaf): a hand-off thread spinning in a CUDA
+        # event's synchronize holds no GIL, one in msgpack or file I/O does
+        "other_threads_top": {t: [{"leaf": k, "cpu_pct": pct(n)} for k, n in _leaves(c).most_common(8)]
+                              for t, c in sorted(active.items()) if t != main},
     }
 
 
@@ -115,7 +119,8 @@ def rows(summaries: Dict[str, Dict]) -> List[str]:
         return []
     ok = {name: s for name, s in summaries.items() if "frames" in s}
     keys = sorted({k for s in ok.values() for k in s["frames"]}, key=lambda k: (k not in ("event_loop_overlap",), k))
-    out = ["", "| scheduler main thread, % of wall (on CPU) | on CPU | " + " | ".join(keys) + " | other threads on CPU |",
+    out = ["", "| main thread (of the scheduler; *-http: of the HTTP process), % of wall (on CPU) | on CPU | "
+           + " | ".join(keys) + " | other threads on CPU |",
            "|---" * (len(keys) + 3) + "|"]
     for name, s in summaries.items():
         if name not in ok:

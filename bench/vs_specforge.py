@@ -499,6 +499,7 @@ def spy_pass(a: argparse.Namespace, target: str, ours: Server, concurrency: int,
 
     def record(client: subprocess.Popen) -> None:
         threads.append(e2e_probes.py_spy_window(ours, f"{target}-scheduler", a.spy_s, spydir, res))
+        threads.append(e2e_probes.py_spy_window(ours, f"{target}-http", a.spy_s, spydir, res, http=True))
         if not shutil.which("py-spy"):
             return
         for name, pid in (("writer", writers[0] if writers else None), ("client", client.pid)):

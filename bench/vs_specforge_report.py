@@ -46,8 +46,8 @@ def load_stages(source: str) -> Dict[str, dict]:
 
 
 def best_batch(stages: Dict[str, dict], target: str) -> int:
-    """SpecForge's fastest batch size for TARGET (whole stage), 8 if none ran."""
-    speeds = [stages.get(f"{target}-sf-{b}", {}).get("tok_per_s", 0) for b in BATCHES]
+    """SpecForge's fastest batch size for TARGET (whole stage) among the runs that ended well, 8 if none did."""
+    speeds = [0 if r.get("rc") else r.get("tok_per_s", 0) for r in (stages.get(f"{target}-sf-{b}") or {} for b in BATCHES)]
     return BATCHES[max(range(len(BATCHES)), key=lambda k: speeds[k])]
 
 
@@ -131,10 +131,15 @@ def main() -> int:
         print(f"vs_specforge_report: {a.source} does not exist: give the harness's results dir or a merged record",
               file=sys.stderr)
         return 2
-    if os.path.isdir(a.source):
-        print(write_report(a.source, targets, a.device, a.date, a.tree, a.record))
-    else:
-        print(table(load_stages(a.source), targets))
+    try:
+        if os.path.isdir(a.source):
+            print(write_report(a.source, targets, a.device, a.date, a.tree, a.record))
+        else:
+            print(table(load_stages(a.source), targets))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a stage JSON cut short or not the harness's
+        print(f"vs_specforge_report: cannot make the table from {a.source}: {type(e).__name__}: {e} (a stage JSON is "
+              "damaged or from another harness version; rerun that stage)", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -90,7 +90,8 @@ def test_pyspy_samples_split_wall_time_into_key_frames_and_the_packages_own_code
         (WRAPPED + ";copy_hidden_to_pool (/tmp/sc/sglang_capture/server/hooks/transfer.py:6);"
                    "Event.record (/t/torch/cuda/streams.py:7)", 10),
         ("thread (2): sglang-capture-handoff-0;_run (/tmp/sc/sglang_capture/server/writer_pool.py:9)", 3),
-        ("thread (3): sglang-capture-handoff-1;_run (/tmp/sc/sglang_capture/server/writer_pool.py:9)", 2),
+        ("thread (3): sglang-capture-handoff-1;_run (/tmp/sc/sglang_capture/server/writer_pool.py:9);"
+         "Event.synchronize (/t/site-packages/torch/cuda/streams.py:8)", 2),
     ])
     s = pyspy_summary.summarize(active, every, seconds=1.0, rate=100)
     assert s["samples"] == 100 and s["sampled_pct_of_expected"] == 100.0 and s["main_on_cpu_pct"] == 58.0
@@ -100,6 +101,9 @@ def test_pyspy_samples_split_wall_time_into_key_frames_and_the_packages_own_code
     assert f["[sglang_capture]"] == {"wall_pct": 10.0, "cpu_pct": 10.0}  # its own code, not SGLang's under its wrapper
     assert f["synchronize"] == {"wall_pct": 40.0, "cpu_pct": 0.0}  # waiting for the GPU is off the CPU
     assert s["other_threads_cpu_pct"] == {"sglang-capture-handoff-*": 5.0}
+    assert s["other_threads_top"]["sglang-capture-handoff-*"] == [  # where the hand-off threads' CPU went
+        {"leaf": "_run (/tmp/sc/sglang_capture/server/writer_pool.py)", "cpu_pct": 3.0},
+        {"leaf": "Event.synchronize (torch/cuda/streams.py)", "cpu_pct": 2.0}]
     assert s["leaves_top"][0]["leaf"] == "TpModelWorker.forward_batch_generation (sglang/srt/managers/tp_worker.py)"
     table = pyspy_summary.rows({"d_mixed": s, "a_mixed": {"error": "no py-spy executable"}})
     assert any(r.startswith("| d_mixed | 58.0 |") for r in table) and any("no py-spy executable" in r for r in table)
@@ -388,6 +392,13 @@ def test_vs_specforge_report_needs_only_the_standard_library_and_its_merged_reco
     assert "bf16 0.1st-percentile cosine >= 0.99977 in every column; fp8 0.1st-percentile cosine >= 0.99946" in proc.stdout
     missing = bare(report, str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1 and "results dir" in missing.stderr
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(json.dumps({**record, "l8b-servers": {"ceiling": {}}}))
+    bad = bare(report, str(damaged))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [bad.stderr.strip()] and "KeyError" in bad.stderr
+    failed = {**record, "smol-sf-8": {**record["smol-sf-8"], "rc": 1, "tok_per_s": 10 ** 9}}
+    (tmp_path / "failed.json").write_text(json.dumps(failed))
+    assert "| 0.792 |" in bare(report, str(tmp_path / "failed.json")).stdout  # a failed run is never the reference
 
     os.remove(merged)
     harness = subprocess.run([sys.executable, os.path.join(BENCH, "vs_specforge.py"), "report", "--work", str(tmp_path / "work"),

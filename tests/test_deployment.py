@@ -21,6 +21,7 @@ import torch
 
 import sglang_capture
 from sglang_capture.core.capture_dir import writer_stats
+from sglang_capture.core.reader import block_names, read_meta
 from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd, start_server, stop_server
 from tests.reference import max_abs_diff, min_block_cosines, min_row_cosine, reference_pre_norm, reference_states
@@ -43,6 +44,10 @@ def _requests() -> List[Dict]:
     shared = [rng.randrange(10, 1000) for _ in range(120)]  # plain requests cache it; captures never hit it
     for i, tail in enumerate(([5, 6, 7], [8, 9], [11]), start=18):
         out.append({"i": i, "ids": shared + tail, "capture": i != 19, "new": 2})
+    # two captures past a whole slot of the same tokens (prefix sharing): sent together, each rank may compute and
+    # store the same block; it must be stored once and read whole by both
+    slot = [rng.randrange(10, 1000) for _ in range(300)]
+    out += [{"i": 21, "ids": slot + [13], "capture": True, "new": 2}, {"i": 22, "ids": slot + [14, 15], "capture": True, "new": 2}]
     return out
 
 
@@ -112,6 +117,16 @@ def _check_two_writer_ranks(server, captured: List[Dict]) -> None:
     # defaults: 8192 MiB for the node; writers auto = 2 on this 2-core machine
     assert [s["cap_bytes"] for s in stats] == [4096 << 20] * 2
     assert sum(len(s["writer_pids"]) for s in stats) == 2
+    # prefix sharing: whichever rank stored a block, and however many computed its rows, it was written once, whole
+    blocks = glob.glob(os.path.join(server.capture_dir, ".blocks", "*", "*.block.msgpack"))
+    assert blocks and sum(s["blocks_written"] for s in stats) == len(blocks)
+    firsts = {}
+    for o in captured:
+        path = o["meta_info"]["capture"]["path"]
+        if os.path.basename(path).split(".")[0].endswith(("req-21", "req-22")):
+            firsts.setdefault(os.path.basename(path).split("req-")[0], set()).add(block_names(read_meta(path), path)[0])
+    assert firsts and all(len(names) == 1 for names in firsts.values()), firsts  # the whole slot: one block for both
+    assert not os.listdir(os.path.join(server.capture_dir, ".tmp"))
     assert server.log().count("node budget 8192 MiB of host memory and 2 writer processes, shared by 2 writer "
                               "rank(s): 4096 MiB and 1 process(es) on this rank") == 2
 

@@ -33,6 +33,21 @@ def test_missing_capture_dir_exits_non_zero_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("how", [["-O"], ["-OO"], "PYTHONOPTIMIZE"])
+def test_python_without_asserts_is_refused_in_one_line(tmp_path, how):
+    """Issue 52 item 5: SGLang 0.5.17-0.5.19 check the count of captured layers with an assert only, which -O
+    strips: the launcher refuses to start rather than let a miscount into the files."""
+    env = {**os.environ, "PYTHONOPTIMIZE": "1"} if how == "PYTHONOPTIMIZE" else {**os.environ, "PYTHONOPTIMIZE": ""}
+    flags = how if isinstance(how, list) else []
+    proc = subprocess.run([sys.executable, *flags, "-m", "sglang_capture.launch", "--capture-dir", str(tmp_path),
+                           "--model-path", "x"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "Error: python -O (or PYTHONOPTIMIZE) strips the asserts with which SGLang checks the count of captured layers "
+        "(AuxHiddenStatePacker.finalize), so a miscount would go into the files unnoticed; start the launcher without "
+        "-O and with PYTHONOPTIMIZE unset")
+
+
 def test_a_removed_or_misspelt_capture_option_is_refused_in_one_line_not_passed_to_sglang(tmp_path):
     result, lines = _launch("--capture-dir", str(tmp_path), "--capture-gc-freeze", "--model-path", "x")
     assert result.exit_code != 0 and lines == ["Error: --capture-gc-freeze was removed: no full garbage collection runs "

@@ -10,12 +10,14 @@ import glob
 import json
 import os
 import random
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
+import requests
 import torch
 
 import sglang_capture
@@ -225,3 +227,57 @@ def test_extract_against_a_prefill_server_writes_every_sample_and_verifies(pd, t
         if name.endswith(".capture.msgpack"):
             d = sglang_capture.load(out / name)
             assert d["aux_hidden_states"].shape[0] == d["last_hidden_states"].shape[0] == len(d["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def pd_router(pd, make_server) -> Server:
+    """sglang-router 0.3.2 in PD mode in front of the TP1 prefill server (with its bootstrap port) and the decode
+    server: what a user deploys (issue 52 item 4)."""
+    if pd.dp_ranks != 1:
+        pytest.skip("the PD router is run in front of the TP1 prefill server")
+    server = make_server([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                          "--prefill", pd.prefill.url, str(pd.bootstrap_port), "--decode", pd.decode.url,
+                          "--policy", "round_robin", "--log-level", "warn", "--prometheus-port", str(free_port())])
+    deadline = time.monotonic() + 60
+    while True:  # the router answers /health before its workers are registered
+        workers = requests.get(server.url + "/workers", timeout=5).json()["workers"]
+        if len(workers) == 2 and all(w["is_healthy"] for w in workers):
+            return server
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.5)
+
+
+def test_behind_the_pd_router_a_capture_is_written_on_the_prefill_server_and_its_reference_does_not_reach_the_client(
+        pd, pd_router):
+    """The PD router answers with the decode server's response: the client gets its completion and no reference;
+    the file, whole and exact, and its outcome record are in the prefill server's capture dir under the name the
+    client gave (docs/deployment.md, PD disaggregation)."""
+    r = requests.post(pd_router.url + "/v1/completions", timeout=600, json={
+        "model": "tiny", "prompt": "The capital of France is a city of many", "max_tokens": 1, "temperature": 0,
+        "custom_params": {"capture": True, "capture_name": "via-pd-router"}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length" and "via-pd-router" not in r.text  # no reference
+    path = os.path.join(pd.prefill.capture_dir, "via-pd-router.capture.msgpack")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):  # the prefill server's response (which waited for it) went to the router
+        assert time.monotonic() < deadline, "the prefill server wrote no file"
+        time.sleep(0.2)
+    data = sglang_capture.load(path)
+    _check_rows(pd, {"path": path}, data["input_ids"].tolist())
+    records = [json.load(open(p)) for p in glob.glob(os.path.join(pd.prefill.capture_dir, ".index", "*.json"))
+               if not os.path.basename(p).startswith("_")]
+    assert [rec["status"] for rec in records if rec.get("name") == "via-pd-router"] == ["ok"]
+
+
+def test_extract_against_the_pd_router_captures_on_its_prefill_server_directly(pd, pd_router, tmp_path, env):
+    """extract given the PD router finds its capture worker (the prefill server; the decode server is plain and
+    skipped, said once) and sends its requests there directly, as to a prefill server."""
+    inp, out = tmp_path / "conversations.jsonl", tmp_path / "out"
+    make_conversations(inp, n=4, seed=5)
+    r = extract(pd_router, inp, out, "--concurrency", "2", env=env)
+    assert r.returncode == 0 and "4 samples: 4 written" in r.stdout, r.stdout + r.stderr
+    said = r.stdout + r.stderr
+    assert f"{pd_router.url} is an SGLang router: capturing on its 1 capture workers {pd.prefill.url} directly" in said
+    assert f"skipped {pd.decode.url}" in said
+    assert cli("verify", out, "--no-progress", env=env).returncode == 0

@@ -414,3 +414,87 @@ def test_gc_refuses_a_file_whose_list_of_blocks_was_damaged(tmp_path):
     with pytest.raises(GcError, match="differs from the checksum sealed into it.*removed nothing"):
         collect(str(tmp_path), min_age_s=0)
     assert all(os.path.exists(b) for b in blocks)
+
+
+def test_a_file_moved_within_its_directory_keeps_its_blocks_through_a_gc_that_missed_both_names(tmp_path, monkeypatch):
+    """extract's move into the server's own directory (link, then unlink) touches the file's blocks under the gc
+    lock, as a writer does: a gc that started before and listed the directory between the two names (seeing
+    neither) keeps them, even at --min-age 0."""
+    import time
+
+    from sglang_capture.tools import gc
+    from sglang_capture.tools.extract import move_to_sample
+
+    path, blocks = _file_with_blocks(tmp_path)
+    for b in blocks:
+        os.utime(b, (1, 1))  # long unused
+    start = gc._start(os.path.join(tmp_path, BLOCKS_DIR))
+    time.sleep(0.02)
+    move_to_sample(path, str(tmp_path / "s.capture.msgpack"))
+    monkeypatch.setattr(gc, "_start", lambda blocks: start)
+    monkeypatch.setattr(gc, "_referenced", lambda directory, report: set())  # neither name seen
+    report = gc.collect(str(tmp_path), min_age_s=0)
+    assert report.removed == 0 and report.young == len(blocks)
+    assert load(str(tmp_path / "s.capture.msgpack"))["aux_hidden_states"].shape == (301, H)
+
+
+def test_a_file_of_references_whose_header_passes_for_self_contained_stops_gc(tmp_path):
+    """gc reads only a file's head: a v3 file whose header names another schema is corrupted, never a
+    self-contained file whose blocks may go."""
+    from sglang_capture.core.reader import read_meta
+    from sglang_capture.tools.gc import GcError, collect
+
+    path, blocks = _file_with_blocks(tmp_path)
+    data = bytearray(open(path, "rb").read())
+    at = data.find(SCHEMA_REFS.encode())  # the header's, written before the metadata's
+    data[at:at + len(SCHEMA_REFS)] = b"sglang_capture/v1"
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CaptureFileError, match="header says sglang_capture/v1 and its metadata 'sglang_capture/v3'"):
+        read_meta(path)
+    with pytest.raises(GcError, match="removed nothing"):
+        collect(str(tmp_path), min_age_s=0)
+    assert all(os.path.exists(b) for b in blocks)
+
+
+def test_a_failed_capture_does_not_renew_the_lease_of_the_blocks_it_would_have_reused(tmp_path):
+    """Only a published file touched its prefix's blocks on the disk, which is what gc goes by: a failed capture
+    leaves the scheduler's lease of them as it was."""
+    from types import SimpleNamespace
+
+    from sglang_capture.server.shared_rows import SharedRows
+
+    shared = SharedRows()
+    job = SimpleNamespace(share={"refs": [["prefix-block", 0, 0, 256]]}, input_ids=[1, 2], output_ids=[3])
+    shared.stored(job, [], [], ok=False)
+    assert "prefix-block" not in shared._used
+    shared.stored(job, [], [], ok=True)
+    assert "prefix-block" in shared._used
+
+
+def test_gc_from_the_command_line_warns_below_the_lease_and_reports_the_disk_use(tmp_path):
+    from click.testing import CliRunner
+
+    from sglang_capture.core.blocks import BLOCK_LEASE_S
+    from sglang_capture.tools.cli import cli
+
+    _file_with_blocks(tmp_path)
+    r = CliRunner().invoke(cli, ["gc", str(tmp_path), "--min-age", "0"])
+    assert r.exit_code == 0, r.output
+    assert f"warning: a running server may still reuse blocks unused for {BLOCK_LEASE_S:g} s" in r.output
+    assert "1 capture files" in r.output and "removed 0 unreferenced blocks" in r.output
+    quiet = CliRunner().invoke(cli, ["gc", str(tmp_path), "--dry-run"])
+    assert quiet.exit_code == 0 and "warning" not in quiet.output
+    assert "[default: 3600.0]" in CliRunner().invoke(cli, ["gc", "--help"]).output
+
+
+def test_a_block_whose_tensor_header_was_damaged_is_refused_by_its_seal(tmp_path):
+    """The seal covers each tensor's header too: a block whose byte-shuffle flag flipped from 4 to 0 would
+    still decode, to other values, and is refused instead."""
+    path, blocks = _file_with_blocks(tmp_path)
+    data = bytearray(open(blocks[0], "rb").read())
+    at = data.find(b"\xa7shuffle\x04", data.find(b"aux_hidden_states"))  # the key, then fixint 4: float32's bytes
+    assert at > 0
+    data[at + 8] = 0
+    open(blocks[0], "wb").write(bytes(data))
+    with pytest.raises(CaptureFileError, match="seal|checksum"):
+        load(path)

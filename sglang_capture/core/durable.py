@@ -50,6 +50,9 @@ LOCK_TIMEOUT_S = 60.0
 class LockTimeout(TimeoutError):
     """A lock was not had within its bound; the message says which and what holds it up."""
 
+    def __str__(self) -> str:  # the one line users see, without "[Errno 110]"
+        return self.strerror or super().__str__()
+
 
 def lock_within(fd: int, what: str, timeout_s: float = LOCK_TIMEOUT_S, shared: bool = False,
                 max_delay_s: float = 0.1) -> None:

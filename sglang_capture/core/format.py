@@ -242,9 +242,9 @@ class _HashingWriter:
 
 
 # A sealed file's metadata holds the checksum of its own content: of its metadata without this key (as
-# msgpack packs it) and of every tensor frame, in file order. Shared blocks are sealed (core/blocks.py):
-# files referencing one accept any block of its name (two servers compute the same rows within
-# rounding), so they cannot hold its checksum. Files of references (v3) are sealed too: nearly all
+# msgpack packs it) and of every tensor's name, header (dtype, shape, shuffle, ...) and frames, in file
+# order. Shared blocks are sealed (core/blocks.py): files referencing one accept any block of its name
+# (two servers compute the same rows within rounding), so they cannot hold its checksum. Files of references (v3) are sealed too: nearly all
 # of their bytes are metadata, which no zstd frame checksum covers.
 SEAL = "seal"
 
@@ -267,7 +267,8 @@ def write_capture(
         encoded = [(name, header, list(frames), n) for name, header, frames, n in encoded]
         h = new_hasher(checksum)
         h.update(packer.pack(dict(meta)))
-        for _, _, frames, _ in encoded:
+        for name, header, frames, _ in encoded:
+            h.update(packer.pack(name) + packer.pack(dict(header)))
             for payload in frames:
                 h.update(payload)
         meta = {**meta, SEAL: tag(checksum, h)}
@@ -293,8 +294,12 @@ def seal_intact(meta: Mapping[str, Any], recs: Mapping[str, Any]) -> bool:
         return False
     h = new_hasher(algorithm_of(sealed))
     h.update(msgpack.packb({k: v for k, v in meta.items() if k != SEAL}, use_bin_type=True))
-    for rec in recs.values():
-        for frame in rec.get("data", ()) if isinstance(rec, dict) else ():
+    for name, rec in recs.items():
+        if not isinstance(rec, dict):
+            return False
+        h.update(msgpack.packb(name, use_bin_type=True)
+                 + msgpack.packb({k: v for k, v in rec.items() if k != "data"}, use_bin_type=True))
+        for frame in rec.get("data", ()):
             h.update(frame)
     return tag(algorithm_of(sealed), h) == sealed
 

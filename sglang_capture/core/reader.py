@@ -68,6 +68,8 @@ def read_meta(path: Union[str, os.PathLike]) -> Dict[str, Any]:
             for _ in range(min(unpacker.read_map_header(), 2)):
                 key = unpacker.unpack()
                 head[key] = unpacker.unpack()
+    except FileNotFoundError:
+        raise  # gone: a caller listing a directory beside a server skips it
     except OSError as e:
         raise CaptureFileError(f"{path}: cannot read ({e.strerror})") from None
     except Exception as e:  # msgpack raises several unrelated types for bad input
@@ -76,6 +78,11 @@ def read_meta(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     meta = head.get("meta")
     if head.get("schema") not in SCHEMAS or not isinstance(meta, dict):
         raise CaptureFileError(f"{path}: not a {' or '.join(SCHEMAS)} capture file")
+    if SCHEMA_REFS in (head["schema"], meta.get("schema")) and meta.get("schema") != head["schema"]:
+        # as format.read_records: a file of references must never pass for a self-contained one (gc would
+        # then take its blocks)
+        raise CaptureFileError(f"{path}: its header says {head['schema']} and its metadata {meta.get('schema')!r}; "
+                               "the file is corrupted")
     return meta
 
 

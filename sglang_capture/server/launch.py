@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -35,6 +36,16 @@ from sglang_capture.server.pd_prefill import is_pd_prefill
 from sglang_capture.server.peers import needs_shared_dir
 
 SPECULATIVE_ALGORITHMS = ("EAGLE3",)  # whose target keeps aux layers that this package can capture
+
+
+def check_interpreter() -> None:
+    """Refuse ``python -O`` (or ``PYTHONOPTIMIZE``): it strips ``assert`` statements, and SGLang 0.5.17-0.5.19
+    check the count of captured layers with one only (``AuxHiddenStatePacker.finalize``), so a miscount
+    would hand the files a buffer with layers missing, silently."""
+    if sys.flags.optimize:
+        raise ConfigError("python -O (or PYTHONOPTIMIZE) strips the asserts with which SGLang checks the count of "
+                          "captured layers (AuxHiddenStatePacker.finalize), so a miscount would go into the files "
+                          "unnoticed; start the launcher without -O and with PYTHONOPTIMIZE unset")
 
 
 def check_capture_dir(path: str) -> str:
@@ -285,6 +296,7 @@ def check_no_unknown_capture_options(sglang_args: Tuple[str, ...]) -> None:
 def main(sglang_args: Tuple[str, ...], **options: Any) -> None:
     """Start an SGLang server that writes captured hidden states to CAPTURE_DIR."""
     try:
+        check_interpreter()
         check_no_unknown_capture_options(sglang_args)
         config = config_from_options(options)
         check_capture_dir(config.capture_dir)

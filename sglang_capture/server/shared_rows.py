@@ -217,11 +217,13 @@ class SharedRows:
         return {"root": share.root.hex(), "start": first_row, "refs": [r.as_list() for r in refs],
                 "sizes": {r.name: size for r, size in zip(refs, coverage.sizes)}}, None
 
-    def stored(self, job: Any, stored: List[list], missing: List[str]) -> None:
-        """A hand-off thread: the blocks a writer stored or reused for ``job`` (or found gone), for every rank's index."""
+    def stored(self, job: Any, stored: List[list], missing: List[str], ok: bool = True) -> None:
+        """A hand-off thread: the blocks a writer stored or reused for ``job`` (or found gone), for every rank's
+        index. The lease of the blocks before the job's rows is renewed only when its file was published: only
+        then were they touched on the disk, which is what ``gc`` goes by."""
         now = time.monotonic()
         with self._lock:
-            for name in [s[0] for s in stored] + [r[0] for r in job.share["refs"]]:
+            for name in [s[0] for s in stored] + ([r[0] for r in job.share["refs"]] if ok else []):
                 self._used[name] = now
             for name in missing:
                 self._used.pop(name, None)

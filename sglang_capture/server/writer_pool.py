@@ -175,7 +175,8 @@ class WriterPool:
         self._extra_stats: Callable[[], Dict[str, Any]] = dict
         # told of the blocks each shared-rows job stored or found missing, before its outcome is recorded
         # (SchedulerCapture.blocks_outcome): they must be known before the response lets the next turn in
-        self.blocks_outcome: Callable[[CaptureJob, List[list], List[str]], None] = lambda job, stored, missing: None
+        self.blocks_outcome: Callable[[CaptureJob, List[list], List[str], bool], None] = \
+            lambda job, stored, missing, ok: None
         self.stats: Dict[str, Any] = new_writer_counters()
 
     def dirs(self) -> DirFds:
@@ -311,7 +312,7 @@ class WriterPool:
             stored = outcome.pop("blocks", [])
             if job.share is not None:
                 try:
-                    self.blocks_outcome(job, stored, outcome.get("missing_blocks", []))
+                    self.blocks_outcome(job, stored, outcome.get("missing_blocks", []), outcome["status"] == "ok")
                 except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
                     logger.error("sglang_capture: the blocks of request %s were not indexed: %s", job.meta["rid"], e)
             self.record_outcome(job.meta["rid"], outcome)

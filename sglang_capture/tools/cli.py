@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 
 import click
 
+from sglang_capture.core.blocks import BLOCK_LEASE_S
 from sglang_capture.core.format import CaptureFileError
 from sglang_capture.core.fp8 import CAPTURE_DTYPES
 from sglang_capture.testbed import DEMO_MODELS
@@ -118,7 +119,7 @@ def verify(directory: str, workers: int, no_progress: bool) -> None:
 
 @cli.command()
 @click.argument("directory", metavar="DIR", type=click.Path(file_okay=False))
-@click.option("--min-age", "min_age", type=float, default=3600.0, show_default=True,
+@click.option("--min-age", "min_age", type=float, default=2 * BLOCK_LEASE_S, show_default=True,
               help="Seconds a block must have gone unused before it is removed (keeps the blocks of captures still "
                    "being written, and those a running server may reuse next).")
 @click.option("--dry-run", is_flag=True, help="Count what would be removed; remove nothing.")
@@ -127,6 +128,9 @@ def gc(directory: str, min_age: float, dry_run: bool) -> None:
     running server. Prints DIR's disk use, each block counted once."""
     from sglang_capture.tools.gc import GcError, collect
 
+    if 0 <= min_age < BLOCK_LEASE_S:
+        click.echo(f"warning: a running server may still reuse blocks unused for {BLOCK_LEASE_S:g} s; a capture "
+                   "reusing one removed now fails and its retry computes the rows again", err=True)
     try:
         report = collect(directory, min_age, dry_run)
     except (GcError, OSError) as e:

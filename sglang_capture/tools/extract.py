@@ -113,11 +113,16 @@ def move_to_sample(src: str, dst: str, keep_source: bool = False) -> None:
     elsewhere = bool(names) and not (os.path.isdir(there) and os.path.samefile(blocks_dir(src), there))
     if elsewhere:
         os.makedirs(there, mode=0o750, exist_ok=True)
+    # within one directory too: a gc listing it between the link and the unlink sees neither name, and keeps
+    # the blocks only because they were touched after it started
     held = (held_lock(os.path.join(there, GC_LOCK), None, os.path.join(there, GC_LOCK), shared=True, max_delay_s=0.01)
-            if elsewhere else contextlib.nullcontext())
+            if names else contextlib.nullcontext())
     with held:
         if elsewhere:
             link_blocks(src, out, names)
+        else:
+            for name in names:
+                os.utime(os.path.join(there, block_relpath(name)))
         try:
             try:
                 os.link(src, dst)
@@ -321,6 +326,9 @@ class Extractor:
                         break
                 except OSError as e:
                     reason = f"cannot publish the file: {e}"
+                except CaptureFileError as e:  # the server's file, read for the blocks it names
+                    reason = f"the server's file is unreadable: {e}"
+                    break
                 else:
                     manifest.append(entry)
                     return entry

@@ -20,6 +20,7 @@ Every block is counted once, so the report is also the directory's disk use.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Set, Tuple
 
@@ -31,6 +32,7 @@ from sglang_capture.core.reader import block_names, check_seal, load_records, re
 
 EPOCH = ".gc-epoch"
 REMOVE_BATCH = 256  # blocks removed under one hold of the lock
+BATCH_PAUSE_S = 0.03  # the lock left free between batches, longer than a writer's pause between tries
 LOCK_WAIT_S = 600.0
 DEFAULT_MIN_AGE_S = 2 * BLOCK_LEASE_S
 
@@ -144,7 +146,9 @@ def collect(directory: str, min_age_s: float = DEFAULT_MIN_AGE_S, dry_run: bool 
         report.removed, report.removed_bytes = len(doomed), sum(st.st_size for _, st in doomed.values())
         return report
     doomed_paths = [path for path, _ in doomed.values()]
-    for i in range(0, len(doomed_paths), REMOVE_BATCH):  # the lock between batches: writers wait one at most
+    for i in range(0, len(doomed_paths), REMOVE_BATCH):
+        if i:
+            time.sleep(BATCH_PAUSE_S)  # writers, who retry every 10 ms, take the lock between batches
         with _locked(blocks):
             for path in doomed_paths[i:i + REMOVE_BATCH]:
                 try:
