@@ -189,7 +189,7 @@ def publish_new(name: str, write: Callable[[IO[bytes]], T], *, dir_fd: Optional[
     binary file, never replacing an existing file; returns what ``write`` returned.
 
     The temp file lives in ``tmp_dir_fd`` (default: beside ``name``; it must be on the same
-    filesystem); ``created(temp name)`` is called once it exists. ``sync_data(fd)`` runs once the
+    filesystem); ``created(temp name)`` is called just before it is created. ``sync_data(fd)`` runs once the
     bytes are written, before the name appears (default: fsync of the file); ``before_link(fd,
     result)`` last before the name appears, when the file is whole and flushed; ``sync_names(dir_fd)``
     after (default: fsync of the directory). Raises FileExistsError when the name is taken; leaves
@@ -197,10 +197,11 @@ def publish_new(name: str, write: Callable[[IO[bytes]], T], *, dir_fd: Optional[
     locked (``create_owned``) until it has its name."""
     tmp_dir = tmp_dir_fd if tmp_dir_fd is not None else dir_fd
     tmp = temp_name(os.path.basename(name)) if tmp_dir is not None else temp_name(name)
+    if created is not None:
+        # said before it exists: one who stops this process the moment the file appears still knows its name
+        created(tmp)
     try:
         with os.fdopen(create_owned(tmp, tmp_dir), "wb", buffering=1 << 20) as f:
-            if created is not None:
-                created(tmp)
             result = write(f)
             f.flush()
             (sync_data or os.fsync)(f.fileno())
