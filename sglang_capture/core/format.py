@@ -383,9 +383,15 @@ def read_records(buf: bytes, path: str = "<capture>") -> Tuple[dict, dict]:
     meta, recs = doc.get("meta"), doc.get("tensors")
     if not isinstance(meta, dict) or not isinstance(recs, dict):
         raise _fail(path, "missing 'meta' or 'tensors' section")
-    if SCHEMA_REFS in (doc["schema"], meta.get("schema")) and meta.get("schema") != doc["schema"]:  # readers go by meta's
-        raise _fail(path, f"its header says {doc['schema']} and its metadata {meta.get('schema')!r}; the file is corrupted")
+    check_schemas_agree(doc["schema"], meta, path)
     return meta, recs
+
+
+def check_schemas_agree(header_schema: str, meta: Dict[str, Any], path: str) -> None:
+    """Readers go by the metadata's schema: a file of references (v3) must never pass for a
+    self-contained one, or the reverse (``gc`` would then take its blocks)."""
+    if SCHEMA_REFS in (header_schema, meta.get("schema")) and meta.get("schema") != header_schema:
+        raise _fail(path, f"its header says {header_schema} and its metadata {meta.get('schema')!r}; the file is corrupted")
 
 
 def record_stats(rec: Dict[str, Any]) -> Dict[str, Any]:

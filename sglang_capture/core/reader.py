@@ -36,6 +36,7 @@ from sglang_capture.core.format import (
     SCHEMA_REFS,
     SCHEMAS,
     CaptureFileError,
+    check_schemas_agree,
     decode_tensor,
     read_records,
     row_count,
@@ -78,11 +79,7 @@ def read_meta(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     meta = head.get("meta")
     if head.get("schema") not in SCHEMAS or not isinstance(meta, dict):
         raise CaptureFileError(f"{path}: not a {' or '.join(SCHEMAS)} capture file")
-    if SCHEMA_REFS in (head["schema"], meta.get("schema")) and meta.get("schema") != head["schema"]:
-        # as format.read_records: a file of references must never pass for a self-contained one (gc would
-        # then take its blocks)
-        raise CaptureFileError(f"{path}: its header says {head['schema']} and its metadata {meta.get('schema')!r}; "
-                               "the file is corrupted")
+    check_schemas_agree(head["schema"], meta, path)
     return meta
 
 
