@@ -71,7 +71,7 @@ class RssSampler(threading.Thread):
         self.cpu_last: Dict[int, float] = {}
         self.sched_first: Dict[int, float] = {}
         self.sched_last: Dict[int, float] = {}
-        self.writer_pids: Dict[int, bool] = {}  # pid -> is it one of the package's writer processes
+        self.writer_pids: Dict[int, bool] = {}  # pid -> is it one of the package's writer processes (or their supervisor)
         psutil.cpu_percent(None)
         self.t0 = time.monotonic()
 
@@ -85,7 +85,8 @@ class RssSampler(threading.Thread):
                     self.cpu_first.setdefault(p.pid, t.user + t.system)
                     self.cpu_last[p.pid] = t.user + t.system
                     if p.pid not in self.writer_pids:
-                        self.writer_pids[p.pid] = "sglang_capture.writer.process" in p.cmdline()
+                        command = " ".join(p.cmdline())
+                        self.writer_pids[p.pid] = any(m in command for m in WRITER_MODULES)
                     if "scheduler" in p.name():  # SGLang names it sglang::scheduler
                         for th in p.threads():
                             self.sched_first.setdefault(th.id, th.user_time + th.system_time)
@@ -107,6 +108,7 @@ class RssSampler(threading.Thread):
                 "scheduler_threads_cores": round(sum(threads) / wall, 2)}
 
 
+WRITER_MODULES = ("sglang_capture.writer.process", "sglang_capture.writer.supervisor")
 PY_SPY_RATE = 200  # samples/s: enough for ms-scale seams over a 10 s window, little load on the host
 
 

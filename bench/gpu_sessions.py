@@ -1,12 +1,13 @@
 """Multi-turn chat traffic (issue 50): what capture costs a server whose requests re-send their history.
 
     python bench/gpu_sessions.py MODEL_DIR OUT_DIR [--sessions 64] [--turns 8] [--system 1024] [--user 128]
-                                [--answer 64] [--rounds 2] [--servers on,off] [--sglang-args "..."]
+                                [--answer 64] [--think 0] [--rounds 2] [--servers on,off] [--sglang-args "..."]
 
 The load, closed loop: ``--sessions`` chats at once, each ``--turns`` turns; every chat opens with the
 same ``--system`` token system prompt; each turn adds ``--user`` new tokens and the model answers
-``--answer`` tokens (ignore_eos); every turn sends the whole history as ``input_ids``. A pass is every
-chat's every turn; its rate is requests per second over the pass.
+``--answer`` tokens (ignore_eos); every turn sends the whole history as ``input_ids``, ``--think``
+seconds after the last answer (a user reading and typing). A pass is every chat's every turn; its
+rate is requests per second over the pass.
 
 One launcher server per ``--servers`` entry, all on the GPU at once: ``on`` (``--capture-prefix-sharing on``)
 and ``off`` (as before sharing: every capture computes and stores its whole sequence). On each, in
@@ -17,6 +18,11 @@ reuse it). Per window: pass time, requests/s, the writer stats' deltas (rows sto
 and file bytes), the unique tokens of the window's chats. Then ``--check`` chats of the last ``on``
 capture window are captured again whole on the ``off`` server, prefill only, and compared row by row
 (0.1st-percentile cosine per column block: each aux layer and the final state).
+
+Production traffic as the operator captures it: ``--servers plain,fraction`` adds a launcher that
+selects nothing (``plain``) and one with ``--capture-fraction 1`` (``fraction``: every request is
+captured, responses do not wait for files), both with sharing on, in alternating windows of plain
+requests; their summary is under ``fraction``.
 
 Writes OUT_DIR/gpu_sessions.json (rewritten after every window) and prints a table.
 """
@@ -43,8 +49,9 @@ from sglang_capture.testbed.cpu import server_env
 from sglang_capture.testbed.once import cache_dir
 from sglang_capture.testbed.server import Server, capture_cmd, start_server, stop_server
 
+TIMINGS = ("queue_wait_s", "assemble_s", "blocks_s", "encode_write_s", "fsync_publish_s")
 COUNTED = ("written", "bytes", "block_bytes", "blocks_written", "blocks_reused", "rows_stored", "rows_shared",
-           "raw_bytes", "failed", "missing_blocks")
+           "raw_bytes", "failed", "missing_blocks", *TIMINGS)
 
 
 def log(msg: str) -> None:
@@ -76,6 +83,8 @@ def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[s
     history, last, errors, latencies, file_rows = list(chats.system), None, [], [], 0
     session = requests.Session()
     for t in range(a.turns):
+        if t and a.think:
+            time.sleep(a.think)
         history = history + chats.users[s][t]
         params: Dict[str, Any] = {"max_new_tokens": a.answer, "temperature": 0, "ignore_eos": True}
         if capture:
@@ -97,9 +106,12 @@ def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[s
     return {"rows": len(history) - 1, "last": last, "errors": errors, "latencies": latencies, "file_rows": file_rows}
 
 
-def window(server: Server, chats: Chats, capture: bool, name: str) -> Dict[str, Any]:
+def window(server: Server, chats: Chats, capture: bool, name: str, count: Optional[bool] = None) -> Dict[str, Any]:
+    """One pass; ``capture``: every request asks for capture; ``count``: the writer counters' deltas
+    (by default when ``capture``; a ``fraction`` server captures plain requests)."""
     a = chats.a
-    before = counters(server.capture_dir) if capture else None
+    count = capture if count is None else count
+    before = counters(server.capture_dir) if count else None
     t0 = time.monotonic()
     with ThreadPoolExecutor(a.sessions) as pool:
         results = list(pool.map(lambda s: run_chat(server.url, chats, s, capture, name), range(a.sessions)))
@@ -108,7 +120,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str) -> Dict[str, 
     out: Dict[str, Any] = {"seconds": round(seconds, 3), "requests": a.sessions * a.turns,
                            "requests_per_s": round(a.sessions * a.turns / seconds, 2),
                            "latency_p50_s": round(lat[len(lat) // 2], 4), "latency_p99_s": round(lat[int(len(lat) * 0.99)], 4)}
-    if capture:
+    if count:
         after = counters(server.capture_dir)
         delta = {k: after[k] - before[k] for k in COUNTED}
         # rows a chat needs (its last turn's, the system prompt's counted once per window) and those stored
@@ -154,8 +166,8 @@ def summarize(windows: List[Dict[str, Any]]) -> Dict[str, Any]:
     window the rows and bytes stored against its chats' unique rows; the bytes those rows take in
     self-contained files are the ``off`` server's bytes per file row."""
     out: Dict[str, Any] = {}
-    for name in sorted({w["server"] for w in windows}):
-        ws = [w for w in windows if w["server"] == name]
+    for name in sorted({w["pair"] for w in windows}):
+        ws = [w for w in windows if w["pair"] == name]
         none = [w["seconds"] for w in ws if w["mode"] == "none"]
         cap = [w for w in ws if w["mode"] == "capture"]
         if none and cap:
@@ -164,6 +176,8 @@ def summarize(windows: List[Dict[str, Any]]) -> Dict[str, Any]:
                          "rows_stored_per_unique_row": round(cap[0]["delta"]["rows_stored"] / cap[0]["unique_rows"], 4)
                          if cap[0]["delta"]["rows_stored"] else None,
                          "file_rows_per_unique_row": round(cap[0]["file_rows"] / cap[0]["unique_rows"], 4),
+                         "writer_s_per_file": {k: round(cap[0]["delta"][k] / max(cap[0]["delta"]["written"], 1), 4)
+                                               for k in TIMINGS},
                          "errors": sum(w["errors"] for w in cap)}
     return out
 
@@ -204,6 +218,7 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--system", type=int, default=1024)
     ap.add_argument("--user", type=int, default=128)
     ap.add_argument("--answer", type=int, default=64)
+    ap.add_argument("--think", type=float, default=0.0, help="seconds between an answer and the next turn")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--off-rounds", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -228,9 +243,10 @@ def main(argv: List[str]) -> int:
         caps = os.path.join(a.caps, name)
         shutil.rmtree(caps, ignore_errors=True)
         os.makedirs(caps)
+        sharing = ["--capture-prefix-sharing", name if name in ("on", "off") else "on"]
+        selects = ["--capture-fraction", "1"] if name == "fraction" else []
         # --sglang-args last: on a CPU they override the test bed's small KV pool
-        cmd = capture_cmd(a.model, caps, "--capture-prefix-sharing", name, *shlex.split(a.capture_args)) + \
-            shlex.split(a.sglang_args)
+        cmd = capture_cmd(a.model, caps, *sharing, *selects, *shlex.split(a.capture_args)) + shlex.split(a.sglang_args)
         t0 = time.monotonic()
         servers[name] = start_server(cmd, env, os.path.join(a.out, f"server-{name}.log"), caps)
         log(f"{name} up in {time.monotonic() - t0:.0f} s")
@@ -244,18 +260,21 @@ def main(argv: List[str]) -> int:
         if set(servers) != set(names):
             raise SystemExit("a server did not start (see its log)")
         seed = 1
-        for name in names:
-            rounds = a.rounds if name == "on" else a.off_rounds
-            for r in range(rounds):
-                for mode in ("none", "capture"):
-                    w = window(servers[name], Chats(a, seed), mode == "capture", f"{name}-w{seed}")
-                    w.update(server=name, mode=mode, round=r, seed=seed)
-                    seed += 1
-                    result["windows"].append(w)
-                    save()
-                    log(f"{name} {mode} r{r}: {w['seconds']:.2f} s, {w['requests_per_s']} req/s"
-                        + (f", stored {w['delta']['rows_stored']:.0f} rows of {w['unique_rows']} unique, "
-                           f"{w['errors']} errors" if mode == "capture" else ""))
+        plan = [(name, name, mode, r) for name in names if name in ("on", "off")
+                for r in range(a.rounds if name == "on" else a.off_rounds) for mode in ("none", "capture")]
+        if {"plain", "fraction"} <= set(names):
+            plan += [(name, "fraction", mode, r) for r in range(a.rounds)
+                     for name, mode in (("plain", "none"), ("fraction", "capture"))]
+        for name, pair, mode, r in plan:
+            w = window(servers[name], Chats(a, seed), mode == "capture" and name in ("on", "off"), f"{name}-w{seed}",
+                       count=mode == "capture")
+            w.update(server=name, pair=pair, mode=mode, round=r, seed=seed)
+            seed += 1
+            result["windows"].append(w)
+            save()
+            log(f"{name} {mode} r{r}: {w['seconds']:.2f} s, {w['requests_per_s']} req/s"
+                + (f", stored {w['delta']['rows_stored']:.0f} rows of {w['unique_rows']} unique, "
+                   f"{w['errors']} errors" if mode == "capture" else ""))
         on = [w for w in result["windows"] if w["server"] == "on" and w["mode"] == "capture"]
         if on and "off" in servers:
             result["rows"] = check_rows(on[-1]["last_files"], servers["off"], a.check)

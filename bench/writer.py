@@ -7,7 +7,7 @@ turn into published files, with no server and no GPU in the way.
                            [--durability file,none] [--dtypes model,fp8] [--checksums xxh3_128,sha256]
                            [--dir /tmp/writer-bench]
 
-Every configuration drives the package's real ``WriterPool`` (hand-off, assembly in a writer
+Every configuration drives the package's real ``WriterPool`` (its supervisor's hand-off, assembly in a writer
 process, encoding, hashing, temp file, flush (``--durability``), link, outcome record) with
 ``--files`` jobs of ``--tokens`` rows of activation-like bf16 (3 aux layers + final = 4 × hidden
 columns), each first copied into the package's host pool (pinned when a GPU is present), as the
@@ -156,12 +156,12 @@ def run_config(sources: List[torch.Tensor], files: int, tokens: int, hidden: int
         time.sleep(0.005)
     wall = time.monotonic() - t0
     writer_cpu_s = _writers_cpu_s(writer) - cpu0
+    stats = writer.counters()  # the supervisor's, before it stops
     stop.set()
     writer.close()
     faults = sum(resource.getrusage(who).ru_minflt for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) - faults0
     pool.close()
     sys.setswitchinterval(default_interval)
-    stats = dict(writer.stats)
     shutil.rmtree(d)
     os.sync()  # no dirty pages from this configuration left to slow the next one down
     raw = files * tokens * 4 * hidden * 2

@@ -17,8 +17,19 @@ def make_job(tmp_path, chunks, n_rows, name="req-1"):
     return CaptureJob(cap, n_rows, {"aux_hidden_states": (0, 2), "last_hidden_states": (2, 4)}, [1, 2], [3], meta), ledger
 
 
+def make_wire_job(tmp_path, chunks, n_rows, name="req-1", pool=None):
+    """``make_job``'s job as the writer supervisor takes it (in-process tests of writer/supervisor.py):
+    its rows described where they lie (in ``pool``, or inline); releasing it frees them."""
+    from sglang_capture.server.writer_pool import job_message
+    from sglang_capture.writer.supervisor import JOB_FIELDS, WireJob
+
+    job, ledger = make_job(tmp_path, chunks, n_rows, name)
+    message = job_message(job, pool)
+    return WireJob(**{k: message[k] for k in JOB_FIELDS}, release=job.capture.release), ledger
+
+
 def write_and_wait(pool, job, timeout=60.0):
-    """Submit ``job`` to a writer pool and wait for its outcome, as the response hook does."""
+    """Submit ``job`` to a writer pool (or an in-process supervisor) and wait for its outcome."""
     pool.submit(job)
     if not job.done.wait(timeout):
         raise TimeoutError(f"the writer did not finish {job.meta.get('rid')} in {timeout:.0f} s")

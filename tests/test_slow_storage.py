@@ -102,7 +102,7 @@ def test_a_healthy_writer_on_slow_storage_finishes_its_file_and_a_stopped_one_is
         # the disk took longer than the stall timeout for this one file: one flush at the end
         # would have sent nothing for that long (the writer killed, the file failed)
         assert took >= 1.5 * STALL_S, f"the device was not slow ({took:.1f} s)"
-        assert writer.stats["stalled"] == 0 and writer.stats["restarts"] == 0
+        assert writer.counters()["stalled"] == 0 and writer.counters()["restarts"] == 0
         assert outcome["bytes"] >= FILE_BYTES and load(outcome["path"])["aux_hidden_states"].shape[0] == FILE_BYTES // 16
 
         stopped, _ = _big_job(capture_dir, "stopped")
@@ -115,9 +115,9 @@ def test_a_healthy_writer_on_slow_storage_finishes_its_file_and_a_stopped_one_is
         os.kill(pid, signal.SIGSTOP)
         assert stopped.done.wait(60)
         assert stopped.outcome["status"] == "error" and "made no progress for 3 s" in stopped.outcome["error"]
-        assert writer.stats["stalled"] == 1
+        assert writer.counters()["stalled"] == 1
         # replaced at once, and its multi-GB-in-production temp file with it, not at the next start
-        assert os.listdir(capture_dir / ".tmp") == [] and writer.stats["temp_files_removed"] == 1
+        assert os.listdir(capture_dir / ".tmp") == [] and writer.counters()["temp_files_removed"] == 1
         assert not os.path.exists(capture_dir / f"stopped{FILE_SUFFIX}")
     finally:
         writer.close()

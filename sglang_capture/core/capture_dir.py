@@ -48,7 +48,7 @@ STATS_HISTORY = "_stats-history.json"  # the summed counters of stats files whos
 _LOCK = ".lock"
 # stats files named before the "_" prefix (writer-<host>.<pid>.<nonce>.json): stats, not records
 _LEGACY_STATS = re.compile(r"writer-h[0-9a-f]{8}\.\d+\.[0-9a-f]{8}$")
-# A live server rewrites its stats file at least every STATS_REFRESH_S (writer_pool.py); one not
+# A live server rewrites its stats file at least every STATS_REFRESH_S (writer/supervisor.py); one not
 # rewritten for STATS_STALE_S is retired even when its lock can be taken, which on a mount whose
 # locks stay on each machine does not prove its server gone (two machines may share a host name).
 STATS_REFRESH_S = 60.0
@@ -56,13 +56,13 @@ STATS_MIN_INTERVAL_S = 0.25  # and at most once per this; the last counters foll
 STATS_SETTLE_S = 3.0  # by this long after the newest outcome record, every rank's file counts it
 STATS_STALE_S = 600.0
 # The counters of a stats file, declared once: how the history combines each over processes ("sum"
-# or "peak"). The writer pool counts the first table itself (server/writer_pool.py, ``stats``) and
+# or "peak"). The writer supervisor counts the first table itself (writer/supervisor.py, ``stats``) and
 # adds the second from the host-memory ledger; times end in "_s".
 WRITER_COUNTERS = {
     "written": "sum", "failed": "sum", "bytes": "sum", "raw_bytes": "sum", "inline_bytes": "sum",
     "restarts": "sum", "stalled": "sum", "records_swept": "sum", "published_by_handoff": "sum",
     "temp_files_removed": "sum", "queue_wait_s": "sum", "assemble_s": "sum", "encode_write_s": "sum",
-    "fsync_publish_s": "sum", "max_queue": "peak",
+    "fsync_publish_s": "sum", "max_queue": "peak", "supervisor_restarts": "sum",
     # shared rows (--capture-prefix-sharing on): blocks written and their bytes (each block counted once,
     # by the writer that stored it), blocks found stored already, rows written and rows referenced
     "block_bytes": "sum", "blocks_written": "sum", "blocks_reused": "sum", "rows_stored": "sum",

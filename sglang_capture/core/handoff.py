@@ -1,18 +1,25 @@
-"""The hand-off between the scheduler process and its writer processes: messages on pipes, rows
-by reference.
+"""The hand-off between the scheduler process, its writer supervisor and the writer processes:
+messages on pipes, rows by reference.
+
+Scheduler process to supervisor (server/writer_pool.py, writer/supervisor.py): ``hello`` (the
+configuration, the pool, how many writers), then ``job`` (a finished request, below), ``outcome``
+(an aborted capture's), ``stats`` (the scheduler side's counters), ``indexed``, ``sweep``,
+``query``; back: ``ready``, then per job ``copied`` and ``done`` (its outcome), and ``blocks``
+(what it stored, answered by ``indexed`` before its outcome is recorded). Messages queued while
+another was sent travel as one ``many``.
 
 A job's message says where each captured chunk lies in the shared host pool (host_pool.py):
 offset, shape and dtype, a few dozen bytes per chunk. Only rows outside the pool (it was full,
 or the server has none) travel inline as bytes. Messages are length-prefixed msgpack maps.
 
-Protocol, per writer process: ``hello`` (configuration, pool descriptor), then per job
+Supervisor to each writer process: ``hello`` (configuration, pool descriptor), then per job
 ``write`` → ``copied`` (the rows are read out of the pool: the scheduler side may free it) →
-``temp`` (the temp file's name under ``.tmp/``, removed by the scheduler side if the process is
+``temp`` (the temp file's name under ``.tmp/``, removed by the supervisor if the process is
 killed) → ``publishing`` (the file is whole and flushed; its device, inode, size and checksum; its
 name appears next) → ``done`` (the outcome), with ``progress`` messages between them while a long file
-is still being written and reaching the disk (at most one a second): the scheduler side gives up
+is still being written and reaching the disk (at most one a second): the supervisor gives up
 on a writer that sends nothing for ``--capture-writer-stall-timeout``. A writer that dies or stalls
-after ``publishing`` may have published the file: the scheduler side then judges it by that
+after ``publishing`` may have published the file: the supervisor then judges it by that
 identity. ``temp`` and ``publishing`` are absent when the file failed before them. Between jobs, ``sweep`` → ``swept`` removes old outcome
 records. EOF on either side ends it.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import select
 import struct
 import time
@@ -61,6 +69,40 @@ def send(fd: int, message: Dict[str, Any]) -> None:
 def _write_all(fd: int, data: memoryview) -> None:
     while data:
         data = data[os.write(fd, data):]
+
+
+# Messages queued while one was sent go together as one ``many`` message: under load the other side
+# wakes once per batch, not per message (between the scheduler process and the writer supervisor).
+MAX_BATCH = 64
+
+
+def take_queued(q: "queue.Queue[Any]", first: Any) -> Tuple[List[Any], bool]:
+    """``first`` and what else ``q`` holds now (at most ``MAX_BATCH`` in all), up to a ``None``
+    (stop) marker; and whether that marker was taken."""
+    items = [first]
+    while items[-1] is not None and len(items) < MAX_BATCH:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            break
+    return (items[:-1], True) if items[-1] is None else (items, False)
+
+
+def send_many(fd: int, messages: List[Dict[str, Any]]) -> None:
+    """Send ``messages`` as one (nothing when there are none)."""
+    if messages:
+        send(fd, messages[0] if len(messages) == 1 else {"op": "many", "messages": messages})
+
+
+def recv_many(fd: int) -> Optional[List[Dict[str, Any]]]:
+    """The next message, or the messages sent together as one; None when the other side is gone."""
+    try:
+        message = recv(fd)
+    except OSError:
+        return None
+    if message is None:
+        return None
+    return message["messages"] if message.get("op") == "many" else [message]
 
 
 class Stalled(TimeoutError):

@@ -4,6 +4,6 @@ The launcher (``launch``) validates options and starts SGLang; the plugin entry 
 (``plugin``) reaches SGLang's spawned processes, where the instrumentor (``instrumentor``)
 wraps the seams that ``patches/`` names with the hooks in ``hooks/``. Per process, one
 ``SchedulerCapture`` (``scheduler_capture``) holds the model facts, the per-request state
-(``request_capture``), the host pool (``host_pool``) and the hand-off to the writer processes
+(``request_capture``), the host pool (``host_pool``) and the link to the writer supervisor process
 (``writer_pool``). Everything on the scheduler thread is bookkeeping: tensors are handed off.
 """

@@ -118,7 +118,7 @@ class RowCopier:
             return self._submitted
 
     def wait(self, seqs: Set[int], poll_s: float = 1.0) -> None:
-        """Return once every flush in ``seqs`` is copied or failed (a hand-off thread, before a
+        """Return once every flush in ``seqs`` is copied or failed (the writer link, before a
         writer reads the runs; a failure is on the tickets); raises when one can no longer be copied."""
         last = max(seqs)
         with self._cond:

@@ -23,7 +23,7 @@ class GcPauses:
     def __init__(self) -> None:
         self._t0 = 0.0
         # every key exists from the start: the callback runs in whichever thread collects, and must
-        # not grow the dict while a hand-off thread reads it for the stats file
+        # not grow the dict while the writer link reads it for the stats file
         self._totals: Dict[str, List[float]] = {g: [0, 0.0, 0.0] for g in GENERATIONS}
 
     def __call__(self, phase: str, info: Dict[str, Any]) -> None:

@@ -55,7 +55,7 @@ class HostPool:
     """A fixed host region handing out blocks that return when nothing references them.
 
     ``take`` runs on the scheduler thread; blocks are freed on whichever thread drops the last
-    reference (often a hand-off thread, once its writer process has read the rows). A free only
+    reference (often the link to the writers, once a writer process has read the rows). A free only
     queues the block (``_returned``, an atomic deque append: a finalizer may run inside any
     allocation, even one made while the lock is held); the next ``take`` folds the queue into
     the free list.

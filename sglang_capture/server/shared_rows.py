@@ -21,7 +21,7 @@ What each part does:
   request, or by a capture whose blocks are not stored, is therefore computed again, never referenced.
 - ``share_of`` (finish, the writer rank): the job's references for the rows before the first row
   the request computed, and the layout its new blocks are keyed under.
-- ``stored`` (a hand-off thread): the blocks a writer stored or found missing become a
+- ``stored`` (the writer link's reply thread): the blocks a writer stored or found missing become a
   ``BlockEvent``; ``take_events`` (the writer rank's scheduler thread) puts the events into
   SGLang's request broadcast, with one dropping the blocks no capture used for ``BLOCK_LEASE_S``
   (``gc`` may take them after twice that), and ``apply`` (every rank) applies them, so every rank
@@ -218,9 +218,10 @@ class SharedRows:
                 "sizes": {r.name: size for r, size in zip(refs, coverage.sizes)}}, None
 
     def stored(self, job: Any, stored: List[list], missing: List[str], ok: bool = True) -> None:
-        """A hand-off thread: the blocks a writer stored or reused for ``job`` (or found gone), for every rank's
-        index. The lease of the blocks before the job's rows is renewed only when its file was published: only
-        then were they touched on the disk, which is what ``gc`` goes by."""
+        """The writer link's reply thread (server/writer_pool.py): the blocks a writer stored or reused
+        for ``job`` (or found gone), for every rank's index. The lease of the blocks before the job's rows
+        is renewed only when its file was published: only then were they touched on the disk, which is
+        what ``gc`` goes by."""
         now = time.monotonic()
         with self._lock:
             for name in [s[0] for s in stored] + ([r[0] for r in job.share["refs"]] if ok else []):

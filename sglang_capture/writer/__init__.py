@@ -1,5 +1,7 @@
-"""What runs in the writer processes: assemble a request's rows, encode, make durable, publish.
+"""What runs in the writer processes: hand jobs on, assemble a request's rows, encode, make durable, publish.
 
-Each writer process (``process``) is started by a scheduler process and reads rows from its
-host pool in place. It never imports torch or SGLang (tests/test_boundaries.py checks it).
+Each writer-rank scheduler process starts one supervisor (``supervisor``): it takes that process's
+finished requests, runs the writer processes (``process``, each seen through ``child``), records
+outcomes and keeps the stats file. The writer processes read rows from the scheduler's host pool
+in place. None of them imports torch or SGLang (tests/test_boundaries.py checks it).
 """

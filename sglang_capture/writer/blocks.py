@@ -65,7 +65,7 @@ class StoredBlock:
     size: int  # of its file
 
     def as_list(self) -> List[Any]:
-        """What the hand-off thread needs to index it (server/block_index.blocks_of)."""
+        """What the scheduler needs to index it (server/block_index.blocks_of)."""
         b = self.block
         return [b.name, b.slot_hash.hex(), b.start, b.end, self.size]
 

@@ -1,11 +1,11 @@
-"""A writer process (``python -m sglang_capture.writer.process``, started by server/writer_child.py for the writer pool).
+"""A writer process (``python -m sglang_capture.writer.process``, started by child.py for the writer supervisor).
 
 It turns jobs into published capture files: reads the request's rows out of the shared host pool
 (mapped read-only), places them by position, then compresses, hashes, writes, flushes and
 publishes the file. It has an interpreter of its own so that none of that competes with SGLang's
 scheduler thread for the GIL and slows requests that capture nothing. It never imports torch.
 
-Talks to its hand-off thread over stdin/stdout (core/handoff.py). EOF on stdin means the server is
+Talks to its hand-off thread in the supervisor over stdin/stdout (core/handoff.py). EOF on stdin means the server is
 gone or stopping: it finishes the job in hand and exits.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import signal
 import sys
 import time
 from typing import Any, Dict, Optional
@@ -168,14 +169,33 @@ class WriterProcess:
         return nbytes, checksum, {**stage, "blocks_s": blocks_s}, extra
 
 
+def _die_with_parent() -> bool:
+    """Be killed when the supervisor that started this process dies (Linux's parent-death signal):
+    the scheduler side has then recorded this job's outcome as an error, and a file published
+    after that would contradict it. False where that cannot be asked (the process still exits at
+    its pipe's EOF)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+PR_SET_PDEATHSIG = 1
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="[sglang_capture writer %(process)d] %(message)s", stream=sys.stderr)
     in_fd = sys.stdin.fileno()
     out_fd = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the protocol
+    dies_with_parent = _die_with_parent()
     hello = recv(in_fd)
     if hello is None or hello.get("op") != "hello":
         return 2
+    if dies_with_parent and hello.get("parent") not in (None, os.getppid()):
+        return 0  # the supervisor died before the signal was asked for
     config = CaptureConfig.from_json(hello["config"])
     os.nice(config.writer_nice)  # relative to the scheduler process that started it
     if config.writer_cpus:

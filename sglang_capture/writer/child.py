@@ -1,20 +1,18 @@
-"""One writer process, seen from the server: starting it, the pipes to it, stopping it, and its errors.
+"""One writer process, seen from the supervisor: starting it, the pipes to it, stopping it, and its errors.
 
-The writer pool (writer_pool.py) keeps one ``WriterChild`` per hand-off thread and replaces it
-when it dies or stalls; what the process itself runs is writer/process.py.
+The supervisor (supervisor.py) keeps one ``WriterChild`` per hand-off thread and replaces it
+when it dies or stalls; what the process itself runs is process.py.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.handoff import Stalled, recv_reply, send
-
-if TYPE_CHECKING:
-    from sglang_capture.server.host_pool import HostPool
 
 
 class WriterProcessDied(RuntimeError):
@@ -32,19 +30,19 @@ class WriterStalled(WriterProcessDied):
 class WriterChild:
     """One writer process and the pipes to it."""
 
-    def __init__(self, config: CaptureConfig, pool: Optional[HostPool]) -> None:
+    def __init__(self, config: CaptureConfig, pool_fd: Optional[int], pool_size: int) -> None:
         self.stall_s = config.writer_stall_s
         self.temp: Optional[str] = None  # the temp file (under .tmp/) of the job in hand, once created
         # a file published by the job in hand, to remove once the process is gone: it died or stalled
         # while stuck in the kernel, and its outcome, recorded meanwhile, says error
         self.unlink_on_exit: Optional[Tuple[str, int, int]] = None
         self.exit_lock = threading.Lock()
-        pass_fds = (pool.fd,) if pool is not None else ()  # the pool's memfd, mapped read-only there
+        pass_fds = (pool_fd,) if pool_fd is not None else ()  # the host pool's memfd, mapped read-only there
         self.proc = subprocess.Popen([sys.executable, "-m", "sglang_capture.writer.process"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, pass_fds=pass_fds)
         try:
-            self.send({"op": "hello", "config": config.to_env(), "pool_fd": pool.fd if pool is not None else None,
-                       "pool_size": pool.size_bytes if pool is not None else 0})
+            self.send({"op": "hello", "config": config.to_env(), "pool_fd": pool_fd, "pool_size": pool_size,
+                       "parent": os.getpid()})
         except WriterProcessDied:
             self.stop(1.0)
             raise

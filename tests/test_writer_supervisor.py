@@ -1,0 +1,337 @@
+"""The writer supervisor's hand-off (writer/supervisor.py), run in-process: writer processes that die,
+stall or are ended mid-flush, and the outcomes that follow."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_capture.core.config import CaptureConfig
+from tests.jobs import make_wire_job, write_and_wait
+
+
+def _one_writer(tmp_path, **config):
+    """A started supervisor with one writer process, and that process's pid."""
+    from sglang_capture.writer.supervisor import Supervisor
+
+    writer = Supervisor(CaptureConfig(capture_dir=str(tmp_path), writers=1, **config))
+    writer.start()
+    deadline = time.monotonic() + 30
+    while not writer.writer_pids():
+        assert time.monotonic() < deadline, "no writer process started"
+        time.sleep(0.01)
+    return writer, writer.writer_pids()[0]
+
+
+def test_a_writer_process_that_dies_fails_only_its_job_and_is_replaced(tmp_path):
+    import os
+    import signal
+
+    first, ledger = make_wire_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="lost")
+    writer, pid = _one_writer(tmp_path)
+    try:
+        os.kill(pid, signal.SIGSTOP)  # the job waits in its pipe ...
+        writer.submit(first)
+        while writer.pending() and writer._busy == 0:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)  # ... and the process dies holding it
+        assert first.done.wait(30)
+        assert first.outcome["status"] == "error" and f"writer process {pid} exited" in first.outcome["error"]
+        second, _ = make_wire_job(tmp_path, [(0, torch.ones(2, 4))], 2, name="kept")
+        assert write_and_wait(writer, second)["status"] == "ok"
+        assert writer.stats["restarts"] == 1 and writer.writer_pids() != [pid]
+        assert ledger.held_bytes == 0
+    finally:
+        writer.close()
+
+
+def test_a_writer_process_that_makes_no_progress_fails_its_job_is_killed_replaced_and_counted(tmp_path):
+    import os
+    import signal
+
+    job, ledger = make_wire_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="stuck")
+    writer, pid = _one_writer(tmp_path, writer_stall_s=1.0)
+    try:
+        os.kill(pid, signal.SIGSTOP)  # as a process blocked on a hung mount: alive, silent
+        t0 = time.monotonic()
+        outcome = write_and_wait(writer, job, timeout=30)
+        assert 1.0 <= time.monotonic() - t0 < 15
+        assert outcome["status"] == "error" and outcome["error"] == (
+            f"WriterStalled: writer process {pid} made no progress for 1 s (a hung disk or network mount?); "
+            "it was killed and replaced")
+        assert writer.stats["stalled"] == 1 and writer.stats["failed"] == 1 and writer.stats["restarts"] == 1
+        assert ledger.held_bytes == 0
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}"):  # killed, and reaped: no zombie left behind
+            assert time.monotonic() < deadline, open(f"/proc/{pid}/stat").read()
+            time.sleep(0.05)
+        kept, _ = make_wire_job(tmp_path, [(0, torch.ones(2, 4))], 2, name="kept")
+        assert write_and_wait(writer, kept)["status"] == "ok" and writer.writer_pids() not in ([], [pid])
+        assert not os.path.exists(tmp_path / "stuck.capture.msgpack")
+    finally:
+        writer.close()
+
+
+def test_a_writer_process_gone_before_it_took_the_job_is_replaced_and_the_job_written(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from sglang_capture.writer import supervisor as writer_module
+
+    job, ledger = make_wire_job(tmp_path, [(0, torch.ones(2, 4))], 2, name="handed-on")
+    writer, pid = _one_writer(tmp_path)
+    deadline = time.monotonic() + 30
+    try:
+        # the process dies between the hand-off thread's liveness check and its send
+        monkeypatch.setattr(writer_module.WriterChild, "alive", lambda self: True)
+        os.kill(pid, signal.SIGKILL)
+        while open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        outcome = write_and_wait(writer, job)
+        assert outcome["status"] == "ok", outcome
+        assert writer.stats["restarts"] == 1 and writer.writer_pids() != [pid] and ledger.held_bytes == 0
+    finally:
+        writer.close()
+
+
+def test_an_abort_outcome_is_recorded_by_a_hand_off_thread_not_the_caller(tmp_path, monkeypatch):
+    import json
+
+    import sglang_capture.writer.supervisor as writer_module
+    from sglang_capture.core.capture_dir import index_path
+    from sglang_capture.writer.supervisor import Supervisor
+
+    recorded_on = []
+    real = writer_module.record_outcome
+    monkeypatch.setattr(writer_module, "record_outcome",
+                        lambda *a: (recorded_on.append(threading.current_thread().name), real(*a)))
+    writer = Supervisor(CaptureConfig(capture_dir=str(tmp_path), writers=1))
+    writer.submit_outcome("gone", {"rid": "gone", "status": "aborted", "error": "client disconnected"})
+    writer.close()
+    assert json.load(open(index_path(str(tmp_path), "gone")))["status"] == "aborted"
+    assert recorded_on == ["sglang-capture-handoff-0"]
+
+
+# Installed in writer processes through their PYTHONPATH: os.fsync of a directory or a regular file
+# (SLOW_FSYNC_OF) marks SLOW_FSYNC_MARK and then takes a minute, so the test can end the process
+# exactly there.
+_SLOW_FSYNC = '''
+import os, stat, time
+_fsync = os.fsync
+def fsync(fd):
+    if ("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file") == os.environ["SLOW_FSYNC_OF"]:
+        open(os.environ["SLOW_FSYNC_MARK"], "w").close()
+        time.sleep(60)
+    return _fsync(fd)
+os.fsync = fsync
+'''
+
+
+@pytest.mark.parametrize("where,sig,flush_fails", [
+    ("dir", "SIGKILL", False), ("dir", "SIGSTOP", False), ("dir", "SIGKILL", True), ("file", "SIGKILL", False)],
+    ids=["killed-in-dir-flush", "stalled-in-dir-flush", "killed-in-dir-flush-and-flush-fails", "killed-in-file-flush"])
+def test_a_writer_ended_while_flushing_leaves_an_outcome_that_matches_the_file(tmp_path, monkeypatch, where, sig,
+                                                                                flush_fails):
+    """Issue 34 item 4: ended in the directory's flush, after the file got its name, the file is
+    whole and kept, and the outcome says ok with its size and checksum (the name's flush is done
+    by the hand-off thread; if that fails the file is removed and the outcome says error). Ended
+    in the file's own flush, before the name: error, and no file. The temp file goes either way."""
+    import errno
+    import json
+    import signal
+
+    from sglang_capture import load
+    from sglang_capture.core import checksum
+    from sglang_capture.core.capture_dir import index_path
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_FSYNC)
+    mark = tmp_path / "in-fsync"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("SLOW_FSYNC_OF", where)
+    monkeypatch.setenv("SLOW_FSYNC_MARK", str(mark))
+    capture_dir = tmp_path / "captures"
+    capture_dir.mkdir()
+    job, ledger = make_wire_job(capture_dir, [(0, torch.randn(64, 4))], 64, name="flushing")
+    writer, pid = _one_writer(capture_dir, writer_stall_s=5.0)  # a loaded machine must not stall it first
+    if flush_fails:
+        real_fsync = os.fsync
+
+        def failing(fd):
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                raise OSError(errno.EIO, "Input/output error")
+            return real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", failing)
+    try:
+        writer.submit(job)
+        deadline = time.monotonic() + 30
+        while not mark.exists():
+            assert time.monotonic() < deadline, "the writer never reached its flush"
+            time.sleep(0.005)
+        os.kill(pid, getattr(signal, sig))
+        assert job.done.wait(30)
+    finally:
+        writer.close()
+    outcome = json.load(open(index_path(str(capture_dir), "flushing")))
+    path = capture_dir / "flushing.capture.msgpack"
+    assert os.listdir(capture_dir / ".tmp") == []
+    if where == "dir" and not flush_fails:
+        assert outcome["status"] == "ok", outcome
+        assert outcome["bytes"] == os.path.getsize(path) and outcome["checksum"] == checksum.of_file(str(path))
+        assert load(str(path))["aux_hidden_states"].shape == (64, 2)
+        assert writer.stats["published_by_handoff"] == 1 and writer.stats["written"] == 1
+    else:
+        assert outcome["status"] == "error" and not path.exists()
+        if flush_fails:
+            assert outcome["error"].endswith("then flushing its name failed (OSError: Input/output error), "
+                                             "so the file was removed")
+
+
+def test_a_writer_still_stuck_in_the_kernel_gets_an_error_outcome_and_its_file_goes_once_it_exits(tmp_path):
+    """Killed while stuck in the kernel (a hung mount), a process that announced its file may still
+    link it after the outcome was recorded: the outcome says error and whatever it names is removed
+    once it is gone. A file under the name that is not the announced one is kept."""
+    import threading
+    import types
+
+    from sglang_capture.writer.child import WriterStalled
+    from sglang_capture.writer.supervisor import Supervisor
+
+    cfg = CaptureConfig(capture_dir=str(tmp_path), writers=1)
+    pool = Supervisor(cfg)
+    job, _ = make_wire_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="late")
+    path = tmp_path / "late.capture.msgpack"
+    path.write_bytes(b"a whole file, linked after the outcome")
+    st = os.stat(path)
+    job.publishing = {"op": "publishing", "dev": st.st_dev, "ino": st.st_ino, "bytes": 38, "checksum": "x"}
+    child = types.SimpleNamespace(pid=1, proc=types.SimpleNamespace(returncode=None), exit_lock=threading.Lock(),
+                                  temp=None, unlink_on_exit=None)
+    outcome = pool._outcome_after_failure(job, WriterStalled("stalled"), child)
+    assert outcome["status"] == "error" and outcome["error"].endswith("removed once the process ends")
+    assert path.exists()  # not yet: the process is not gone
+    child.proc.returncode = -9
+    pool._child_exited(child)
+    assert not path.exists()
+
+    other, _ = make_wire_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="taken")
+    taken = tmp_path / "taken.capture.msgpack"
+    taken.write_bytes(b"another request's file")
+    other.publishing = {"op": "publishing", "dev": st.st_dev, "ino": st.st_ino + 1, "bytes": 1, "checksum": "x"}
+    child.proc.returncode = None
+    assert pool._outcome_after_failure(other, WriterStalled("stalled"), child)["status"] == "error"
+    child.proc.returncode = -9
+    pool._child_exited(child)
+    assert taken.exists()
+
+
+def test_a_name_flush_that_does_not_end_in_time_fails_the_capture_and_removes_the_file_when_it_ends(tmp_path):
+    import threading
+
+    from sglang_capture.writer.durability import Durability
+    from sglang_capture.writer.supervisor import _flush_names_within
+
+    release = threading.Event()
+
+    class Hung(Durability):
+        def sync_names(self, dir_fd: int) -> None:
+            release.wait(30)
+
+    path = tmp_path / "f.capture.msgpack"
+    path.write_bytes(b"x")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        t0 = time.monotonic()
+        assert _flush_names_within(Hung(), fd, path.name, os.stat(path), 0.5) == "did not end within 0.5 s"
+        assert time.monotonic() - t0 < 5 and path.exists()
+        release.set()
+        deadline = time.monotonic() + 10
+        while path.exists():  # removed by the flush's own thread once the flush returned
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert _flush_names_within(Durability(), fd, path.name, os.stat(tmp_path), 5) is None
+    finally:
+        os.close(fd)
+
+
+def _replies(fd, want, timeout=30.0):
+    """Messages from the supervisor's side of the pipe (``many`` unpacked) until ``want`` of them are ``done``."""
+    from sglang_capture.core.handoff import recv
+
+    got, deadline = [], time.monotonic() + timeout
+    while sum(m["op"] == "done" for m in got) < want:
+        assert time.monotonic() < deadline, got
+        message = recv(fd, timeout)
+        assert message is not None, got
+        got.extend(message["messages"] if message["op"] == "many" else [message])
+    return got
+
+
+def test_the_supervisor_takes_jobs_sent_together_and_answers_copied_then_done_for_each(tmp_path):
+    """What the link sends as one message (``many``: what queued up while it was sending) is taken
+    job by job, and each job's ``copied`` comes before its ``done``, which carries the outcome."""
+    from sglang_capture.core.handoff import send
+    from sglang_capture.server.writer_pool import job_message
+    from sglang_capture.writer.supervisor import SchedulerLink, Supervisor, serve
+    from tests.jobs import make_job
+
+    to_sup, from_link = os.pipe()
+    from_sup, to_link = os.pipe()
+    supervisor = Supervisor(CaptureConfig(capture_dir=str(tmp_path), writers=2))
+    supervisor.start()
+    link = SchedulerLink(to_link)
+    server = threading.Thread(target=serve, args=(supervisor, link, to_sup), daemon=True)
+    server.start()
+    try:
+        messages = []
+        for i in range(2):
+            job, _ = make_job(tmp_path, [(0, torch.full((2, 4), float(i)))], 2, name=f"together-{i}")
+            job.id = i + 1
+            messages.append(job_message(job, None))
+        send(from_link, {"op": "many", "messages": messages})
+        got = _replies(from_sup, 2)
+        for i in (1, 2):
+            ops = [m["op"] for m in got if m.get("id") == i]
+            assert ops == ["copied", "done"], got
+            [done] = [m for m in got if m.get("id") == i and m["op"] == "done"]
+            assert done["outcome"]["status"] == "ok" and os.path.exists(done["outcome"]["path"])
+    finally:
+        os.close(from_link)  # EOF: the supervisor finishes and stops
+        server.join(30)
+        for fd in (to_sup, from_sup, to_link):
+            os.close(fd)
+    assert not server.is_alive()
+
+
+def test_a_jobs_outcome_waits_until_the_scheduler_side_has_indexed_its_blocks(tmp_path):
+    """``blocks`` goes out, and the hand-off thread waits for ``indexed`` before the outcome record
+    (which lets a chat's next turn in) is written; once the scheduler side is gone it waits no more."""
+    from sglang_capture.core.handoff import recv
+    from sglang_capture.writer.supervisor import SchedulerLink
+
+    from_sup, to_link = os.pipe()
+    link = SchedulerLink(to_link)
+    job, _ = make_wire_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="shared")
+    job.id = 7
+    waited = threading.Thread(target=link.blocks, args=(job, [["b" * 32, 0, 2]], [], True))
+    try:
+        waited.start()
+        assert recv(from_sup, 10) == {"op": "blocks", "id": 7, "stored": [["b" * 32, 0, 2]], "missing": [], "ok": True}
+        time.sleep(0.2)
+        assert waited.is_alive()  # not indexed yet: the outcome is not recorded
+        link.indexed(7)
+        waited.join(10)
+        assert not waited.is_alive()
+        link.close()  # the scheduler side is gone: nobody answers, nothing waits
+        t0 = time.monotonic()
+        link.blocks(job, [], ["c" * 32], False)
+        assert time.monotonic() - t0 < 1
+    finally:
+        link.flush()
+        os.close(from_sup)
+        os.close(to_link)
