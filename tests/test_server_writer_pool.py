@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from sglang_capture.core.config import CaptureConfig, ConfigError
+from sglang_capture.server.ledger import HostMemoryLedger
+from sglang_capture.server.writer_pool import WriterPool
 from tests.jobs import make_job, write_and_wait
 
 
@@ -207,6 +209,7 @@ def test_the_scheduler_process_only_sends_jobs_the_supervisor_records_outcomes_a
     import json
 
     import sglang_capture.core.capture_dir as capture_dir
+    import sglang_capture.server.writer_pool as writer_pool
     from sglang_capture.core.capture_dir import index_path, writer_stats
     from sglang_capture.server.writer_pool import WriterPool
 
@@ -214,6 +217,7 @@ def test_the_scheduler_process_only_sends_jobs_the_supervisor_records_outcomes_a
         raise AssertionError("the scheduler process wrote a capture dir record")
 
     monkeypatch.setattr(capture_dir, "record_outcome", not_here)
+    monkeypatch.setattr(writer_pool, "record_outcome", not_here)
     monkeypatch.setattr(capture_dir.StatsFile, "write", not_here)
     before = set(threading.enumerate())
     rows = torch.arange(8, dtype=torch.float32).view(2, 4)
@@ -274,4 +278,112 @@ def test_a_supervisor_that_dies_fails_only_the_jobs_it_held_and_another_takes_th
         assert not os.path.exists(tmp_path / "held.capture.msgpack")
     finally:
         writer.close()
-    assert max(s["supervisor_restarts"] for s in writer_stats(str(tmp_path)).values()) == 1
+    [stats] = writer_stats(str(tmp_path)).values()  # the dead supervisor's file went to the history
+    assert stats["supervisor_restarts"] == 1 and stats["failed_in_scheduler"] == 1
+
+
+def test_jobs_described_while_the_supervisor_dies_go_to_the_next_one_never_failed_and_then_written(tmp_path, monkeypatch):
+    """A batch being described when the supervisor dies: its jobs were not yet sent, so its death
+    fails none of them, and the next supervisor writes them all (a job failed by the death and sent
+    to the next one anyway would have its error record overwritten by a file)."""
+    import json
+    import signal
+
+    import sglang_capture.server.writer_pool as writer_module
+    from sglang_capture.core.capture_dir import index_path
+
+    first, ledger = make_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="A")
+    second, _ = make_job(tmp_path, [(0, torch.ones(2, 4))], 2, name="B")
+    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), ledger)
+    writer.start()
+    dead = writer.supervisor_pid()
+    real = writer_module.job_message
+
+    def describing(job, pool):
+        if job.capture.name == "A":
+            time.sleep(0.3)  # B queues up behind A: one batch
+        else:
+            os.kill(dead, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while writer.supervisor_pid() in (None, dead):
+                assert time.monotonic() < deadline, "no supervisor started after the first died"
+                time.sleep(0.01)
+        return real(job, pool)
+
+    monkeypatch.setattr(writer_module, "job_message", describing)
+    try:
+        writer.submit(first)
+        writer.submit(second)
+        for job in (first, second):
+            assert job.done.wait(30) and job.outcome["status"] == "ok", job.outcome
+            assert json.load(open(index_path(str(tmp_path), job.meta["rid"])))["status"] == "ok"
+        assert ledger.held_bytes == 0 and writer.pending() == 0
+    finally:
+        writer.close()
+
+
+def test_a_job_whose_message_cannot_be_packed_fails_alone_and_the_link_goes_on(tmp_path):
+    import json
+
+    import numpy
+
+    from sglang_capture.core.capture_dir import index_path
+
+    bad, ledger = make_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="bad")
+    bad.meta["extra"] = numpy.int64(3)  # msgpack cannot pack it
+    good, _ = make_job(tmp_path, [(0, torch.ones(2, 4))], 2, name="good")
+    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), ledger)
+    try:
+        writer.submit(bad)
+        writer.submit(good)
+        assert bad.done.wait(30) and bad.outcome["status"] == "error"
+        assert "cannot be encoded" in bad.outcome["error"]
+        assert json.load(open(index_path(str(tmp_path), "bad")))["status"] == "error"
+        assert good.done.wait(30) and good.outcome["status"] == "ok"
+        assert ledger.held_bytes == 0 and writer.pending() == 0
+    finally:
+        writer.close()
+
+
+def test_a_job_submitted_after_close_fails_at_once_and_starts_nothing(tmp_path):
+    from sglang_capture.core.capture_dir import index_path
+
+    job, ledger = make_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="late")
+    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), ledger)
+    writer.start()
+    writer.close()
+    writer.submit(job)
+    assert job.done.is_set() and job.outcome["status"] == "error" and "stopping" in job.outcome["error"]
+    assert os.path.exists(index_path(str(tmp_path), "late"))
+    assert writer.supervisor_pid() is None and writer.pending() == 0 and ledger.held_bytes == 0
+
+
+def test_a_file_published_by_a_dead_supervisors_writer_is_removed_when_its_outcome_says_error(tmp_path):
+    """The supervisor died between its writer's publishing and the outcome: the scheduler side fails
+    the job, and removes the file under the request's name if it is this request's (its metadata
+    says so), so an error never stands beside a published file; another request's file is kept."""
+    import json
+    import types
+
+    from sglang_capture.core.capture_dir import index_path, prepare_capture_dir
+    from sglang_capture.core.format import host_tensor, write_capture
+
+    prepare_capture_dir(str(tmp_path))
+    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), HostMemoryLedger(1 << 20))
+    dead = types.SimpleNamespace()
+    for name, rid in (("mine", "mine"), ("theirs", "someone-else")):
+        with open(tmp_path / f"{name}.capture.msgpack", "wb") as f:
+            write_capture(f, {"rid": rid}, {"rows": host_tensor(torch.zeros(2, 4))},
+                          CaptureConfig(capture_dir=str(tmp_path)).codec_spec())
+        job, _ = make_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name=name)
+        writer._jobs[job.id] = (job, dead)
+        writer._open += 1
+        writer._fail(job, "the writer supervisor process 1 exited (code -9) before the file was written", dead)
+        recorded = json.load(open(index_path(str(tmp_path), name)))
+        assert recorded == job.outcome and recorded["status"] == "error"
+        if name == "mine":
+            assert not (tmp_path / "mine.capture.msgpack").exists()
+            assert recorded["error"].endswith("; the file its writer had published was removed")
+        else:
+            assert (tmp_path / "theirs.capture.msgpack").exists() and "removed" not in recorded["error"]
+    assert writer.pending() == 0

@@ -35,7 +35,9 @@ def test_a_writer_process_that_dies_fails_only_its_job_and_is_replaced(tmp_path)
     try:
         os.kill(pid, signal.SIGSTOP)  # the job waits in its pipe ...
         writer.submit(first)
+        deadline = time.monotonic() + 30
         while writer.pending() and writer._busy == 0:
+            assert time.monotonic() < deadline, "the job was never handed to the writer"
             time.sleep(0.01)
         os.kill(pid, signal.SIGKILL)  # ... and the process dies holding it
         assert first.done.wait(30)
@@ -327,7 +329,12 @@ def test_a_jobs_outcome_waits_until_the_scheduler_side_has_indexed_its_blocks(tm
         link.indexed(7)
         waited.join(10)
         assert not waited.is_alive()
-        link.close()  # the scheduler side is gone: nobody answers, nothing waits
+        waiting = threading.Thread(target=link.blocks, args=(job, [], ["d" * 32], True))
+        waiting.start()
+        assert recv(from_sup, 10)["op"] == "blocks"
+        link.close()  # the scheduler side is gone: nobody answers, what waits goes on, nothing waits again
+        waiting.join(10)
+        assert not waiting.is_alive()
         t0 = time.monotonic()
         link.blocks(job, [], ["c" * 32], False)
         assert time.monotonic() - t0 < 1

@@ -24,7 +24,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Collection, Dict, Optional
 
 from sglang_capture.core.blocks import BLOCKS_DIR
 from sglang_capture.core.durable import (
@@ -63,6 +63,7 @@ WRITER_COUNTERS = {
     "restarts": "sum", "stalled": "sum", "records_swept": "sum", "published_by_handoff": "sum",
     "temp_files_removed": "sum", "queue_wait_s": "sum", "assemble_s": "sum", "encode_write_s": "sum",
     "fsync_publish_s": "sum", "max_queue": "peak", "supervisor_restarts": "sum",
+    "failed_in_scheduler": "sum",  # jobs the scheduler side failed itself: their supervisor died, or never took them
     # shared rows (--capture-prefix-sharing on): blocks written and their bytes (each block counted once,
     # by the writer that stored it), blocks found stored already, rows written and rows referenced
     "block_bytes": "sum", "blocks_written": "sum", "blocks_reused": "sum", "rows_stored": "sum",
@@ -195,11 +196,18 @@ def _stats_host(stem: str) -> str:
     return stem.split("-", 1)[1].split(".")[0]
 
 
-def retire_stale_stats(dirs: DirFds, min_age_s: float = STATS_STALE_S) -> int:
+def _stats_pid(stem: str) -> Optional[int]:
+    parts = stem.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else None
+
+
+def retire_stale_stats(dirs: DirFds, min_age_s: float = STATS_STALE_S, gone: Collection[int] = ()) -> int:
     """Add the counters of stats files whose process is gone (its lock can be taken, or it never
     had one) and that were not rewritten for ``min_age_s`` into ``_stats-history.json`` and remove
-    them; returns how many. Start-ups of several ranks on one dir take turns (a lock on the
-    history), so nothing is counted twice. Stats files named before the ``_`` prefix count too."""
+    them; returns how many. ``gone``: process ids on this host known dead (a writer supervisor's
+    predecessor), whose files go whatever their age. Start-ups of several ranks on one dir take turns
+    (a lock on the history), so nothing is counted twice. Stats files named before the ``_`` prefix
+    count too."""
     retired = 0
     guard = os.open(STATS_HISTORY + _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirs.index)
     try:
@@ -224,7 +232,7 @@ def retire_stale_stats(dirs: DirFds, min_age_s: float = STATS_STALE_S) -> int:
             if lock is False:  # its process lives
                 continue
             try:
-                if not _older_than(entry, dirs.index, min_age_s):
+                if _stats_pid(stem) not in gone and not _older_than(entry, dirs.index, min_age_s):
                     continue  # rewritten lately: perhaps a live server whose lock does not reach here
                 doc = _read_json(entry, dirs.index)
                 if doc is not None:

@@ -15,6 +15,7 @@ time this process writes one) and is started again.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import queue
@@ -23,10 +24,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from sglang_capture.core.capture_dir import STATS_MIN_INTERVAL_S, DirFds, error_text, index_path, record_outcome
 from sglang_capture.core.config import CaptureConfig
+from sglang_capture.core.durable import unlink_if_same
 from sglang_capture.core.handoff import describe_chunks, ids_bytes, recv_many, send, send_many, take_queued
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.server.ledger import HostMemoryLedger
@@ -105,17 +107,25 @@ _DEVICE_ALLOCATOR_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_f
 STATS_PUSH_S = 2 * STATS_MIN_INTERVAL_S
 QUERY_TIMEOUT_S = 30.0
 READY_TIMEOUT_S = 60.0
+YOUNG_DEATH_S = 5.0  # a supervisor that dies younger than this is replaced after a pause, not at once
+# this side's counters that the history sums over stats files (core/capture_dir.WRITER_COUNTERS, LEDGER_COUNTERS)
+SUMMED_HERE = ("supervisor_restarts", "failed_in_scheduler", "back_pressure_waits")
 
 
 class _Supervisor:
-    """One supervisor process and the thread reading its answers."""
+    """One supervisor process, the thread reading its answers, and what was sent to it."""
 
-    def __init__(self, proc: subprocess.Popen, reader: threading.Thread) -> None:
-        self.proc, self.reader = proc, reader
+    def __init__(self, proc: subprocess.Popen, started: float) -> None:
+        self.proc, self.started = proc, started
+        self.reader: Optional[threading.Thread] = None
+        self.outcomes: Dict[str, Dict[str, Any]] = {}  # aborted captures' outcomes sent, not yet recorded
 
 
 class WriterPool:
-    """The link to the writer supervisor; ``submit`` is the only call made on the scheduler thread."""
+    """The link to the writer supervisor; ``submit`` is the only call made on the scheduler thread.
+
+    Locks: ``_send_lock`` (the supervisor in hand, what is sent to it, replacing it) is taken before
+    ``_lock`` (the counters and the jobs in flight), never after it."""
 
     def __init__(self, config: CaptureConfig, ledger: HostMemoryLedger) -> None:
         self.config = config
@@ -125,15 +135,18 @@ class WriterPool:
         ledger.draining = lambda: self.pending() > 0
         self._queue: queue.Queue[Union[CaptureJob, Dict[str, Any], None]] = queue.Queue()
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()  # one message at a time, and never to a supervisor being replaced
+        self._send_lock = threading.Lock()
+        self._start_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._open = 0  # jobs submitted and not done: memory that waiting will free
-        self._jobs: Dict[int, CaptureJob] = {}  # sent to the supervisor, not done
+        self._jobs: Dict[int, Tuple[CaptureJob, _Supervisor]] = {}  # sent, not done: the job and where it went
         self._asked: Dict[int, Tuple[threading.Event, Dict[str, Any]]] = {}  # queries and sweeps, by id
         self._supervisor: Optional[_Supervisor] = None
         self._ready = threading.Event()  # the first supervisor said it runs
         self._sender: Optional[threading.Thread] = None
-        self._closing = False
+        self._closed = False  # close() began: nothing more is taken
+        self._closing = False  # the supervisor is being stopped: its EOF is not a death
+        self._dirs_lock = threading.Lock()
         self._dirs: Optional[DirFds] = None
         self._extra_stats: Callable[[], Dict[str, Any]] = dict
         self._last_push = 0.0
@@ -142,7 +155,12 @@ class WriterPool:
         # (SchedulerCapture.blocks_outcome): they must be known before the response lets the next turn in
         self.blocks_outcome: Callable[[CaptureJob, List[list], List[str], bool], None] = \
             lambda job, stored, missing, ok: None
-        self.stats: Dict[str, Any] = {"supervisor_restarts": 0}  # this side's counters (the supervisor has the rest)
+        # this side's counters (the supervisor has the rest); each supervisor's stats file gets what
+        # accrued since it started, so that the files' sums are the totals
+        self.stats: Dict[str, Any] = {"supervisor_restarts": 0, "failed_in_scheduler": 0}
+        self._baseline: Dict[str, float] = {}  # the summed counters when the supervisor in hand started
+        self._pushed: Dict[str, float] = {}  # the summed counters last pushed
+        self._dead: List[int] = []  # supervisors that died (their stats files are retired by the next)
 
     def start(self, pool: Optional[HostPool] = None, processes: Optional[int] = None,
               extra_stats: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
@@ -150,8 +168,8 @@ class WriterPool:
         so that the first capture does not wait for them. ``pool`` is the host pool the rows lie in,
         ``processes`` this rank's share of the node's writers (node_budget.py), and ``extra_stats``
         the scheduler's counters for the stats file."""
-        with self._lock:
-            if self._sender is not None:
+        with self._start_lock:
+            if self._sender is not None or self._closed:
                 return
             self.pool = pool
             self.processes = processes or self.processes
@@ -167,23 +185,27 @@ class WriterPool:
         self._push_stats(force=True)  # monitoring sees the server's counters from its start
         # Ready: the capture dir checked and cleaned up after stopped servers, as before the first job.
         if not self._ready.wait(READY_TIMEOUT_S):
-            logger.warning("sglang_capture: the writer supervisor did not start within %g s; captures wait for it",
+            logger.warning("sglang_capture: the writer supervisor did not start within %g s; jobs queue for it",
                            READY_TIMEOUT_S)
 
     def _spawn(self) -> _Supervisor:
-        """Start a supervisor process and its reader thread (the caller holds the send lock)."""
+        """Start a supervisor process and its reader thread (the caller holds the send lock); raises
+        OSError when no process can be started."""
         pool = self.pool
         proc = subprocess.Popen([sys.executable, "-m", "sglang_capture.writer.supervisor"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, pass_fds=(pool.fd,) if pool is not None else ())
+        sup = _Supervisor(proc, time.monotonic())
+        with self._lock:  # what the last supervisor's file counted already
+            self._baseline = {k: self._pushed.get(k, 0) for k in SUMMED_HERE}
         try:
             send(proc.stdin.fileno(), {"op": "hello", "config": self.config.to_env(),
                                        "pool_fd": pool.fd if pool is not None else None,
                                        "pool_size": pool.size_bytes if pool is not None else 0,
-                                       "processes": self.processes})
+                                       "processes": self.processes, "predecessors": self._dead})
         except OSError as e:  # gone at once: its reader fails what is sent to it and starts another
             logger.error("sglang_capture: the writer supervisor process %d did not start: %s", proc.pid, e)
-        sup = _Supervisor(proc, threading.Thread(target=lambda: self._read_loop(sup), daemon=True,
-                                                 name="sglang-capture-link-replies"))
+        sup.reader = threading.Thread(target=self._read_loop, args=(sup,), daemon=True,
+                                      name="sglang-capture-link-replies")
         sup.reader.start()
         return sup
 
@@ -199,12 +221,18 @@ class WriterPool:
         job.id = next(self._ids)
         with self._lock:
             self._open += 1
+        if self._closed:  # the server is stopping: no writer will take it
+            self._fail(job, "the server is stopping; the capture was not written", None)
+            return
         self._queue.put(job)
 
     def submit_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
         """Have the supervisor record ``outcome`` for ``rid`` (never blocks, no file I/O here)."""
         if self._sender is None:
             self.start()
+        if self._closed:  # the server is stopping: recorded here, the last time it matters
+            self._record_here(rid, outcome)
+            return
         self._queue.put({"op": "outcome", "rid": rid, "outcome": outcome})
 
     def sweep(self) -> SweepJob:
@@ -241,23 +269,25 @@ class WriterPool:
             return {}
         job_id = next(self._ids)
         event, answer = self._ask(job_id)
-        self._send({"op": "query", "id": job_id})
-        event.wait(QUERY_TIMEOUT_S)
+        if self._send([{"op": "query", "id": job_id}]):
+            event.wait(QUERY_TIMEOUT_S)
         with self._lock:
             self._asked.pop(job_id, None)
         return answer
 
     def close(self, timeout: float = 60.0) -> None:
-        """Finish queued jobs, then stop the supervisor and its writer processes (shutdown, tests)."""
-        with self._lock:
-            sender, self._sender = self._sender, None
-            if sender is None:
-                return
+        """Finish queued jobs, then stop the supervisor and its writer processes (shutdown, tests);
+        a job submitted from now on fails at once."""
+        with self._start_lock:
+            self._closed = True
+            sender = self._sender
+        if sender is None:
+            return
         deadline = time.monotonic() + timeout
         self._queue.put(None)
         sender.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
-            jobs = list(self._jobs.values())
+            jobs = [job for job, _ in self._jobs.values()]
         for job in jobs:
             job.done.wait(max(0.0, deadline - time.monotonic()))
         self._push_stats(force=True)  # the final counters, written by the supervisor as it stops
@@ -275,18 +305,36 @@ class WriterPool:
         except subprocess.TimeoutExpired:
             sup.proc.kill()
             sup.proc.wait(5.0)
-        sup.reader.join(5.0)
+        if sup.reader is not None:
+            sup.reader.join(5.0)
 
-    def _send(self, messages: Union[Dict[str, Any], List[Dict[str, Any]]]) -> bool:
-        """Send to the supervisor in hand (a list: as one); False when it is gone (its reader fails its jobs)."""
+    def _send(self, messages: List[Dict[str, Any]], jobs: Sequence[CaptureJob] = ()) -> bool:
+        """Send ``messages`` as one to the supervisor in hand, ``jobs`` (theirs) counted as sent to it
+        in the same step: a supervisor replaced meanwhile never gets a job its death already failed.
+        False when it is gone or the messages cannot be packed (the caller ends the jobs)."""
         with self._send_lock:
             sup = self._supervisor
             if sup is None or self._closing:
                 return False
+            with self._lock:
+                for job in jobs:
+                    self._jobs[job.id] = (job, sup)
+                    self._changed = True
+                for message in messages:
+                    if message["op"] == "outcome":
+                        sup.outcomes[message["rid"]] = message["outcome"]
             try:
-                send_many(sup.proc.stdin.fileno(), messages if isinstance(messages, list) else [messages])
+                send_many(sup.proc.stdin.fileno(), messages)
                 return True
-            except (OSError, ValueError):  # gone, or its pipe closed by a restart
+            except (OSError, ValueError, TypeError, OverflowError) as e:  # gone, or a value msgpack cannot pack
+                with self._lock:
+                    for job in jobs:
+                        self._jobs.pop(job.id, None)
+                    for message in messages:
+                        if message["op"] == "outcome":
+                            sup.outcomes.pop(message["rid"], None)
+                if not isinstance(e, OSError):
+                    logger.error("sglang_capture: a message to the writer supervisor could not be packed: %s", e)
                 return False
 
     def _send_loop(self) -> None:
@@ -298,80 +346,119 @@ class WriterPool:
             except queue.Empty:
                 self._push_stats()
                 continue
-            messages, jobs, outcomes = [], [], []
-            for item in items:
-                if isinstance(item, CaptureJob):
-                    message = self._describe(item)
-                    if message is not None:
-                        messages.append(message)
-                        jobs.append(item)
-                else:
-                    messages.append(item)
-                    if item["op"] == "outcome":
-                        outcomes.append(item)
-            if messages and not self._send(messages):
-                for job in jobs:
-                    self._fail(job, "the writer supervisor process exited before taking the job")
-                for item in outcomes:
-                    self._record_here(item["rid"], item["outcome"])
+            try:
+                self._send_items(items)
+                self._push_stats()
+            except Exception as e:  # noqa: BLE001 - no failure may end the link
+                logger.error("sglang_capture: the link to the writer supervisor failed a batch: %s", error_text(e))
             if stop:
                 return
-            self._push_stats()
+
+    def _send_items(self, items: List[Union[CaptureJob, Dict[str, Any]]]) -> None:
+        """Send a batch; when it cannot go as one, each item alone, so that one unpackable job
+        fails only itself."""
+        described: List[Tuple[Dict[str, Any], Optional[CaptureJob]]] = []
+        for item in items:
+            if isinstance(item, CaptureJob):
+                message = self._describe(item)
+                if message is not None:
+                    described.append((message, item))
+            else:
+                described.append((item, None))
+        if not described or self._send([m for m, _ in described], [j for _, j in described if j is not None]):
+            return
+        for message, job in described if len(described) > 1 else []:
+            if self._send([message], [job] if job is not None else []):
+                continue
+            self._unsent(message, job)
+        if len(described) == 1:
+            self._unsent(*described[0])
+
+    def _unsent(self, message: Dict[str, Any], job: Optional[CaptureJob]) -> None:
+        """A message no supervisor took: its job fails, an outcome is recorded from here."""
+        if job is not None:
+            self._fail(job, "the writer supervisor did not take the job (it exited, or the job's metadata "
+                            "cannot be encoded)", None)
+        elif message["op"] == "outcome":
+            self._record_here(message["rid"], message["outcome"])
 
     def _describe(self, job: CaptureJob) -> Optional[Dict[str, Any]]:
-        """``job``'s message, the job counted as sent; None (the job failed) when its rows cannot be handed on."""
+        """``job``'s message; None (the job failed) when its rows cannot be handed on."""
         try:
-            message = job_message(job, self.pool)
+            return job_message(job, self.pool)
         except Exception as e:  # noqa: BLE001 - a copy that failed fails only its job
-            self._fail(job, f"its rows could not be handed to the writers: {error_text(e)}", owned=True)
+            self._fail(job, f"its rows could not be handed to the writers: {error_text(e)}", None)
             return None
-        with self._lock:
-            self._jobs[job.id] = job
-            self._changed = True
-        return message
 
-    def _take(self, job_id: int) -> Optional[CaptureJob]:
+    def _take(self, job_id: int, sup: _Supervisor) -> Optional[CaptureJob]:
+        """The job ``sup`` answers for, taken out of the jobs in flight (None if it is not there)."""
         with self._lock:
-            job = self._jobs.pop(job_id, None)
-            if job is not None:
-                self._open -= 1
-                self._changed = True
-        return job
-
-    def _fail(self, job: CaptureJob, why: str, owned: bool = False) -> None:
-        """End a job the supervisor will not answer for: free its rows, record its outcome from here.
-        Whoever takes the job out of ``_jobs`` ends it (``owned``: it never went in)."""
-        with self._lock:
-            if not owned and self._jobs.pop(job.id, None) is None:
-                return
+            entry = self._jobs.get(job_id)
+            if entry is None or entry[1] is not sup:
+                return None
+            del self._jobs[job_id]
             self._open -= 1
             self._changed = True
+        return entry[0]
+
+    def _fail(self, job: CaptureJob, why: str, sup: Optional[_Supervisor]) -> None:
+        """End a job no supervisor will answer for: free its rows, record its outcome from here.
+        ``sup``: the dead supervisor it was sent to (it is taken out of the jobs in flight only if
+        still there); None: a job never sent."""
+        if sup is not None and self._take(job.id, sup) is None:
+            return
+        if sup is None:
+            with self._lock:
+                self._open -= 1
+                self._changed = True
+        with self._lock:
+            self.stats["failed_in_scheduler"] += 1
         job.capture.release()
-        path = os.path.join(self.config.capture_dir, job.capture.name + FILE_SUFFIX)
-        outcome = self._recorded(job.meta["rid"], job.capture.name)
+        name = job.capture.name
+        path = os.path.join(self.config.capture_dir, name + FILE_SUFFIX)
+        outcome = self._recorded(job.meta["rid"], name)
         if outcome is None:
-            outcome = {"rid": job.meta["rid"], "name": job.capture.name, "path": path, "status": "error", "error": why}
+            outcome = {"rid": job.meta["rid"], "name": name, "path": path, "status": "error", "error": why}
+            if sup is not None and self._remove_published(path, job.meta["rid"]):
+                outcome["error"] += "; the file its writer had published was removed"
             self._record_here(job.meta["rid"], outcome)
-            logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], why)
+            logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
         job.outcome = outcome
         job.done.set()
+
+    def _remove_published(self, path: str, rid: str) -> bool:
+        """A writer of a dead supervisor may have published its file before the outcome was
+        recorded: remove the file if it is this request's (an outcome never says error beside a
+        file it published)."""
+        from sglang_capture.core.reader import read_meta
+
+        try:
+            st = os.stat(path)
+            if read_meta(path).get("rid") != rid:
+                return False
+            unlink_if_same(os.path.basename(path), self._capture_dirs().capture, (st.st_dev, st.st_ino))
+            return True
+        except Exception:  # noqa: BLE001 - not there, or not readable as a capture: not this job's
+            return False
 
     def _recorded(self, rid: str, name: str) -> Optional[Dict[str, Any]]:
         """The outcome a supervisor recorded for this very job before it died, if it did."""
         try:
-            import json
-
             with open(index_path(self.config.capture_dir, rid)) as f:
                 doc = json.load(f)
             return doc if doc.get("name") == name else None
         except (OSError, ValueError):
             return None
 
-    def _record_here(self, rid: str, outcome: Dict[str, Any]) -> None:
-        try:
+    def _capture_dirs(self) -> DirFds:
+        with self._dirs_lock:
             if self._dirs is None:
                 self._dirs = DirFds.open(self.config.capture_dir)
-            record_outcome(self._dirs, rid, outcome)
+            return self._dirs
+
+    def _record_here(self, rid: str, outcome: Dict[str, Any]) -> None:
+        try:
+            record_outcome(self._capture_dirs(), rid, outcome)
         except OSError as e:
             logger.error("sglang_capture: cannot record the outcome of %s: %s", rid, e)
 
@@ -379,7 +466,7 @@ class WriterPool:
         while (messages := recv_many(sup.proc.stdout.fileno())) is not None:
             for message in messages:
                 try:
-                    self._answer(message)
+                    self._answer(message, sup)
                 except Exception as e:  # noqa: BLE001 - no failure may end this reader
                     logger.error("sglang_capture: handling the writer supervisor's %r failed: %s", message.get("op"), e)
         sup.proc.wait()
@@ -387,40 +474,62 @@ class WriterPool:
         with self._send_lock:
             if self._closing or self._supervisor is not sup:
                 return
-            code = sup.proc.returncode
-            with self._lock:
-                held = list(self._jobs.values())
-                asked, self._asked = list(self._asked.values()), {}
-            for event, _ in asked:
-                event.set()
-            why = f"the writer supervisor process {sup.proc.pid} exited (code {code}) before the file was written"
-            for job in held:
-                self._fail(job, why)
-            logger.error("sglang_capture: %s; %d capture(s) failed with it, starting another", why, len(held))
-            self.stats["supervisor_restarts"] += 1
-            self._supervisor = self._spawn()
+            self._after_death(sup)
 
-    def _answer(self, message: Dict[str, Any]) -> None:
+    def _after_death(self, sup: _Supervisor) -> None:
+        """The supervisor in hand died (the caller holds the send lock): fail what it held, record the
+        aborted captures' outcomes it had not, start another (backing off while they die young)."""
+        code = sup.proc.returncode
+        with self._lock:
+            held = [job for job, where in self._jobs.values() if where is sup]
+            asked, self._asked = list(self._asked.values()), {}
+            outcomes = dict(sup.outcomes)
+        for event, _ in asked:
+            event.set()
+        why = f"the writer supervisor process {sup.proc.pid} exited (code {code}) before the file was written"
+        for job in held:
+            self._fail(job, why, sup)
+        for rid, outcome in outcomes.items():
+            if not os.path.exists(index_path(self.config.capture_dir, rid)):
+                self._record_here(rid, outcome)
+        logger.error("sglang_capture: %s; %d capture(s) failed with it, starting another", why, len(held))
+        with self._lock:
+            self.stats["supervisor_restarts"] += 1
+            self._dead.append(sup.proc.pid)
+        delay = 1.0 if time.monotonic() - sup.started < YOUNG_DEATH_S else 0.0
+        while True:
+            time.sleep(delay)
+            try:
+                self._supervisor = self._spawn()
+                return
+            except OSError as e:
+                delay = min(max(2 * delay, 1.0), 30.0)
+                logger.error("sglang_capture: cannot start a writer supervisor (%s); trying again in %g s", e, delay)
+
+    def _answer(self, message: Dict[str, Any], sup: _Supervisor) -> None:
         op = message["op"]
         if op == "copied":
             with self._lock:
-                job = self._jobs.get(message["id"])
-            if job is not None:
-                job.capture.release()
+                entry = self._jobs.get(message["id"])
+            if entry is not None:
+                entry[0].capture.release()
         elif op == "blocks":
             with self._lock:
-                job = self._jobs.get(message["id"])
+                entry = self._jobs.get(message["id"])
             try:
-                if job is not None:
-                    self.blocks_outcome(job, message["stored"], message["missing"], message["ok"])
+                if entry is not None:
+                    self.blocks_outcome(entry[0], message["stored"], message["missing"], message["ok"])
             finally:
-                self._send({"op": "indexed", "id": message["id"]})
+                self._send([{"op": "indexed", "id": message["id"]}])
         elif op == "done":
-            job = self._take(message["id"])
+            job = self._take(message["id"], sup)
             if job is not None:
                 job.capture.release()
                 job.outcome = message["outcome"]
                 job.done.set()
+        elif op == "recorded":
+            with self._lock:
+                sup.outcomes.pop(message["rid"], None)
         elif op == "ready":
             self._ready.set()
         elif op in ("answer", "swept"):
@@ -430,6 +539,9 @@ class WriterPool:
             if event is not None:
                 event.set()
 
+    def _summed(self) -> Dict[str, float]:
+        return {**self.stats, "back_pressure_waits": self.ledger.waits}
+
     def _push_stats(self, force: bool = False) -> None:
         """This side's counters to the supervisor, for its stats file: at most once per
         ``STATS_PUSH_S`` while jobs come and go, not at all while nothing changes."""
@@ -438,13 +550,16 @@ class WriterPool:
             if not force and (not self._changed or now - self._last_push < STATS_PUSH_S):
                 return
             self._last_push, self._changed = now, False
-            own = dict(self.stats)
+            summed = self._summed()
+            own = {k: v - self._baseline.get(k, 0) for k, v in summed.items()}
         try:
             extra = self._extra_stats()
         except Exception as e:  # noqa: BLE001 - monitoring must never end the link
             extra = {"extra_stats_error": error_text(e)}
-        self._send({"op": "stats", "stats": {
-            **own, "held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
-            "cap_bytes": self.ledger.cap_bytes, "back_pressure_waits": self.ledger.waits, **extra,
-            "pinned": _cuda_stats("host_memory_stats", _PINNED_KEYS),
-            "device_allocator": _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS)}})
+        if self._send([{"op": "stats", "stats": {
+                **own, "held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
+                "cap_bytes": self.ledger.cap_bytes, **extra,
+                "pinned": _cuda_stats("host_memory_stats", _PINNED_KEYS),
+                "device_allocator": _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS)}}]):
+            with self._lock:
+                self._pushed = summed

@@ -23,9 +23,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from sglang_capture.core.capture_dir import (
+    ORPHAN_MIN_AGE_S,
     STATS_MIN_INTERVAL_S,
     STATS_REFRESH_S,
     DirFds,
@@ -142,8 +143,10 @@ def _logged_step(doing: str, step: Callable[[], Any]) -> Any:
 class Supervisor:
     """Hand-off threads, one writer process each, and what follows a job's file: its outcome, the stats."""
 
-    def __init__(self, config: CaptureConfig, pool_fd: Optional[int] = None, pool_size: int = 0) -> None:
+    def __init__(self, config: CaptureConfig, pool_fd: Optional[int] = None, pool_size: int = 0,
+                 predecessors: Sequence[int] = ()) -> None:
         self.config = config
+        self.predecessors = tuple(predecessors)  # supervisors of this scheduler that died: their stats files go
         self.pool_fd, self.pool_size = pool_fd, pool_size  # the host pool's memfd: rows in it travel by offset
         self.processes = config.writer_processes()
         self._queue: queue.Queue[Union[WireJob, OutcomeOnly, SweepJob, None]] = queue.Queue()
@@ -159,6 +162,7 @@ class Supervisor:
         self._stats_file: Optional[StatsFile] = None
         self._extra_stats: Dict[str, Any] = {}
         self._next_sweep = 0.0  # of old outcome records: set by ``start``
+        self._orphans_again: Optional[float] = None  # when to look for killed writers' temp files once more
         self._sweeping = False  # a sweep is queued or running: the next waits for it
         # told of the blocks each shared-rows job stored or found missing, before its outcome is recorded
         # (SchedulerCapture.blocks_outcome, through the scheduler side): they must be known before the
@@ -166,6 +170,7 @@ class Supervisor:
         self.blocks_outcome: Callable[[WireJob, List[list], List[str], bool], None] = \
             lambda job, stored, missing, ok: None
         self.finished: Callable[[WireJob], None] = lambda job: None  # after the outcome is recorded
+        self.recorded: Callable[[str], None] = lambda rid: None  # after an aborted capture's outcome is recorded
         self.stats: Dict[str, Any] = new_writer_counters()
 
     def dirs(self) -> DirFds:
@@ -183,6 +188,7 @@ class Supervisor:
                 return
             self.processes = processes or self.processes
             self._next_sweep = time.monotonic() + FIRST_SWEEP_S
+            self._orphans_again = time.monotonic() + ORPHAN_MIN_AGE_S + 1.0
             self._open_capture_dir()
             for i in range(self.processes):
                 t = threading.Thread(target=self._run, args=(i,), name=f"sglang-capture-handoff-{i}", daemon=True)
@@ -201,7 +207,8 @@ class Supervisor:
         removed = _logged_step("cleaning up stopped servers' temp files", lambda: remove_orphans(dirs))
         if removed:
             logger.info("sglang_capture: removed %d temp files left by stopped servers", removed)
-        retired = _logged_step("adding stopped servers' stats to the history", lambda: retire_stale_stats(dirs))
+        retired = _logged_step("adding stopped servers' stats to the history",
+                               lambda: retire_stale_stats(dirs, gone=self.predecessors))
         if retired:
             logger.info("sglang_capture: added the stats of %d stopped servers to .index/_stats-history.json", retired)
         self._stats_file = _logged_step("starting this server's stats file", lambda: StatsFile(dirs))
@@ -264,6 +271,7 @@ class Supervisor:
             if child is not None and not child.alive():  # a dead writer is replaced within a second, even idle
                 self._replace_quietly(slot)
             self._sweep_when_due()
+            self._orphans_when_due()
             try:
                 job = self._queue.get(timeout=1.0)
             except queue.Empty:
@@ -283,6 +291,7 @@ class Supervisor:
                 continue
             if isinstance(job, OutcomeOnly):
                 self.record_outcome(job.rid, job.outcome)
+                self.recorded(job.rid)
                 self._dump_stats()
                 continue
             with self._lock:
@@ -463,6 +472,19 @@ class Supervisor:
         self._queue.put(job)
         return job
 
+    def _orphans_when_due(self) -> None:
+        """Once, when the temp files of writers killed just before this supervisor started (its
+        predecessor died) are old enough to judge: remove them, as at start-up."""
+        with self._lock:
+            if self._orphans_again is None or time.monotonic() < self._orphans_again:
+                return
+            self._orphans_again = None
+        dirs = self._dirs
+        removed = dirs and _logged_step("cleaning up temp files of writers gone before this supervisor",
+                                        lambda: remove_orphans(dirs))
+        if removed:
+            logger.info("sglang_capture: removed %d temp files of writer processes gone before this supervisor", removed)
+
     def _sweep_when_due(self) -> None:
         with self._lock:
             if self._sweeping or time.monotonic() < self._next_sweep:
@@ -624,6 +646,7 @@ def serve(supervisor: Supervisor, link: SchedulerLink, in_fd: int) -> None:
     """Take the scheduler side's messages until EOF, then finish what is queued."""
     supervisor.blocks_outcome = link.blocks
     supervisor.finished = link.finished
+    supervisor.recorded = lambda rid: link.send({"op": "recorded", "rid": rid})
     while (messages := recv_many(in_fd)) is not None:
         for message in messages:
             _take(supervisor, link, message)
@@ -667,7 +690,7 @@ def main() -> int:
             os.sched_setaffinity(0, config.writer_cpus)
         except OSError as e:
             logger.warning("cannot run on --capture-writer-cpus %s (%s); running on the server's CPUs", config.writer_cpus, e)
-    supervisor = Supervisor(config, hello["pool_fd"], hello["pool_size"])
+    supervisor = Supervisor(config, hello["pool_fd"], hello["pool_size"], hello.get("predecessors", ()))
     supervisor.start(hello["processes"])
     link = SchedulerLink(out_fd)
     link.send({"op": "ready", "pid": os.getpid()})
