@@ -387,3 +387,34 @@ def test_a_file_published_by_a_dead_supervisors_writer_is_removed_when_its_outco
         else:
             assert (tmp_path / "theirs.capture.msgpack").exists() and "removed" not in recorded["error"]
     assert writer.pending() == 0
+
+
+def test_while_no_supervisor_can_start_jobs_fail_at_once_and_close_keeps_its_time(tmp_path, monkeypatch):
+    """A supervisor dies and none can be started in its place (no processes left, say): jobs fail at
+    once instead of holding their rows (which would stall the scheduler on back-pressure), restarts
+    are retried with pauses, and close() returns within its timeout."""
+    import signal
+
+    import sglang_capture.server.writer_pool as writer_module
+
+    job, ledger = make_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="nowhere")
+    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), ledger)
+    writer.start()
+    dead = writer.supervisor_pid()
+
+    class NoProcesses:
+        def __init__(self, *a, **k):
+            raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(writer_module.subprocess, "Popen", NoProcesses)
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while writer.supervisor_pid() is not None or writer._supervisor is not None:
+        assert time.monotonic() < deadline, "the dead supervisor was never noticed"
+        time.sleep(0.01)
+    writer.submit(job)
+    assert job.done.wait(10) and job.outcome["status"] == "error", job.outcome
+    assert writer.pending() == 0 and ledger.held_bytes == 0
+    t0 = time.monotonic()
+    writer.close(timeout=5)
+    assert time.monotonic() - t0 < 6

@@ -107,6 +107,7 @@ _DEVICE_ALLOCATOR_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_f
 STATS_PUSH_S = 2 * STATS_MIN_INTERVAL_S
 QUERY_TIMEOUT_S = 30.0
 READY_TIMEOUT_S = 60.0
+STOPPING = "the server is stopping; the capture was not written"
 YOUNG_DEATH_S = 5.0  # a supervisor that dies younger than this is replaced after a pause, not at once
 # this side's counters that the history sums over stats files (core/capture_dir.WRITER_COUNTERS, LEDGER_COUNTERS)
 SUMMED_HERE = ("supervisor_restarts", "failed_in_scheduler", "back_pressure_waits")
@@ -137,6 +138,7 @@ class WriterPool:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._start_lock = threading.Lock()
+        self._submit_lock = threading.Lock()  # the closed flag and what goes into the queue, together
         self._ids = itertools.count(1)
         self._open = 0  # jobs submitted and not done: memory that waiting will free
         self._jobs: Dict[int, Tuple[CaptureJob, _Supervisor]] = {}  # sent, not done: the job and where it went
@@ -161,6 +163,7 @@ class WriterPool:
         self._baseline: Dict[str, float] = {}  # the summed counters when the supervisor in hand started
         self._pushed: Dict[str, float] = {}  # the summed counters last pushed
         self._dead: List[int] = []  # supervisors that died (their stats files are retired by the next)
+        self._young_deaths = 0  # supervisors in a row that died within YOUNG_DEATH_S of their start
 
     def start(self, pool: Optional[HostPool] = None, processes: Optional[int] = None,
               extra_stats: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
@@ -221,19 +224,21 @@ class WriterPool:
         job.id = next(self._ids)
         with self._lock:
             self._open += 1
-        if self._closed:  # the server is stopping: no writer will take it
-            self._fail(job, "the server is stopping; the capture was not written", None)
-            return
-        self._queue.put(job)
+        with self._submit_lock:
+            if not self._closed:
+                self._queue.put(job)
+                return
+        self._fail(job, STOPPING, None)  # the server is stopping: no writer will take it
 
     def submit_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
         """Have the supervisor record ``outcome`` for ``rid`` (never blocks, no file I/O here)."""
         if self._sender is None:
             self.start()
-        if self._closed:  # the server is stopping: recorded here, the last time it matters
-            self._record_here(rid, outcome)
-            return
-        self._queue.put({"op": "outcome", "rid": rid, "outcome": outcome})
+        with self._submit_lock:
+            if not self._closed:
+                self._queue.put({"op": "outcome", "rid": rid, "outcome": outcome})
+                return
+        self._record_here(rid, outcome)  # the server is stopping: recorded here, the last time it matters
 
     def sweep(self) -> SweepJob:
         """Have the supervisor sweep old outcome records now (it also does every quarter of
@@ -278,14 +283,16 @@ class WriterPool:
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued jobs, then stop the supervisor and its writer processes (shutdown, tests);
         a job submitted from now on fails at once."""
-        with self._start_lock:
+        with self._start_lock, self._submit_lock:
             self._closed = True
             sender = self._sender
+            if sender is not None:
+                self._queue.put(None)
         if sender is None:
             return
         deadline = time.monotonic() + timeout
-        self._queue.put(None)
         sender.join(max(0.0, deadline - time.monotonic()))
+        self._fail_queued()
         with self._lock:
             jobs = [job for job, _ in self._jobs.values()]
         for job in jobs:
@@ -307,35 +314,54 @@ class WriterPool:
             sup.proc.wait(5.0)
         if sup.reader is not None:
             sup.reader.join(5.0)
+        with self._lock:
+            left = [job for job, where in self._jobs.values() if where is sup]
+        for job in left:  # not answered in time: what the supervisor recorded, or an error
+            self._fail(job, "the server stopped before the file was written", sup)
+
+    def _fail_queued(self) -> None:
+        """What is still queued once the sender stopped (it ran out of time): failed or recorded here."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, CaptureJob):
+                self._fail(item, STOPPING, None)
+            elif isinstance(item, dict) and item.get("op") == "outcome":
+                self._record_here(item["rid"], item["outcome"])
 
     def _send(self, messages: List[Dict[str, Any]], jobs: Sequence[CaptureJob] = ()) -> bool:
         """Send ``messages`` as one to the supervisor in hand, ``jobs`` (theirs) counted as sent to it
         in the same step: a supervisor replaced meanwhile never gets a job its death already failed.
-        False when it is gone or the messages cannot be packed (the caller ends the jobs)."""
+        False when there is none, or the messages cannot be packed (the caller ends the jobs)."""
         with self._send_lock:
-            sup = self._supervisor
-            if sup is None or self._closing:
-                return False
+            return self._send_locked(messages, jobs)
+
+    def _send_locked(self, messages: List[Dict[str, Any]], jobs: Sequence[CaptureJob] = ()) -> bool:
+        sup = self._supervisor
+        if sup is None or self._closing:
+            return False
+        with self._lock:
+            for job in jobs:
+                self._jobs[job.id] = (job, sup)
+                self._changed = True
+            for message in messages:
+                if message["op"] == "outcome":
+                    sup.outcomes[message["rid"]] = message["outcome"]
+        try:
+            send_many(sup.proc.stdin.fileno(), messages)
+            return True
+        except (OSError, ValueError, TypeError, OverflowError) as e:  # gone, or a value msgpack cannot pack
             with self._lock:
                 for job in jobs:
-                    self._jobs[job.id] = (job, sup)
-                    self._changed = True
+                    self._jobs.pop(job.id, None)
                 for message in messages:
                     if message["op"] == "outcome":
-                        sup.outcomes[message["rid"]] = message["outcome"]
-            try:
-                send_many(sup.proc.stdin.fileno(), messages)
-                return True
-            except (OSError, ValueError, TypeError, OverflowError) as e:  # gone, or a value msgpack cannot pack
-                with self._lock:
-                    for job in jobs:
-                        self._jobs.pop(job.id, None)
-                    for message in messages:
-                        if message["op"] == "outcome":
-                            sup.outcomes.pop(message["rid"], None)
-                if not isinstance(e, OSError):
-                    logger.error("sglang_capture: a message to the writer supervisor could not be packed: %s", e)
-                return False
+                        sup.outcomes.pop(message["rid"], None)
+            if not isinstance(e, OSError):
+                logger.error("sglang_capture: a message to the writer supervisor could not be packed: %s", e)
+            return False
 
     def _send_loop(self) -> None:
         """Send what is queued; what queued up while the last send ran goes as one message (``many``):
@@ -368,9 +394,11 @@ class WriterPool:
         if not described or self._send([m for m, _ in described], [j for _, j in described if j is not None]):
             return
         for message, job in described if len(described) > 1 else []:
-            if self._send([message], [job] if job is not None else []):
-                continue
-            self._unsent(message, job)
+            try:
+                if not self._send([message], [job] if job is not None else []):
+                    self._unsent(message, job)
+            except Exception as e:  # noqa: BLE001 - one item's failure must not drop the rest
+                logger.error("sglang_capture: a message to the writer supervisor was lost: %s", error_text(e))
         if len(described) == 1:
             self._unsent(*described[0])
 
@@ -419,14 +447,15 @@ class WriterPool:
         outcome = self._recorded(job.meta["rid"], name)
         if outcome is None:
             outcome = {"rid": job.meta["rid"], "name": name, "path": path, "status": "error", "error": why}
-            if sup is not None and self._remove_published(path, job.meta["rid"]):
+            submitted = time.time() - (time.monotonic() - job.enqueued)
+            if sup is not None and self._remove_published(path, job.meta["rid"], submitted):
                 outcome["error"] += "; the file its writer had published was removed"
             self._record_here(job.meta["rid"], outcome)
             logger.error("sglang_capture: capture of request %s failed: %s", job.meta["rid"], outcome["error"])
         job.outcome = outcome
         job.done.set()
 
-    def _remove_published(self, path: str, rid: str) -> bool:
+    def _remove_published(self, path: str, rid: str, submitted_wall: float) -> bool:
         """A writer of a dead supervisor may have published its file before the outcome was
         recorded: remove the file if it is this request's (an outcome never says error beside a
         file it published)."""
@@ -434,10 +463,10 @@ class WriterPool:
 
         try:
             st = os.stat(path)
-            if read_meta(path).get("rid") != rid:
-                return False
+            if st.st_mtime < submitted_wall - 1.0 or read_meta(path).get("rid") != rid:
+                return False  # older than the job (a reused name and rid), or another request's
             unlink_if_same(os.path.basename(path), self._capture_dirs().capture, (st.st_dev, st.st_ino))
-            return True
+            return not os.path.exists(path)
         except Exception:  # noqa: BLE001 - not there, or not readable as a capture: not this job's
             return False
 
@@ -459,8 +488,8 @@ class WriterPool:
     def _record_here(self, rid: str, outcome: Dict[str, Any]) -> None:
         try:
             record_outcome(self._capture_dirs(), rid, outcome)
-        except OSError as e:
-            logger.error("sglang_capture: cannot record the outcome of %s: %s", rid, e)
+        except Exception as e:  # noqa: BLE001 - an unwritable dir, or an outcome JSON cannot hold
+            logger.error("sglang_capture: cannot record the outcome of %s: %s", rid, error_text(e))
 
     def _read_loop(self, sup: _Supervisor) -> None:
         while (messages := recv_many(sup.proc.stdout.fileno())) is not None:
@@ -474,11 +503,43 @@ class WriterPool:
         with self._send_lock:
             if self._closing or self._supervisor is not sup:
                 return
-            self._after_death(sup)
+            self._supervisor = None  # until another runs, jobs fail at once rather than wait
+            try:
+                self._after_death(sup)
+            except Exception as e:  # noqa: BLE001 - another supervisor must start whatever happened
+                logger.error("sglang_capture: cleaning up after the writer supervisor failed: %s", error_text(e))
+            self._young_deaths = self._young_deaths + 1 if time.monotonic() - sup.started < YOUNG_DEATH_S else 0
+            # at once unless the last one died young too: no job sees it missing
+            if self._young_deaths <= 1 and self._start_another():
+                return
+        self._restart()
+
+    def _start_another(self) -> bool:
+        """Start a supervisor in place of a dead one (the caller holds the send lock)."""
+        try:
+            self._supervisor = self._spawn()
+        except OSError as e:
+            logger.error("sglang_capture: cannot start a writer supervisor: %s", e)
+            return False
+        with self._lock:
+            self._changed = True
+        return True
+
+    def _restart(self) -> None:
+        """Start another supervisor after a pause, doubling with each one in a row that died young (or
+        failed to start); the send lock is free while waiting, and jobs meanwhile fail at once."""
+        delay = min(2.0 ** max(self._young_deaths - 2, 0), 30.0)
+        while True:
+            logger.error("sglang_capture: starting another writer supervisor in %g s", delay)
+            time.sleep(delay)
+            with self._send_lock:
+                if self._closing or self._closed or self._start_another():
+                    return
+            delay = min(2 * delay, 30.0)
 
     def _after_death(self, sup: _Supervisor) -> None:
-        """The supervisor in hand died (the caller holds the send lock): fail what it held, record the
-        aborted captures' outcomes it had not, start another (backing off while they die young)."""
+        """The supervisor in hand died (the caller holds the send lock): fail what it held and record
+        the aborted captures' outcomes it had not."""
         code = sup.proc.returncode
         with self._lock:
             held = [job for job, where in self._jobs.values() if where is sup]
@@ -496,15 +557,6 @@ class WriterPool:
         with self._lock:
             self.stats["supervisor_restarts"] += 1
             self._dead.append(sup.proc.pid)
-        delay = 1.0 if time.monotonic() - sup.started < YOUNG_DEATH_S else 0.0
-        while True:
-            time.sleep(delay)
-            try:
-                self._supervisor = self._spawn()
-                return
-            except OSError as e:
-                delay = min(max(2 * delay, 1.0), 30.0)
-                logger.error("sglang_capture: cannot start a writer supervisor (%s); trying again in %g s", e, delay)
 
     def _answer(self, message: Dict[str, Any], sup: _Supervisor) -> None:
         op = message["op"]
@@ -530,7 +582,9 @@ class WriterPool:
         elif op == "recorded":
             with self._lock:
                 sup.outcomes.pop(message["rid"], None)
-        elif op == "ready":
+        elif op == "ready":  # it retired its predecessors' stats files
+            with self._lock:
+                self._dead = []
             self._ready.set()
         elif op in ("answer", "swept"):
             with self._lock:
@@ -550,16 +604,17 @@ class WriterPool:
             if not force and (not self._changed or now - self._last_push < STATS_PUSH_S):
                 return
             self._last_push, self._changed = now, False
-            summed = self._summed()
-            own = {k: v - self._baseline.get(k, 0) for k, v in summed.items()}
         try:
             extra = self._extra_stats()
         except Exception as e:  # noqa: BLE001 - monitoring must never end the link
             extra = {"extra_stats_error": error_text(e)}
-        if self._send([{"op": "stats", "stats": {
-                **own, "held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
-                "cap_bytes": self.ledger.cap_bytes, **extra,
-                "pinned": _cuda_stats("host_memory_stats", _PINNED_KEYS),
-                "device_allocator": _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS)}}]):
+        doc = {"held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
+               "cap_bytes": self.ledger.cap_bytes, **extra, "pinned": _cuda_stats("host_memory_stats", _PINNED_KEYS),
+               "device_allocator": _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS)}
+        with self._send_lock:  # the counts since the supervisor in hand started, and no restart in between
             with self._lock:
-                self._pushed = summed
+                summed = self._summed()
+                own = {k: v - self._baseline.get(k, 0) for k, v in summed.items()}
+            if self._send_locked([{"op": "stats", "stats": {**own, **doc}}]):
+                with self._lock:
+                    self._pushed = summed
