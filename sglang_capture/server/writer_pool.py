@@ -391,6 +391,10 @@ class WriterPool:
                     described.append((message, item))
             else:
                 described.append((item, None))
+        if any(job is not None for _, job in described):
+            # this side's counters as of these jobs, ahead of them: the stats file written after their
+            # outcomes counts everything the scheduler did for them (the batches they ran in)
+            self._push_stats(force=True)
         if not described or self._send([m for m, _ in described], [j for _, j in described if j is not None]):
             return
         for message, job in described if len(described) > 1 else []:
