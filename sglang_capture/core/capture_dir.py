@@ -257,6 +257,14 @@ def _older_than(name: str, dir_fd: int, seconds: float) -> bool:
         return False
 
 
+def read_outcome(dirs: DirFds, rid: str) -> Optional[Dict[str, Any]]:
+    """The outcome recorded for ``rid`` (``record_outcome``), or None when there is none to read."""
+    try:
+        return _read_json(name_for_rid(rid) + ".json", dirs.index)
+    except OSError:
+        return None
+
+
 def _read_json(name: str, dir_fd: int) -> Optional[Dict[str, Any]]:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)

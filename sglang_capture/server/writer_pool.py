@@ -15,7 +15,6 @@ time this process writes one) and is started again.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import queue
@@ -26,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from sglang_capture.core.capture_dir import STATS_MIN_INTERVAL_S, DirFds, error_text, index_path, record_outcome
+from sglang_capture.core.capture_dir import STATS_MIN_INTERVAL_S, DirFds, error_text, index_path, read_outcome, record_outcome
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.durable import unlink_if_same
 from sglang_capture.core.handoff import describe_chunks, ids_bytes, recv_many, send, send_many, take_queued
@@ -477,11 +476,10 @@ class WriterPool:
     def _recorded(self, rid: str, name: str) -> Optional[Dict[str, Any]]:
         """The outcome a supervisor recorded for this very job before it died, if it did."""
         try:
-            with open(index_path(self.config.capture_dir, rid)) as f:
-                doc = json.load(f)
-            return doc if doc.get("name") == name else None
-        except (OSError, ValueError):
+            doc = read_outcome(self._capture_dirs(), rid)
+        except OSError:  # the capture dir is unusable
             return None
+        return doc if doc is not None and doc.get("name") == name else None
 
     def _capture_dirs(self) -> DirFds:
         with self._dirs_lock:
