@@ -5,7 +5,7 @@ after its hook function. Every hook takes its process's state as its first argum
 instrumentor: the scheduler process's ``SchedulerCapture``, or the ``CaptureConfig`` in the HTTP
 process (admission.py, tokenize.py, response.py). The scheduler's hooks do no I/O: rows reach the
 writer processes through the writer pool. The one file read is in the HTTP process:
-``await_capture_file`` polls the writer's outcome record, without blocking other requests. No
+``await_capture_file`` reads the writer's outcome record once inotify says it is there (outcome_watch.py). No
 hook imports another (tests/test_boundaries.py): what two hooks share lives in ``server/`` or
 ``core/``.
 

@@ -2,7 +2,8 @@
 
 The scheduler's reference says ``pending`` while a writer process is still at work. Wrapping the
 tokenizer manager's per-request response generator, this waits (asynchronously, without
-blocking other requests) for the writer's outcome record, then moves the completed reference
+blocking other requests, woken by the record's rename: outcome_watch.py) for the writer's outcome
+record, then moves the completed reference
 from ``meta_info["hidden_states"]`` to ``meta_info["capture"]``. OpenAI endpoints go through
 the same generator, so their responses, too, arrive after the file is complete, and
 ``openai_reference`` puts the reference where an OpenAI response carries hidden states: each
@@ -11,35 +12,26 @@ choice's ``hidden_states`` (non-streaming responses).
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import time
 from typing import Any, AsyncIterator, Dict, Optional
 
 from sglang_capture.core import protocol
-from sglang_capture.core.capture_dir import UNRECORDED_SUFFIX
 from sglang_capture.core.config import CaptureConfig
+from sglang_capture.server.outcome_watch import OutcomeWatch
+
+OUTCOME_WATCH_ATTR = "_sglang_capture_outcomes"  # the HTTP process's OutcomeWatch, on its TokenizerManager
 
 
-async def wait_for_outcome(ref: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
-    """Fill a pending reference from the writer's outcome record, polling until ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.002
-    while True:
-        try:
-            with open(ref["index"]) as f:
-                outcome = json.load(f)
-            break
-        except (FileNotFoundError, json.JSONDecodeError):
-            if os.path.exists(ref["index"] + UNRECORDED_SUFFIX):
-                return {**ref, "status": "error", "error": "the writer could not record this capture's outcome "
-                        "(capture dir's filesystem full or unwritable): check whether 'path' exists"}
-            if time.monotonic() >= deadline:
-                return {**ref, "status": "pending",
-                        "error": f"not written after {timeout_s:g} s; the file appears at 'path' when done"}
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
-    return protocol.with_outcome(ref, outcome)
+def _outcome_watch(tokenizer_manager: Any) -> OutcomeWatch:
+    """The HTTP process's outcome watch, kept on its tokenizer manager (made on first use, in the
+    event loop that answers requests)."""
+    loop = asyncio.get_running_loop()
+    watch = getattr(tokenizer_manager, OUTCOME_WATCH_ATTR, None)
+    if watch is None or watch.loop is not loop:
+        if watch is not None and not watch.loop.is_closed():
+            watch.close()
+        watch = OutcomeWatch(loop)
+        setattr(tokenizer_manager, OUTCOME_WATCH_ATTR, watch)
+    return watch
 
 
 def _take_ref(out: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -66,7 +58,7 @@ def await_capture_file(config: CaptureConfig, wrapped: Any, instance: Any, args:
         return responses
     if mark == protocol.OPERATOR:
         return _without_refs(responses)
-    return _with_capture_refs(responses, config.wait_timeout_s)
+    return _with_capture_refs(responses, config.wait_timeout_s, instance)
 
 
 async def _without_refs(responses: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -77,13 +69,13 @@ async def _without_refs(responses: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield out
 
 
-async def _with_capture_refs(responses: AsyncIterator[Any], timeout_s: float) -> AsyncIterator[Any]:
+async def _with_capture_refs(responses: AsyncIterator[Any], timeout_s: float, tokenizer_manager: Any) -> AsyncIterator[Any]:
     async for out in responses:
         if isinstance(out, dict):
             ref = _take_ref(out)
             if ref is not None:
                 if ref.get("status") == "pending":
-                    ref = await wait_for_outcome(ref, timeout_s)
+                    ref = await _outcome_watch(tokenizer_manager).wait(ref, timeout_s)
                 out["meta_info"][protocol.RESPONSE_KEY] = ref
         yield out
 

@@ -1,0 +1,184 @@
+"""``OutcomeWatch`` (HTTP process): a capture response wakes when its writer's outcome record appears.
+
+A client's capture request is answered only once its file is published, which the writer says by
+renaming ``.index/<rid>.json`` into place (``core/capture_dir.record_outcome``; an empty
+``<rid>.json.unrecorded`` when even that cannot be written). Polling for that record with a backoff
+costs the HTTP process an open() per poll per waiting request, and each answer up to a poll
+interval of latency. One inotify descriptor per HTTP process, read by its event loop, instead
+wakes exactly the waiting response whose record was renamed in. A slow re-check (``RECHECK_S``)
+covers what inotify cannot see: a record written by another host on a network filesystem, an
+event queue overflow, a watch limit reached. Where inotify is missing altogether (not Linux, or
+no descriptor left), the wait polls with the backoff it always had.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import errno
+import json
+import os
+import struct
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from sglang_capture.core import protocol
+from sglang_capture.core.capture_dir import UNRECORDED_SUFFIX
+
+# <sys/inotify.h>
+IN_CREATE, IN_MOVED_TO, IN_IGNORED, IN_Q_OVERFLOW = 0x100, 0x80, 0x8000, 0x4000
+IN_NONBLOCK, IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
+
+RECHECK_S = 1.0  # with inotify: the record is read again at least this often, for what it cannot see
+POLL_FIRST_S, POLL_MAX_S = 0.002, 0.05  # without inotify
+
+
+def _libc() -> Optional[ctypes.CDLL]:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.inotify_init1, libc.inotify_add_watch  # noqa: B018 - missing on a libc without inotify
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _read_outcome(index_path: str) -> Optional[Dict[str, Any]]:
+    """The record at ``index_path``, ``{}`` when only its ``.unrecorded`` marker is there, else None."""
+    try:
+        with open(index_path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {} if os.path.exists(index_path + UNRECORDED_SUFFIX) else None
+
+
+class OutcomeWatch:
+    """The HTTP process's one inotify descriptor on the ``.index/`` dirs its responses wait on.
+
+    Made in the event loop that answers requests; every waiter is a future of that loop, keyed by
+    the record's watch descriptor and name."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, use_inotify: bool = True) -> None:
+        self.loop = loop
+        self._libc = _libc() if use_inotify else None
+        self._fd: Optional[int] = None
+        if self._libc is not None:
+            fd = self._libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+            if fd >= 0:
+                self._fd = fd
+                loop.add_reader(fd, self._on_events)
+        self._dirs: Dict[bytes, int] = {}  # watched dir -> its watch descriptor
+        self._wd_dirs: Dict[int, bytes] = {}
+        self._waiters: Dict[Tuple[int, str], Set[asyncio.Future]] = {}
+
+    @property
+    def event_driven(self) -> bool:
+        """Whether waits are woken by inotify (else they poll)."""
+        return self._fd is not None
+
+    def _watch(self, directory: str) -> Optional[int]:
+        """The watch descriptor of ``directory``, added on first use; None when it cannot be watched."""
+        if self._fd is None:
+            return None
+        key = os.fsencode(directory)
+        wd = self._dirs.get(key)
+        if wd is None:
+            wd = self._libc.inotify_add_watch(self._fd, key, IN_MOVED_TO | IN_CREATE)
+            if wd < 0:
+                return None  # ENOSPC (watch limit), EACCES, ENOENT: this dir is re-read on RECHECK_S
+            self._dirs[key], self._wd_dirs[wd] = wd, key
+        return wd
+
+    def _on_events(self) -> None:
+        try:
+            data = os.read(self._fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            if e.errno != errno.EINTR:
+                self._wake_all()
+            return
+        at = 0
+        while at + _EVENT.size <= len(data):
+            wd, mask, _cookie, size = _EVENT.unpack_from(data, at)
+            name = data[at + _EVENT.size:at + _EVENT.size + size].split(b"\0", 1)[0].decode(errors="replace")
+            at += _EVENT.size + size
+            if mask & IN_Q_OVERFLOW:
+                self._wake_all()
+            elif mask & IN_IGNORED:  # the dir went away: the next wait watches it again
+                self._dirs.pop(self._wd_dirs.pop(wd, b""), None)
+                self._wake_all()
+            else:
+                if name.endswith(UNRECORDED_SUFFIX):
+                    name = name[:-len(UNRECORDED_SUFFIX)]
+                self._wake(self._waiters.get((wd, name), ()))
+
+    @staticmethod
+    def _wake(futures: Any) -> None:
+        for fut in list(futures):
+            if not fut.done():
+                fut.set_result(None)
+
+    def _wake_all(self) -> None:
+        for futures in list(self._waiters.values()):
+            self._wake(futures)
+
+    async def wait(self, ref: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
+        """``ref`` completed from its outcome record once the writer has written it; after
+        ``timeout_s`` still ``pending``, saying where the file will appear."""
+        path = ref["index"]
+        deadline = time.monotonic() + timeout_s
+        delay = POLL_FIRST_S
+        directory, name = os.path.split(path)
+        wd = self._watch(directory) if asyncio.get_running_loop() is self.loop else None
+        key = (wd, name) if wd is not None else None
+        fut: Optional[asyncio.Future] = None
+        try:
+            while True:
+                if key is not None:
+                    fut = self.loop.create_future()  # registered before the read: no rename falls between
+                    self._waiters.setdefault(key, set()).add(fut)
+                outcome = _read_outcome(path)
+                if outcome is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {**ref, "status": "pending",
+                            "error": f"not written after {timeout_s:g} s; the file appears at 'path' when done"}
+                if fut is None:
+                    await asyncio.sleep(min(delay, left))
+                    delay = min(delay * 2, POLL_MAX_S)
+                    continue
+                try:
+                    await asyncio.wait_for(fut, min(RECHECK_S, left))
+                except asyncio.TimeoutError:
+                    pass
+                self._forget(key, fut)
+        finally:
+            if fut is not None:
+                self._forget(key, fut)
+        if not outcome:
+            return {**ref, "status": "error", "error": "the writer could not record this capture's outcome "
+                    "(capture dir's filesystem full or unwritable): check whether 'path' exists"}
+        return protocol.with_outcome(ref, outcome)
+
+    def _forget(self, key: Tuple[int, str], fut: asyncio.Future) -> None:
+        futures = self._waiters.get(key)
+        if futures is not None:
+            futures.discard(fut)
+            if not futures:
+                del self._waiters[key]
+
+    def waiting(self) -> List[str]:
+        """The record names responses are waiting on now (for tests and diagnostics)."""
+        return sorted(name for (_wd, name), futures in self._waiters.items() if futures)
+
+    def close(self) -> None:
+        """Stop reading the descriptor and close it; later waits poll."""
+        if self._fd is not None:
+            self.loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
+        self._dirs.clear()
+        self._wd_dirs.clear()
+        self._wake_all()

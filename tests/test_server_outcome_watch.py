@@ -1,0 +1,164 @@
+"""The HTTP process's outcome watch: a waiting capture response wakes on its record's rename, not on a poll."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+from sglang_capture.core.capture_dir import UNRECORDED_SUFFIX, DirFds, index_path, prepare_capture_dir, record_outcome
+from sglang_capture.server import outcome_watch
+from sglang_capture.server.outcome_watch import OutcomeWatch
+
+
+def _ref(capture_dir: str, rid: str) -> dict:
+    return {"sglang_capture": 1, "rid": rid, "path": os.path.join(capture_dir, rid + ".msgpack.zst"),
+            "index": index_path(capture_dir, rid), "status": "pending"}
+
+
+@pytest.fixture
+def capture_dir(tmp_path) -> str:
+    prepare_capture_dir(str(tmp_path))
+    return str(tmp_path)
+
+
+def _record(capture_dir: str, rid: str, outcome: dict) -> None:
+    """As the writer records an outcome: through the dir's descriptors, renamed into place."""
+    dirs = DirFds.open(capture_dir)
+    try:
+        record_outcome(dirs, rid, outcome)
+    finally:
+        for fd in (dirs.capture, dirs.tmp, dirs.index, dirs.blocks):
+            os.close(fd)
+
+
+def _record_later(loop: asyncio.AbstractEventLoop, capture_dir: str, rid: str, delay: float, outcome: dict) -> None:
+    loop.call_later(delay, _record, capture_dir, rid, outcome)
+
+
+def test_a_record_renamed_in_wakes_its_waiter_at_once_not_at_the_recheck(capture_dir, monkeypatch):
+    monkeypatch.setattr(outcome_watch, "RECHECK_S", 60.0)  # a poll would not come back within the test
+
+    async def run() -> tuple:
+        loop = asyncio.get_running_loop()
+        watch = OutcomeWatch(loop)
+        assert watch.event_driven
+        _record_later(loop, capture_dir, "r1", 0.2, {"status": "ok", "bytes": 123, "checksum": "x"})
+        t0 = time.monotonic()
+        ref = await watch.wait(_ref(capture_dir, "r1"), timeout_s=30)
+        took = time.monotonic() - t0
+        left = watch.waiting()
+        watch.close()
+        return ref, took, left
+
+    ref, took, left = asyncio.run(run())
+    assert ref["status"] == "ok" and ref["bytes"] == 123 and ref["rid"] == "r1"
+    assert took < 10, took
+    assert left == []  # nothing stays registered after the wait
+
+
+def test_many_waiters_each_wake_for_their_own_record_only(capture_dir, monkeypatch):
+    monkeypatch.setattr(outcome_watch, "RECHECK_S", 60.0)
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        watch = OutcomeWatch(loop)
+        rids = [f"r{i}" for i in range(20)]
+        for i, rid in enumerate(rids[:10]):
+            _record_later(loop, capture_dir, rid, 0.05 + 0.01 * i, {"status": "ok", "bytes": i})
+        waits = [asyncio.create_task(watch.wait(_ref(capture_dir, rid), timeout_s=1.5)) for rid in rids]
+        done = await asyncio.gather(*waits)
+        watch.close()
+        return done
+
+    done = asyncio.run(run())
+    assert [d["status"] for d in done] == ["ok"] * 10 + ["pending"] * 10
+    assert [d["bytes"] for d in done[:10]] == list(range(10))
+    assert all("not written after 1.5 s" in d["error"] for d in done[10:])
+
+
+def test_a_record_already_there_is_read_without_waiting(capture_dir):
+    _record(capture_dir, "r0", {"status": "error", "error": "rows missing"})
+
+    async def run() -> dict:
+        watch = OutcomeWatch(asyncio.get_running_loop())
+        try:
+            return await watch.wait(_ref(capture_dir, "r0"), timeout_s=0.01)
+        finally:
+            watch.close()
+
+    ref = asyncio.run(run())
+    assert ref["status"] == "error" and ref["error"] == "rows missing"
+
+
+def test_an_unrecorded_marker_ends_the_wait_with_an_error(capture_dir, monkeypatch):
+    monkeypatch.setattr(outcome_watch, "RECHECK_S", 60.0)
+
+    async def run() -> dict:
+        loop = asyncio.get_running_loop()
+        watch = OutcomeWatch(loop)
+        marker = index_path(capture_dir, "r2") + UNRECORDED_SUFFIX
+        loop.call_later(0.1, lambda: open(marker, "w").close())
+        try:
+            return await asyncio.wait_for(watch.wait(_ref(capture_dir, "r2"), timeout_s=30), 10)
+        finally:
+            watch.close()
+
+    ref = asyncio.run(run())
+    assert ref["status"] == "error" and "could not record" in ref["error"]
+
+
+@pytest.mark.parametrize("how", ["no inotify", "closed"])
+def test_without_inotify_the_wait_polls_and_still_finds_the_record(capture_dir, how):
+    async def run() -> tuple:
+        loop = asyncio.get_running_loop()
+        watch = OutcomeWatch(loop, use_inotify=how != "no inotify")
+        if how == "closed":
+            watch.close()
+        _record_later(loop, capture_dir, "r3", 0.1, {"status": "ok"})
+        return watch.event_driven, await watch.wait(_ref(capture_dir, "r3"), timeout_s=10)
+
+    event_driven, ref = asyncio.run(run())
+    assert not event_driven and ref["status"] == "ok"
+
+
+def test_a_record_no_event_announces_is_found_by_the_recheck(capture_dir, monkeypatch):
+    """A record inotify does not report (written from another host on a network filesystem, a lost
+    event): the slow re-check reads it."""
+    monkeypatch.setattr(outcome_watch, "RECHECK_S", 0.2)
+    monkeypatch.setattr(OutcomeWatch, "_on_events", lambda self: os.read(self._fd, 65536))  # events dropped
+
+    async def run() -> dict:
+        loop = asyncio.get_running_loop()
+        watch = OutcomeWatch(loop)
+        _record_later(loop, capture_dir, "r4", 0.05, {"status": "ok"})
+        try:
+            return await watch.wait(_ref(capture_dir, "r4"), timeout_s=10)
+        finally:
+            watch.close()
+
+    assert asyncio.run(run())["status"] == "ok"
+
+
+def test_a_torn_record_is_read_again_on_its_rename(capture_dir, monkeypatch):
+    """A half-written file at the record's name (never made by record_outcome, which renames in) is
+    not an outcome: the wait goes on."""
+    monkeypatch.setattr(outcome_watch, "RECHECK_S", 60.0)
+    path = index_path(capture_dir, "r5")
+    with open(path, "w") as f:
+        f.write('{"status": "o')
+
+    async def run() -> dict:
+        loop = asyncio.get_running_loop()
+        watch = OutcomeWatch(loop)
+        _record_later(loop, capture_dir, "r5", 0.1, {"status": "ok", "bytes": 5})
+        try:
+            return await watch.wait(_ref(capture_dir, "r5"), timeout_s=30)
+        finally:
+            watch.close()
+
+    ref = asyncio.run(run())
+    assert ref["status"] == "ok" and ref["bytes"] == 5
+    assert json.load(open(path))["bytes"] == 5
