@@ -54,6 +54,45 @@ def test_openai_endpoints_capture_by_custom_params(llama, endpoint):
     assert data["aux_hidden_states"].shape[0] == len(data["input_ids"]) + len(data["output_ids"]) - 1
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_openai_responses_carry_each_choices_reference_in_the_last_data_chunk(llama, endpoint):
+    """With the real ``openai`` client's streaming API: the chunk before ``[DONE]`` holds one choice per
+    captured choice, its reference where SGLang streams hidden states (``delta.hidden_states`` for a
+    chat, the choice's ``hidden_states`` for a completion); the file is complete when it arrives."""
+    import openai
+
+    client = openai.OpenAI(base_url=llama.url + "/v1", api_key="none")
+    common = dict(model="tiny", max_tokens=3, temperature=0.8, n=2, stream=True,
+                  stream_options={"include_usage": True}, extra_body={"custom_params": {"capture": True}})
+    if endpoint == "chat":
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "hello world"}], **common))
+        refs = {c.index: (c.delta.model_extra or {}).get("hidden_states") for c in chunks[-1].choices}
+        text_chunks = [c for c in chunks[:-1] if c.choices and c.choices[0].delta.content]
+    else:
+        chunks = list(client.completions.create(prompt="hello world", **common))
+        refs = {c.index: (c.model_extra or {}).get("hidden_states") for c in chunks[-1].choices}
+        text_chunks = [c for c in chunks[:-1] if c.choices and c.choices[0].text]
+    assert text_chunks, "the stream carried the generated text before its references"
+    assert any(c.usage is not None for c in chunks[:-1])  # SGLang's usage chunk is still there, before ours
+    assert sorted(refs) == [0, 1]
+    paths = set()
+    for ref in refs.values():
+        assert ref["status"] == "ok", ref
+        data = sglang_capture.load(ref["path"])  # complete when the reference arrived
+        assert data["rid"] == ref["rid"] and len(data["output_ids"]) == 3
+        paths.add(ref["path"])
+    assert len(paths) == 2  # each choice its own file
+
+
+def test_a_streamed_openai_response_without_capture_gets_no_reference_chunk(llama):
+    import openai
+
+    client = openai.OpenAI(base_url=llama.url + "/v1", api_key="none")
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2, temperature=0, stream=True))
+    assert chunks and not any("hidden_states" in (c.delta.model_extra or {}) for ch in chunks for c in ch.choices)
+
+
 def test_requests_without_capture_are_answered_like_plain_sglang(llama, plain):
     for text in PROMPTS:
         for extra in ({}, {"return_hidden_states": True}):

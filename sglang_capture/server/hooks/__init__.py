@@ -41,7 +41,8 @@ The order in which SGLang calls the seams, for one batch on one scheduler (0.5.1
 7. ``seal_finished`` (``_stream_output_generation``), inside step 5: finished requests are sealed and
    handed to the writer; ``await_capture_file`` (HTTP process) waits for the writer's outcome, and
    ``openai_reference`` (``process_hidden_states_from_ret``) puts the reference in an OpenAI
-   response's choice.
+   response's choice; ``chat_stream_reference`` and ``completion_stream_reference`` (SGLang's OpenAI
+   stream generators) send a streamed response's references as its last chunk before ``[DONE]``.
 
 No per-batch state lives in module globals: a batch's state is reached through its result
 object, so it does not matter which batch runs while another's result is processed.

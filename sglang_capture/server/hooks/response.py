@@ -7,18 +7,24 @@ record, then moves the completed reference
 from ``meta_info["hidden_states"]`` to ``meta_info["capture"]``. OpenAI endpoints go through
 the same generator, so their responses, too, arrive after the file is complete, and
 ``openai_reference`` puts the reference where an OpenAI response carries hidden states: each
-choice's ``hidden_states`` (non-streaming responses).
+choice's ``hidden_states``. A streamed OpenAI response gets them in one last data chunk before
+``data: [DONE]`` (``chat_stream_reference``: each choice's ``delta.hidden_states``;
+``completion_stream_reference``: each choice's ``hidden_states``), as SGLang streams hidden states;
+a streamed ``/generate`` carries the reference in its last chunk's ``meta_info.capture``.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Dict, Optional
+import time
+from typing import Any, AsyncIterator, Dict, List, Optional
 
 from sglang_capture.core import protocol
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.server.outcome_watch import OutcomeWatch
 
 OUTCOME_WATCH_ATTR = "_sglang_capture_outcomes"  # the HTTP process's OutcomeWatch, on its TokenizerManager
+STREAM_OUTPUTS_ATTR = "sglang_capture_outputs"  # on a streaming HTTP request's state: its outputs with a reference
+DONE = "data: [DONE]"  # how SGLang's OpenAI streams end (0.5.17-0.5.23)
 
 
 def _outcome_watch(tokenizer_manager: Any) -> OutcomeWatch:
@@ -58,7 +64,9 @@ def await_capture_file(config: CaptureConfig, wrapped: Any, instance: Any, args:
         return responses
     if mark == protocol.OPERATOR:
         return _without_refs(responses)
-    return _with_capture_refs(responses, config.wait_timeout_s, instance)
+    request = args[1] if len(args) > 1 else kwargs.get("request")
+    stream_outputs = _stream_outputs(request) if getattr(obj, "stream", False) else None
+    return _with_capture_refs(responses, config.wait_timeout_s, instance, stream_outputs)
 
 
 async def _without_refs(responses: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -69,7 +77,8 @@ async def _without_refs(responses: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield out
 
 
-async def _with_capture_refs(responses: AsyncIterator[Any], timeout_s: float, tokenizer_manager: Any) -> AsyncIterator[Any]:
+async def _with_capture_refs(responses: AsyncIterator[Any], timeout_s: float, tokenizer_manager: Any,
+                             stream_outputs: Optional[List[Dict[str, Any]]]) -> AsyncIterator[Any]:
     async for out in responses:
         if isinstance(out, dict):
             ref = _take_ref(out)
@@ -77,7 +86,69 @@ async def _with_capture_refs(responses: AsyncIterator[Any], timeout_s: float, to
                 if ref.get("status") == "pending":
                     ref = await _outcome_watch(tokenizer_manager).wait(ref, timeout_s)
                 out["meta_info"][protocol.RESPONSE_KEY] = ref
+                if stream_outputs is not None:
+                    stream_outputs.append(out)  # SGLang sets its choice "index" on this dict after we yield it
         yield out
+
+
+def _stream_outputs(raw_request: Any) -> Optional[List[Dict[str, Any]]]:
+    """A streaming HTTP request's list of the outputs that carried a reference, kept on the request's
+    own ``state`` (shared by all its choices, gone with it); None for a call without an HTTP request."""
+    state = getattr(raw_request, "state", None)
+    if state is None:
+        return None
+    outputs = getattr(state, STREAM_OUTPUTS_ATTR, None)
+    if outputs is None:
+        outputs = []
+        setattr(state, STREAM_OUTPUTS_ATTR, outputs)
+    return outputs
+
+
+def chat_stream_reference(config: CaptureConfig, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``OpenAIServingChat._generate_chat_stream``: a streamed chat completion's references
+    go out as its last data chunk, each choice's in its ``delta.hidden_states`` (where SGLang streams
+    a choice's hidden states)."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, DeltaMessage
+
+    def chunk(outs: List[Dict[str, Any]], model: str) -> Any:
+        choices = [ChatCompletionResponseStreamChoice(index=out.get("index", 0), finish_reason=None,
+                                                      delta=DeltaMessage(hidden_states=out["meta_info"][protocol.RESPONSE_KEY]))
+                   for out in outs]
+        return ChatCompletionStreamResponse(id=outs[0]["meta_info"]["id"], created=int(time.time()), choices=choices,
+                                            model=model)
+
+    return _stream_with_references(wrapped(*args, **kwargs), args, kwargs, chunk)
+
+
+def completion_stream_reference(config: CaptureConfig, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``OpenAIServingCompletion._generate_completion_stream``: a streamed completion's
+    references go out as its last data chunk, in each choice's ``hidden_states``."""
+    from sglang.srt.entrypoints.openai.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+
+    def chunk(outs: List[Dict[str, Any]], model: str) -> Any:
+        choices = [CompletionResponseStreamChoice(index=out.get("index", 0), text="", finish_reason=None,
+                                                  hidden_states=out["meta_info"][protocol.RESPONSE_KEY])
+                   for out in outs]
+        return CompletionStreamResponse(id=outs[0]["meta_info"]["id"], created=int(time.time()), object="text_completion",
+                                        choices=choices, model=model)
+
+    return _stream_with_references(wrapped(*args, **kwargs), args, kwargs, chunk)
+
+
+async def _stream_with_references(chunks: AsyncIterator[str], args: tuple, kwargs: dict, build: Any) -> AsyncIterator[str]:
+    """SGLang's SSE chunks, with one more before ``data: [DONE]``: every choice that carried a reference
+    (the chunk's id is the first one's, as SGLang's chunks of a choice carry that choice's)."""
+    request = args[1] if len(args) > 1 else kwargs["request"]
+    raw_request = args[2] if len(args) > 2 else kwargs.get("raw_request")
+    try:
+        async for sse in chunks:
+            if sse.startswith(DONE):
+                outs = sorted(_stream_outputs(raw_request) or (), key=lambda o: o.get("index", 0))
+                if outs:
+                    yield f"data: {build(outs, request.model).model_dump_json()}\n\n"
+            yield sse
+    finally:
+        await chunks.aclose()
 
 
 def openai_reference(config: CaptureConfig, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
