@@ -69,3 +69,23 @@ def test_the_reference_is_built_completed_and_found_by_the_same_keys():
     assert protocol.reference_in({protocol.RESPONSE_KEY: done}) == done and protocol.reference_in({}) is None
     assert protocol.request_fields("s", [(1, 2)], "fp8") == {"capture": True, "capture_name": "s",
                                                              "capture_loss_mask": [[1, 2]], "capture_dtype": "fp8"}
+
+
+def test_a_beam_search_is_refused_for_a_client_in_one_line_and_dropped_for_the_operator():
+    """SGLang 0.5.19+'s beam search returns no hidden states for its decode steps: a file of it would
+    miss rows. A client's capture of one is refused when it arrives; the operator's choice never
+    turns a request away, so the operator's mark on one captures nothing."""
+    def parse(custom, beams):
+        return parse_request(custom, rid="r", prompt_len=10, samples=1, default_dtype="model", beams=beams)
+
+    with pytest.raises(BadCaptureRequest) as e:
+        parse({"capture": True}, 4)
+    assert str(e.value).startswith("beam search (beam_width 4) cannot be captured") and "\n" not in str(e.value)
+    assert parse(protocol.marked({}, protocol.OPERATOR), 4) is None
+    assert parse({"capture": True}, 1) == CaptureRequest(name="r", dtype="model", loss_spans=None)
+    assert [protocol.beam_width(p) for p in ({}, {"beam_width": None}, {"beam_width": 1}, {"beam_width": 3}, None,
+                                             [{"beam_width": 3}])] == [1, 1, 1, 3, 1, 1]
+
+    class Params:  # SGLang's SamplingParams: an attribute
+        beam_width = 2
+    assert protocol.beam_width(Params()) == 2

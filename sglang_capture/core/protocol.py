@@ -100,6 +100,15 @@ def session_of(custom: Mapping[str, Any]) -> Optional[str]:
     return value
 
 
+def beam_width(sampling_params: Any) -> int:
+    """A request's beam width (SGLang 0.5.19+'s ``sampling_params.beam_width``), 1 when it searches no beams."""
+    if isinstance(sampling_params, Mapping):
+        value = sampling_params.get("beam_width")
+    else:
+        value = getattr(sampling_params, "beam_width", None)
+    return value if isinstance(value, int) and value > 1 else 1
+
+
 def asks_capture(custom: Mapping[str, Any]) -> bool:
     """Whether the scheduler treats the request as a capture request (then ``parse_request`` either
     accepts its fields or refuses them): any ``capture`` value but absent or ``false``."""
@@ -107,14 +116,21 @@ def asks_capture(custom: Mapping[str, Any]) -> bool:
 
 
 def parse_request(custom: Mapping[str, Any], *, rid: str, prompt_len: int, samples: int,
-                  default_dtype: str, prefix_pass: bool = False) -> Optional[CaptureRequest]:
+                  default_dtype: str, prefix_pass: bool = False, beams: int = 1) -> Optional[CaptureRequest]:
     """The checked capture fields of a request, None when it does not capture, or a one-line
     BadCaptureRequest naming the field and what to send instead. ``prefix_pass``: SGLang's
-    prefix-caching request before n > 1 samples, which gets no file (its samples are checked)."""
+    prefix-caching request before n > 1 samples, which gets no file (its samples are checked).
+    ``beams``: the request's ``beam_width``; a beam search cannot be captured (its decode steps
+    return no hidden states), so a client's capture of one is refused and the operator's dropped."""
     if not asks_capture(custom):
         return None
     if custom[CAPTURE] is not True:
         raise BadCaptureRequest(f"custom_params.capture must be true or false, got {custom[CAPTURE]!r}")
+    if beams > 1:
+        if custom.get(CAPTURE_BY) == OPERATOR:
+            return None
+        raise BadCaptureRequest(f"beam search (beam_width {beams}) cannot be captured: SGLang returns no hidden states "
+                                "for its decode steps; send beam_width 1 to capture, or leave custom_params.capture out")
     if samples > 1 and CAPTURE_NAME in custom:
         raise BadCaptureRequest("custom_params.capture_name names one file but n > 1 asks for several samples; "
                                 "leave capture_name out and each sample's file is named by its request id")

@@ -222,12 +222,13 @@ class SchedulerCapture:
         try:
             asked = protocol.parse_request(custom, rid=req.rid, prompt_len=len(req.origin_input_ids), samples=samples,
                                            default_dtype=self.config.capture_dtype,
-                                           prefix_pass=samples > 1 and req.sampling_params.max_new_tokens == 0)
+                                           prefix_pass=samples > 1 and req.sampling_params.max_new_tokens == 0,
+                                           beams=protocol.beam_width(req.sampling_params))
         except protocol.BadCaptureRequest as e:
             req.set_finish_with_abort(str(e))
             return
         if asked is None:
-            return  # SGLang's prefix-caching pass before parallel samples: not a sample, no file
+            return  # SGLang's prefix-caching pass before parallel samples, or a beam search the operator chose: no file
         if self.shared is None or not self.shared.mark(req, asked.dtype):
             # A private radix-cache namespace: a prefix hit would leave the cached positions without rows.
             req.extra_key = (req.extra_key or "") + EXTRA_KEY_TAG + req.rid

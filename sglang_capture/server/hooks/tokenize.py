@@ -40,8 +40,8 @@ def selects(config: CaptureConfig, obj: Any) -> Optional[str]:
         # a client that wants SGLang's JSON lists keeps them unless the server turns them into files
         return protocol.CLIENT if config.hidden_states_requests else None
     rid = str(obj.rid)
-    if not config.fraction or rid.startswith(HEALTH_CHECK_RID_PREFIX):
-        return None  # no fraction; or /health's own generate request, which needs no API key
+    if not config.fraction or rid.startswith(HEALTH_CHECK_RID_PREFIX) or protocol.beam_width(obj.sampling_params) > 1:
+        return None  # no fraction; /health's own generate request, which needs no API key; a beam search (no rows)
     session = session_key(config, obj)
     chosen = session_selects(session, config.fraction) if session is not None else fraction_selects(rid, config.fraction)
     return protocol.OPERATOR if chosen else None
