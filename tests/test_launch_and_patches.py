@@ -16,6 +16,7 @@ import sglang_capture.server.instrumentor as inst
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.patches import load_table, supported_versions, table_path
 from sglang_capture.server.launch import main
+from sglang_capture.testbed.server import device_args
 
 
 def _launch(*args):
@@ -309,3 +310,53 @@ def test_pre_norm_capture_under_prefill_cuda_graphs_is_refused_at_start_in_one_l
         with pytest.raises(ConfigError, match=r"CUDA graphs \(on\)"):
             check_final_state(config, SimpleNamespace(disable_prefill_cuda_graph=False))
     check_final_state(CaptureConfig(capture_dir="/tmp"), args(Backend.BREAKABLE))  # post-norm: the logits processor's input
+
+
+def _has_sglang_aux_flag() -> bool:
+    from sglang.srt.server_args import ServerArgs
+
+    return hasattr(ServerArgs, "enable_return_aux_hidden_states")
+
+
+@pytest.mark.skipif(not _has_sglang_aux_flag(), reason="SGLang before 0.5.23 has no --enable-return-aux-hidden-states")
+@pytest.mark.parametrize("ids, hint", [
+    ([0, 1, 2], "--capture-layers 1,2,3 captures the layers of --return-aux-hidden-state-layer-ids 0,1,2 on this "
+                "LlamaForCausalLM"),
+    (None, "choose them with --capture-layers"),  # SGLang's default ids on 4 layers repeat a layer: no equivalent
+])
+def test_sglangs_own_aux_capture_flags_are_refused_in_one_line_naming_the_same_layers(tiny_models, tmp_path, ids, hint):
+    """Issue 52 item 3: SGLang 0.5.23's --enable-return-aux-hidden-states sets the captured layers through the
+    same setter as capture and hands plain requests aux rows: the launcher refuses it, naming the
+    --capture-layers that capture what SGLang would have (EAGLE-3 ids: the residual entering layer id + 1)."""
+    extra = ["--return-aux-hidden-state-layer-ids", *map(str, ids)] if ids else []
+    proc = subprocess.run([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", str(tmp_path),
+                           "--model-path", tiny_models["tiny-llama"], *device_args(), "--enable-return-aux-hidden-states",
+                           "--speculative-algorithm", "EAGLE3", *extra], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "Error: capture sets the layers SGLang keeps itself: drop --enable-return-aux-hidden-states (and "
+        f"--return-aux-hidden-state-layer-ids); {hint}")
+
+
+def test_the_aux_flag_refusal_translates_eagle3_ids_per_architecture():
+    """The same rule on every release, from the parsed arguments (``core/layers.sglang_layers_to_capture``'s
+    mapping): Llama ids + 1; DeepSeek-V3 ids as given unless the first is 1."""
+    from types import SimpleNamespace
+
+    from sglang_capture.core.config import ConfigError
+    from sglang_capture.server.launch import refuse_sglang_aux_capture
+
+    def message(ids, arch, algorithm="EAGLE3"):
+        args = SimpleNamespace(enable_return_aux_hidden_states=True, aux_hidden_state_capture=None,
+                               speculative_algorithm=algorithm, return_aux_hidden_state_layer_ids=ids)
+        with pytest.raises(ConfigError) as e:
+            refuse_sglang_aux_capture(args, 61, arch)
+        return str(e.value)
+
+    assert message([2, 30, 58], "LlamaForCausalLM").endswith("--capture-layers 3,31,59 captures the layers of "
+                                                             "--return-aux-hidden-state-layer-ids 2,30,58 on this LlamaForCausalLM")
+    assert "--capture-layers 3,31,59 captures" in message([3, 31, 59], "DeepseekV3ForCausalLM")
+    assert "--capture-layers 2,30,58 captures" in message([1, 29, 57], "DeepseekV3ForCausalLM")
+    assert "--capture-layers 2,30,58 captures the layers of SGLang's default ids" in message(None, "DeepseekV3ForCausalLM")
+    assert message([3, 31, 59], "LlamaForCausalLM", "DFLASH").endswith("choose them with --capture-layers")
+    refuse_sglang_aux_capture(SimpleNamespace(), 61, "LlamaForCausalLM")  # 0.5.17-0.5.22: no such flag, nothing refused

@@ -26,7 +26,13 @@ from sglang_capture.core.config import (
     config_from_options,
 )
 from sglang_capture.core.final_state import PRE_NORM, kept_states
-from sglang_capture.core.layers import LayerError, draft_capture_layers, read_draft_eagle3_ids, resolve_layers
+from sglang_capture.core.layers import (
+    LayerError,
+    draft_capture_layers,
+    layers_from_eagle3_ids,
+    read_draft_eagle3_ids,
+    resolve_layers,
+)
 from sglang_capture.core.protocol import capture_info_body
 from sglang_capture.core.selection import effective_policy, who_captures
 from sglang_capture.patches.version_gate import UnsupportedSGLang, check_seam, seams_for_installed
@@ -96,6 +102,29 @@ def check_transfer_engine(backend: str) -> None:
         raise ConfigError(f"--disaggregation-transfer-backend mooncake (or mooncake_tcp) needs Mooncake's transfer "
                           f"engine, which does not load ({e}); pip install mooncake-transfer-engine (or -non-cuda on a "
                           f"CPU host)") from None
+
+
+def refuse_sglang_aux_capture(server_args, num_layers: int, architecture: str) -> None:
+    """SGLang 0.5.23's own aux capture (``--enable-return-aux-hidden-states``, with
+    ``--return-aux-hidden-state-layer-ids``) sets the layers through the same setter as capture and
+    returns aux rows in place of plain requests' hidden states: refused in one line naming the
+    ``--capture-layers`` that capture exactly those layers (EAGLE-3 convention)."""
+    if not getattr(server_args, "enable_return_aux_hidden_states", False):
+        return
+    # what --speculative-algorithm names under the flag (resolved into aux_hidden_state_capture when the server starts)
+    convention = str(getattr(server_args, "aux_hidden_state_capture", None)
+                     or getattr(server_args, "speculative_algorithm", None) or "").lower()
+    ids = getattr(server_args, "return_aux_hidden_state_layer_ids", None)
+    given = "--return-aux-hidden-state-layer-ids " + ",".join(map(str, ids)) if ids else "SGLang's default ids"
+    instead = "choose them with --capture-layers"
+    if convention == "eagle3":
+        try:
+            layers = layers_from_eagle3_ids(ids, num_layers, architecture, "--return-aux-hidden-state-layer-ids")
+            instead = f"--capture-layers {','.join(map(str, layers))} captures the layers of {given} on this {architecture}"
+        except LayerError:
+            pass
+    raise ConfigError(f"capture sets the layers SGLang keeps itself: drop --enable-return-aux-hidden-states (and "
+                      f"--return-aux-hidden-state-layer-ids); {instead}")
 
 
 def check_server_args(server_args) -> None:
@@ -242,9 +271,10 @@ def prepare(config: CaptureConfig, sglang_args: Sequence[str]) -> Tuple[Any, Cap
             server_args.resolve_once()
     except (AssertionError, ValueError) as e:  # SGLang's own checks of its arguments
         raise ConfigError(f"SGLang refused its arguments: {e}") from None
+    arch, num_layers = read_model_shape(server_args.model_path, server_args.trust_remote_code)
+    refuse_sglang_aux_capture(server_args, num_layers, arch)  # first: under it --speculative-algorithm names no draft
     check_server_args(server_args)
     check_final_state(config, server_args)
-    arch, num_layers = read_model_shape(server_args.model_path, server_args.trust_remote_code)
     served = speculative_layers(server_args, config, num_layers, arch)
     layers = served if served is not None else resolve_capture_layers(config, num_layers, arch)
     if served is not None:
