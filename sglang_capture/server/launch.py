@@ -234,8 +234,8 @@ def resolve_clients(clients: Optional[str], server_args: Any) -> str:
 def check_final_state(config: CaptureConfig, server_args: Any) -> None:
     """``--capture-final pre-norm|both`` keeps the final norm's input with a hook that a prefill
     CUDA graph's replay does not run (server/pre_norm.py): refuse it unless prefill graphs are off."""
-    if PRE_NORM not in kept_states(config.final):
-        return
+    if PRE_NORM not in kept_states(config.final) or str(getattr(server_args, "device", "")) == "cpu":
+        return  # a CPU server has no prefill graphs (0.5.23's CPU graph, under --enable-torch-compile, is decode only)
     prefill = getattr(getattr(server_args, "cuda_graph_config", None), "prefill", None)
     backend = getattr(prefill, "backend", None)
     backend = str(getattr(backend, "value", backend)) if backend is not None else None
