@@ -79,3 +79,42 @@ def test_stop_ends_the_gc_watch_and_the_row_copier_and_later_rows_are_copied_on_
     capture.seal()
     assert not capture.chunks[0].ready.seqs and torch.equal(capture.chunks[0].rows, step[1:2])
     state.writer.close()
+
+
+def test_marking_a_capture_request_fires_no_audit_event(tmp_path):
+    """Every audit event runs every audit hook in the process: on Python 3.12+ that includes filelock's
+    fork-safety hook (``_audit_fork_safety``), seen under ``Req.__init__`` in py-spy of the H200's
+    scheduler thread. Those events are SGLang's own (its ``Req.__init__`` makes three arrays: three
+    ``array.__new__`` events, capture or not); marking a capture request adds none."""
+    import sys
+
+    from sglang_capture.core.capture_dir import prepare_capture_dir
+    from sglang_capture.server.scheduler_capture import ModelInfo, SchedulerCapture
+
+    prepare_capture_dir(str(tmp_path))
+    state = SchedulerCapture(CaptureConfig(capture_dir=str(tmp_path), writers=1))
+    state._is_writer = True
+    state.model = ModelInfo("m", "LlamaForCausalLM", "LlamaForCausalLM", 2, 4, (1,), "float32")
+    state.writer.submit = lambda job: None
+    events = []
+    listening = [False]
+    sys.addaudithook(lambda event, args: events.append(event) if listening[0] else None)
+
+    class Req(types.SimpleNamespace):  # weakly referable, as SGLang's Req
+        pass
+
+    def req(i):
+        return Req(rid=f"r{i}", origin_input_ids=[5, 6, 7], output_ids=[], finished_len=None,
+                                     extra_key=None, finished_reason=None,
+                                     sampling_params=types.SimpleNamespace(custom_params={"capture": True}))
+
+    try:
+        state.begin(req(0))  # the first one imports what marking needs
+        listening[0] = True
+        for i in range(1, 4):
+            state.begin(req(i))
+        listening[0] = False
+    finally:
+        listening[0] = False
+        state.stop()
+    assert events == []
