@@ -418,3 +418,34 @@ def test_while_no_supervisor_can_start_jobs_fail_at_once_and_close_keeps_its_tim
     t0 = time.monotonic()
     writer.close(timeout=5)
     assert time.monotonic() - t0 < 6
+
+
+def test_the_cuda_allocator_stats_go_at_most_once_per_push_interval_and_the_stats_file_keeps_them(tmp_path, monkeypatch):
+    """The scheduler side's counters are pushed ahead of every batch of jobs; torch builds its whole
+    allocator dict per call, so those go at most every STATS_PUSH_S, and the supervisor keeps the
+    last ones in the stats file meanwhile."""
+    import sglang_capture.server.writer_pool as writer_pool
+    from sglang_capture.core.capture_dir import writer_stats
+
+    calls = []
+
+    def fake_cuda_stats(read, keys):
+        calls.append(read)
+        return {"reads": len(calls)}
+
+    monkeypatch.setattr(writer_pool, "_cuda_stats", fake_cuda_stats)
+    monkeypatch.setattr(writer_pool, "STATS_PUSH_S", 30.0)
+    jobs = []
+    for i in range(4):
+        job, ledger = make_job(tmp_path, [(0, torch.ones(2, 4))], 2, name=f"s{i}")
+        jobs.append((job, ledger))
+    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), jobs[0][1])
+    try:
+        for job, _ in jobs:  # four batches of jobs, each pushed the counters ahead of it
+            assert write_and_wait(writer, job)["status"] == "ok"
+    finally:
+        writer.close()
+    # the start and close pushes are forced too: the first carried them, none after within 30 s
+    assert calls == ["host_memory_stats", "memory_stats"]
+    [stats] = writer_stats(str(tmp_path)).values()
+    assert stats["written"] == 4 and stats["device_allocator"] == {"reads": 2} and stats["pinned"] == {"reads": 1}

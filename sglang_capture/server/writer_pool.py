@@ -151,6 +151,7 @@ class WriterPool:
         self._dirs: Optional[DirFds] = None
         self._extra_stats: Callable[[], Dict[str, Any]] = dict
         self._last_push = 0.0
+        self._last_cuda_push = float("-inf")  # CUDA allocator stats: monitoring only, sent at most every STATS_PUSH_S
         self._changed = False  # since the last push of this side's counters
         # told of the blocks each shared-rows job stored or found missing, before its outcome is recorded
         # (SchedulerCapture.blocks_outcome): they must be known before the response lets the next turn in
@@ -600,19 +601,25 @@ class WriterPool:
 
     def _push_stats(self, force: bool = False) -> None:
         """This side's counters to the supervisor, for its stats file: at most once per
-        ``STATS_PUSH_S`` while jobs come and go, not at all while nothing changes."""
+        ``STATS_PUSH_S`` while jobs come and go, not at all while nothing changes; ``force``d
+        ahead of every batch of jobs, then without the CUDA allocator's stats unless they are due."""
         now = time.monotonic()
         with self._lock:
             if not force and (not self._changed or now - self._last_push < STATS_PUSH_S):
                 return
             self._last_push, self._changed = now, False
+            cuda = now - self._last_cuda_push >= STATS_PUSH_S
+            if cuda:
+                self._last_cuda_push = now
         try:
             extra = self._extra_stats()
         except Exception as e:  # noqa: BLE001 - monitoring must never end the link
             extra = {"extra_stats_error": error_text(e)}
         doc = {"held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
-               "cap_bytes": self.ledger.cap_bytes, **extra, "pinned": _cuda_stats("host_memory_stats", _PINNED_KEYS),
-               "device_allocator": _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS)}
+               "cap_bytes": self.ledger.cap_bytes, **extra}
+        if cuda:  # torch builds its whole allocator dict per call: not once per batch of jobs (the supervisor keeps the last)
+            doc.update(pinned=_cuda_stats("host_memory_stats", _PINNED_KEYS),
+                       device_allocator=_cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS))
         with self._send_lock:  # the counts since the supervisor in hand started, and no restart in between
             with self._lock:
                 summed = self._summed()

@@ -215,9 +215,10 @@ class Supervisor:
 
     def scheduler_stats(self, doc: Dict[str, Any]) -> None:
         """The scheduler side's own counters (held host memory, its copies and seams) for the stats
-        file: written with the next rewrite, within a second or two."""
+        file: written with the next rewrite, within a second or two. A key the scheduler side did not
+        send this time (its CUDA allocator's, sent less often) keeps its last value."""
         with self._lock:
-            self._extra_stats = doc
+            self._extra_stats = {**self._extra_stats, **doc}
             self._stats_stale = True
 
     def pending(self) -> int:
