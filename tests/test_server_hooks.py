@@ -180,3 +180,22 @@ def test_fp8_rows_are_packed_before_the_copy_whole_when_every_reader_is_an_fp8_c
     assert torch.equal(capture.chunks[0].rows, capture.chunks[1].rows) and capture.chunks[0].start == 5
     assert counts.fp8_packed_per_request_rows == 3
     capture.release()
+
+
+def test_the_operators_fraction_never_selects_a_beam_search():
+    """A beam search (SGLang 0.5.19+) cannot be captured whole; --capture-fraction 1 leaves it alone
+    (the request runs as plain SGLang's), and selects the same request without beams."""
+    from types import SimpleNamespace
+
+    from sglang_capture.core import protocol
+    from sglang_capture.core.config import CaptureConfig
+    from sglang_capture.server.hooks.tokenize import selects
+
+    config = CaptureConfig(capture_dir="/nonexistent", fraction=1.0)
+
+    def request(**params):
+        return SimpleNamespace(rid="r1", return_hidden_states=False, sampling_params={"max_new_tokens": 4, **params})
+
+    assert selects(config, request()) == protocol.OPERATOR
+    assert selects(config, request(beam_width=1)) == protocol.OPERATOR
+    assert selects(config, request(beam_width=4)) is None
