@@ -56,9 +56,10 @@ def test_openai_endpoints_capture_by_custom_params(llama, endpoint):
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_streamed_openai_responses_carry_each_choices_reference_in_the_last_data_chunk(llama, endpoint):
-    """With the real ``openai`` client's streaming API: the chunk before ``[DONE]`` holds one choice per
-    captured choice, its reference where SGLang streams hidden states (``delta.hidden_states`` for a
-    chat, the choice's ``hidden_states`` for a completion); the file is complete when it arrives."""
+    """With the real ``openai`` client's streaming API: one chunk after the choices' own holds one choice
+    per captured choice, its reference where SGLang streams hidden states (``delta.hidden_states`` for a
+    chat, the choice's ``hidden_states`` for a completion), before the usage chunk, which stays last as
+    OpenAI's clients expect; the file is complete when it arrives."""
     import openai
 
     client = openai.OpenAI(base_url=llama.url + "/v1", api_key="none")
@@ -66,14 +67,14 @@ def test_streamed_openai_responses_carry_each_choices_reference_in_the_last_data
                   stream_options={"include_usage": True}, extra_body={"custom_params": {"capture": True}})
     if endpoint == "chat":
         chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "hello world"}], **common))
-        refs = {c.index: (c.delta.model_extra or {}).get("hidden_states") for c in chunks[-1].choices}
-        text_chunks = [c for c in chunks[:-1] if c.choices and c.choices[0].delta.content]
+        refs = {c.index: (c.delta.model_extra or {}).get("hidden_states") for c in chunks[-2].choices}
+        text_chunks = [c for c in chunks[:-2] if c.choices and c.choices[0].delta.content]
     else:
         chunks = list(client.completions.create(prompt="hello world", **common))
-        refs = {c.index: (c.model_extra or {}).get("hidden_states") for c in chunks[-1].choices}
-        text_chunks = [c for c in chunks[:-1] if c.choices and c.choices[0].text]
+        refs = {c.index: (c.model_extra or {}).get("hidden_states") for c in chunks[-2].choices}
+        text_chunks = [c for c in chunks[:-2] if c.choices and c.choices[0].text]
     assert text_chunks, "the stream carried the generated text before its references"
-    assert any(c.usage is not None for c in chunks[:-1])  # SGLang's usage chunk is still there, before ours
+    assert chunks[-1].usage is not None and not chunks[-1].choices  # SGLang's usage chunk, still last
     assert sorted(refs) == [0, 1]
     paths = set()
     for ref in refs.values():

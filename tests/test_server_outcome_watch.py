@@ -61,6 +61,9 @@ def test_a_record_renamed_in_wakes_its_waiter_at_once_not_at_the_recheck(capture
 
 def test_many_waiters_each_wake_for_their_own_record_only(capture_dir, monkeypatch):
     monkeypatch.setattr(outcome_watch, "RECHECK_S", 60.0)
+    reads = []
+    read = outcome_watch._read_outcome
+    monkeypatch.setattr(outcome_watch, "_read_outcome", lambda path: reads.append(path) or read(path))
 
     async def run() -> list:
         loop = asyncio.get_running_loop()
@@ -74,6 +77,9 @@ def test_many_waiters_each_wake_for_their_own_record_only(capture_dir, monkeypat
         return done
 
     done = asyncio.run(run())
+    # each wait reads its record once on arrival and once when woken (or when its time is up): were
+    # every rename to wake every waiter, the 10 records would mean about 10 reads per waiter
+    assert len(reads) == 40, len(reads)
     assert [d["status"] for d in done] == ["ok"] * 10 + ["pending"] * 10
     assert [d["bytes"] for d in done[:10]] == list(range(10))
     assert all("not written after 1.5 s" in d["error"] for d in done[10:])
@@ -162,3 +168,49 @@ def test_a_torn_record_is_read_again_on_its_rename(capture_dir, monkeypatch):
     ref = asyncio.run(run())
     assert ref["status"] == "ok" and ref["bytes"] == 5
     assert json.load(open(path))["bytes"] == 5
+
+
+def test_closing_the_watch_while_responses_wait_turns_them_to_polling(capture_dir, monkeypatch):
+    monkeypatch.setattr(outcome_watch, "RECHECK_S", 60.0)
+
+    async def run() -> tuple:
+        loop = asyncio.get_running_loop()
+        watch = OutcomeWatch(loop)
+        wait = asyncio.create_task(watch.wait(_ref(capture_dir, "r6"), timeout_s=30))
+        await asyncio.sleep(0.05)
+        assert watch.waiting() == ["r6.json"]
+        watch.close()
+        _record_later(loop, capture_dir, "r6", 0.1, {"status": "ok"})
+        t0 = time.monotonic()
+        ref = await wait
+        return ref, time.monotonic() - t0
+
+    ref, took = asyncio.run(run())
+    assert ref["status"] == "ok" and took < 10, took  # polled: not left for the 60 s re-check
+
+
+def test_on_a_network_filesystem_the_wait_also_polls(capture_dir, monkeypatch):
+    """A capture dir shared by DP groups on several nodes: another node's writer renames the record
+    in, which inotify here never reports; the wait polls with the old backoff (at most 50 ms)."""
+    monkeypatch.setattr(outcome_watch, "RECHECK_S", 60.0)
+    monkeypatch.setattr(outcome_watch, "is_network_fs", lambda path: True)
+    monkeypatch.setattr(OutcomeWatch, "_on_events", lambda self: os.read(self._fd, 65536))  # no event seen
+
+    async def run() -> tuple:
+        loop = asyncio.get_running_loop()
+        watch = OutcomeWatch(loop)
+        _record_later(loop, capture_dir, "r7", 0.1, {"status": "ok"})
+        t0 = time.monotonic()
+        try:
+            return await watch.wait(_ref(capture_dir, "r7"), timeout_s=30), time.monotonic() - t0
+        finally:
+            watch.close()
+
+    ref, took = asyncio.run(run())
+    assert ref["status"] == "ok" and took < 10, took
+
+
+def test_the_filesystem_of_a_path_is_read_from_the_mount_table(tmp_path):
+    assert outcome_watch.filesystem_type("/proc/self") == "proc"
+    assert outcome_watch.filesystem_type(str(tmp_path)) not in ("", "proc")
+    assert not outcome_watch.is_network_fs("/proc/self")

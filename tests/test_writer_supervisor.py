@@ -342,3 +342,23 @@ def test_a_jobs_outcome_waits_until_the_scheduler_side_has_indexed_its_blocks(tm
         link.flush()
         os.close(from_sup)
         os.close(to_link)
+
+
+def test_the_stats_file_keeps_the_cuda_stats_sent_less_often_and_nothing_else_of_an_older_push(tmp_path):
+    """The scheduler side sends its CUDA allocator's stats at most every STATS_PUSH_S, its counters
+    with every batch of jobs: the file keeps the last CUDA stats between their sends, but no other key
+    an older push had and a newer one did not (an error that has passed)."""
+    import sglang_capture.core.capture_dir as capture_dir
+    from sglang_capture.writer.supervisor import Supervisor
+
+    writer = Supervisor(CaptureConfig(capture_dir=str(tmp_path), writers=1))
+    try:
+        writer.scheduler_stats({"held_bytes": 1, "pinned": {"n": 1}, "device_allocator": {"n": 2},
+                                "extra_stats_error": "boom"})
+        writer.scheduler_stats({"held_bytes": 2})
+        writer.submit_outcome("s", {"rid": "s", "status": "aborted", "error": "client disconnected"})
+    finally:
+        writer.close()
+    [stats] = capture_dir.writer_stats(str(tmp_path)).values()
+    assert stats["held_bytes"] == 2 and stats["pinned"] == {"n": 1} and stats["device_allocator"] == {"n": 2}
+    assert "extra_stats_error" not in stats

@@ -71,6 +71,10 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
+# The scheduler side's stats sent at most every few tenths of a second, not with every batch of jobs: the
+# supervisor keeps their last values between sends (torch builds each whole on every call).
+SLOW_STATS = ("pinned", "device_allocator")
+
 # Messages queued while one was sent go together as one ``many`` message: under load the other side
 # wakes once per batch, not per message (between the scheduler process and the writer supervisor).
 MAX_BATCH = 64

@@ -106,7 +106,11 @@ def beam_width(sampling_params: Any) -> int:
         value = sampling_params.get("beam_width")
     else:
         value = getattr(sampling_params, "beam_width", None)
-    return value if isinstance(value, int) and value > 1 else 1
+    try:  # as SGLang reads it (``beam_width or 1``): 2.0 searches two beams
+        width = int(value or 1)
+    except (TypeError, ValueError):
+        return 1  # not a number: SGLang refuses the request itself
+    return width if width > 1 else 1
 
 
 def asks_capture(custom: Mapping[str, Any]) -> bool:
@@ -130,7 +134,7 @@ def parse_request(custom: Mapping[str, Any], *, rid: str, prompt_len: int, sampl
         if custom.get(CAPTURE_BY) == OPERATOR:
             return None
         raise BadCaptureRequest(f"beam search (beam_width {beams}) cannot be captured: SGLang returns no hidden states "
-                                "for its decode steps; send beam_width 1 to capture, or leave custom_params.capture out")
+                                "for its decode steps; send beam_width 1 to capture it, or send it without capture")
     if samples > 1 and CAPTURE_NAME in custom:
         raise BadCaptureRequest("custom_params.capture_name names one file but n > 1 asks for several samples; "
                                 "leave capture_name out and each sample's file is named by its request id")

@@ -6,9 +6,10 @@ renaming ``.index/<rid>.json`` into place (``core/capture_dir.record_outcome``; 
 costs the HTTP process an open() per poll per waiting request, and each answer up to a poll
 interval of latency. One inotify descriptor per HTTP process, read by its event loop, instead
 wakes exactly the waiting response whose record was renamed in. A slow re-check (``RECHECK_S``)
-covers what inotify cannot see: a record written by another host on a network filesystem, an
-event queue overflow, a watch limit reached. Where inotify is missing altogether (not Linux, or
-no descriptor left), the wait polls with the backoff it always had.
+covers what inotify cannot see: an event queue overflow, a watch limit reached. On a network
+filesystem (a capture dir shared by DP groups on several nodes, whose writers rename records in on
+their own hosts) the wait also polls with the backoff it always had (2 ms doubling to 50 ms), and
+where inotify is missing altogether (not Linux, or no descriptor left) it only polls.
 """
 from __future__ import annotations
 
@@ -31,7 +32,34 @@ IN_NONBLOCK, IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
 
 RECHECK_S = 1.0  # with inotify: the record is read again at least this often, for what it cannot see
-POLL_FIRST_S, POLL_MAX_S = 0.002, 0.05  # without inotify
+POLL_FIRST_S, POLL_MAX_S = 0.002, 0.05  # without inotify, and on a network filesystem beside it
+# filesystems where another host's writer (a DP group on another node) renames records in unseen by inotify here
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "9p",
+              "afs", "ocfs2", "gfs2", "pvfs2", "orangefs", "wekafs", "fuse")
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem ``path`` lies on (``/proc/self/mountinfo``), '' when unknown."""
+    try:
+        real = os.path.realpath(path)
+        best, fstype = "", ""
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                sep = fields.index("-")
+                point = fields[4].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, fstype = point, fields[sep + 1]
+        return fstype
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+def is_network_fs(path: str) -> bool:
+    """Whether records under ``path`` may be renamed in by another host (inotify here would not see them)."""
+    fstype = filesystem_type(path)
+    return fstype.split(".")[0] in NETWORK_FS
 
 
 def _libc() -> Optional[ctypes.CDLL]:
@@ -65,10 +93,14 @@ class OutcomeWatch:
         if self._libc is not None:
             fd = self._libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
             if fd >= 0:
-                self._fd = fd
-                loop.add_reader(fd, self._on_events)
+                try:
+                    loop.add_reader(fd, self._on_events)
+                    self._fd = fd
+                except Exception:  # noqa: BLE001 - a loop that cannot watch descriptors: poll
+                    os.close(fd)
         self._dirs: Dict[bytes, int] = {}  # watched dir -> its watch descriptor
         self._wd_dirs: Dict[int, bytes] = {}
+        self._remote: Dict[str, bool] = {}  # dir -> on a network filesystem
         self._waiters: Dict[Tuple[int, str], Set[asyncio.Future]] = {}
 
     @property
@@ -130,11 +162,17 @@ class OutcomeWatch:
         deadline = time.monotonic() + timeout_s
         delay = POLL_FIRST_S
         directory, name = os.path.split(path)
-        wd = self._watch(directory) if asyncio.get_running_loop() is self.loop else None
-        key = (wd, name) if wd is not None else None
+        remote = self._remote.get(directory)
+        if remote is None:
+            remote = self._remote[directory] = is_network_fs(directory)
+        key: Optional[Tuple[int, str]] = None
         fut: Optional[asyncio.Future] = None
         try:
             while True:
+                # looked up on every pass: after close() or the dir's removal the watch is gone
+                wd = self._watch(directory) if asyncio.get_running_loop() is self.loop else None
+                key = (wd, name) if wd is not None else None
+                fut = None
                 if key is not None:
                     fut = self.loop.create_future()  # registered before the read: no rename falls between
                     self._waiters.setdefault(key, set()).add(fut)
@@ -147,13 +185,13 @@ class OutcomeWatch:
                             "error": f"not written after {timeout_s:g} s; the file appears at 'path' when done"}
                 if fut is None:
                     await asyncio.sleep(min(delay, left))
-                    delay = min(delay * 2, POLL_MAX_S)
-                    continue
-                try:
-                    await asyncio.wait_for(fut, min(RECHECK_S, left))
-                except asyncio.TimeoutError:
-                    pass
-                self._forget(key, fut)
+                else:
+                    try:
+                        await asyncio.wait_for(fut, min(delay if remote else RECHECK_S, left))
+                    except asyncio.TimeoutError:
+                        pass
+                    self._forget(key, fut)
+                delay = min(delay * 2, POLL_MAX_S)
         finally:
             if fut is not None:
                 self._forget(key, fut)
@@ -174,11 +212,14 @@ class OutcomeWatch:
         return sorted(name for (_wd, name), futures in self._waiters.items() if futures)
 
     def close(self) -> None:
-        """Stop reading the descriptor and close it; later waits poll."""
+        """Stop reading the descriptor and close it; waits in progress go on polling. From the
+        loop's own thread, or once that loop is closed."""
         if self._fd is not None:
-            self.loop.remove_reader(self._fd)
+            if not self.loop.is_closed():
+                self.loop.remove_reader(self._fd)
             os.close(self._fd)
             self._fd = None
         self._dirs.clear()
         self._wd_dirs.clear()
-        self._wake_all()
+        if not self.loop.is_closed():
+            self._wake_all()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 from sglang_capture.core.capture_dir import STATS_MIN_INTERVAL_S, DirFds, error_text, index_path, read_outcome, record_outcome
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.durable import unlink_if_same
-from sglang_capture.core.handoff import describe_chunks, ids_bytes, recv_many, send, send_many, take_queued
+from sglang_capture.core.handoff import SLOW_STATS, describe_chunks, ids_bytes, recv_many, send, send_many, take_queued
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.request_capture import RequestCapture
@@ -609,8 +609,6 @@ class WriterPool:
                 return
             self._last_push, self._changed = now, False
             cuda = now - self._last_cuda_push >= STATS_PUSH_S
-            if cuda:
-                self._last_cuda_push = now
         try:
             extra = self._extra_stats()
         except Exception as e:  # noqa: BLE001 - monitoring must never end the link
@@ -618,8 +616,8 @@ class WriterPool:
         doc = {"held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
                "cap_bytes": self.ledger.cap_bytes, **extra}
         if cuda:  # torch builds its whole allocator dict per call: not once per batch of jobs (the supervisor keeps the last)
-            doc.update(pinned=_cuda_stats("host_memory_stats", _PINNED_KEYS),
-                       device_allocator=_cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS))
+            slow = (_cuda_stats("host_memory_stats", _PINNED_KEYS), _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS))
+            doc.update(zip(SLOW_STATS, slow))
         with self._send_lock:  # the counts since the supervisor in hand started, and no restart in between
             with self._lock:
                 summed = self._summed()
@@ -627,3 +625,5 @@ class WriterPool:
             if self._send_locked([{"op": "stats", "stats": {**own, **doc}}]):
                 with self._lock:
                     self._pushed = summed
+                    if cuda:  # a failed send (a supervisor restarting) sends them with the next push
+                        self._last_cuda_push = now

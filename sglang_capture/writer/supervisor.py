@@ -39,7 +39,7 @@ from sglang_capture.core.capture_dir import (
 )
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.durable import remove_unowned, unlink_if_same
-from sglang_capture.core.handoff import recv, recv_many, send_many, take_queued
+from sglang_capture.core.handoff import SLOW_STATS, recv, recv_many, send_many, take_queued
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.writer.child import NotTaken, WriterChild, WriterProcessDied, WriterStalled
 from sglang_capture.writer.durability import durability_for
@@ -215,10 +215,11 @@ class Supervisor:
 
     def scheduler_stats(self, doc: Dict[str, Any]) -> None:
         """The scheduler side's own counters (held host memory, its copies and seams) for the stats
-        file: written with the next rewrite, within a second or two. A key the scheduler side did not
-        send this time (its CUDA allocator's, sent less often) keeps its last value."""
+        file: written with the next rewrite, within a second or two. The CUDA allocator's stats,
+        which the scheduler side sends less often, keep their last values until it sends them again."""
         with self._lock:
-            self._extra_stats = {**self._extra_stats, **doc}
+            kept = {k: self._extra_stats[k] for k in SLOW_STATS if k in self._extra_stats}
+            self._extra_stats = {**kept, **doc}
             self._stats_stale = True
 
     def pending(self) -> int:

@@ -42,7 +42,7 @@ The order in which SGLang calls the seams, for one batch on one scheduler (0.5.1
    handed to the writer; ``await_capture_file`` (HTTP process) waits for the writer's outcome, and
    ``openai_reference`` (``process_hidden_states_from_ret``) puts the reference in an OpenAI
    response's choice; ``chat_stream_reference`` and ``completion_stream_reference`` (SGLang's OpenAI
-   stream generators) send a streamed response's references as its last chunk before ``[DONE]``.
+   stream generators) send a streamed response's references in one chunk after its choices' own.
 
 No per-batch state lives in module globals: a batch's state is reached through its result
 object, so it does not matter which batch runs while another's result is processed.

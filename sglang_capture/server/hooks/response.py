@@ -7,8 +7,8 @@ record, then moves the completed reference
 from ``meta_info["hidden_states"]`` to ``meta_info["capture"]``. OpenAI endpoints go through
 the same generator, so their responses, too, arrive after the file is complete, and
 ``openai_reference`` puts the reference where an OpenAI response carries hidden states: each
-choice's ``hidden_states``. A streamed OpenAI response gets them in one last data chunk before
-``data: [DONE]`` (``chat_stream_reference``: each choice's ``delta.hidden_states``;
+choice's ``hidden_states``. A streamed OpenAI response gets them in one data chunk after the
+choices' own, before the usage chunk (``chat_stream_reference``: each choice's ``delta.hidden_states``;
 ``completion_stream_reference``: each choice's ``hidden_states``), as SGLang streams hidden states;
 a streamed ``/generate`` carries the reference in its last chunk's ``meta_info.capture``.
 """
@@ -25,6 +25,7 @@ from sglang_capture.server.outcome_watch import OutcomeWatch
 OUTCOME_WATCH_ATTR = "_sglang_capture_outcomes"  # the HTTP process's OutcomeWatch, on its TokenizerManager
 STREAM_OUTPUTS_ATTR = "sglang_capture_outputs"  # on a streaming HTTP request's state: its outputs with a reference
 DONE = "data: [DONE]"  # how SGLang's OpenAI streams end (0.5.17-0.5.23)
+RESPONSE_LEVEL = '"choices":[]'  # in a chunk of the whole response (usage, sglext), as pydantic writes it
 
 
 def _outcome_watch(tokenizer_manager: Any) -> OutcomeWatch:
@@ -33,8 +34,8 @@ def _outcome_watch(tokenizer_manager: Any) -> OutcomeWatch:
     loop = asyncio.get_running_loop()
     watch = getattr(tokenizer_manager, OUTCOME_WATCH_ATTR, None)
     if watch is None or watch.loop is not loop:
-        if watch is not None and not watch.loop.is_closed():
-            watch.close()
+        if watch is not None and watch.loop.is_closed():
+            watch.close()  # its descriptor; a watch of a loop still running is that loop's to close
         watch = OutcomeWatch(loop)
         setattr(tokenizer_manager, OUTCOME_WATCH_ATTR, watch)
     return watch
@@ -106,7 +107,7 @@ def _stream_outputs(raw_request: Any) -> Optional[List[Dict[str, Any]]]:
 
 def chat_stream_reference(config: CaptureConfig, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Around ``OpenAIServingChat._generate_chat_stream``: a streamed chat completion's references
-    go out as its last data chunk, each choice's in its ``delta.hidden_states`` (where SGLang streams
+    go out in one chunk after the choices' own, each choice's in its ``delta.hidden_states`` (where SGLang streams
     a choice's hidden states)."""
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, DeltaMessage
 
@@ -122,7 +123,7 @@ def chat_stream_reference(config: CaptureConfig, wrapped: Any, instance: Any, ar
 
 def completion_stream_reference(config: CaptureConfig, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Around ``OpenAIServingCompletion._generate_completion_stream``: a streamed completion's
-    references go out as its last data chunk, in each choice's ``hidden_states``."""
+    references go out in one chunk after the choices' own, in each choice's ``hidden_states``."""
     from sglang.srt.entrypoints.openai.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
     def chunk(outs: List[Dict[str, Any]], model: str) -> Any:
@@ -136,15 +137,20 @@ def completion_stream_reference(config: CaptureConfig, wrapped: Any, instance: A
 
 
 async def _stream_with_references(chunks: AsyncIterator[str], args: tuple, kwargs: dict, build: Any) -> AsyncIterator[str]:
-    """SGLang's SSE chunks, with one more before ``data: [DONE]``: every choice that carried a reference
-    (the chunk's id is the first one's, as SGLang's chunks of a choice carry that choice's)."""
+    """SGLang's SSE chunks, with one more after the choices' own: every choice that carried a reference
+    (the chunk's id is the first one's, as SGLang's chunks of a choice carry that choice's). It goes
+    before the response-level chunks (no choices: the usage chunk, which OpenAI's clients expect
+    last, and SGLang's sglext one), else before ``data: [DONE]``."""
     request = args[1] if len(args) > 1 else kwargs["request"]
     raw_request = args[2] if len(args) > 2 else kwargs.get("raw_request")
+    sent = False
     try:
         async for sse in chunks:
-            if sse.startswith(DONE):
+            # after every choice's own chunks: before the response-level ones (usage, SGLang's sglext), or [DONE]
+            if not sent and (sse.startswith(DONE) or RESPONSE_LEVEL in sse):
                 outs = sorted(_stream_outputs(raw_request) or (), key=lambda o: o.get("index", 0))
                 if outs:
+                    sent = True
                     yield f"data: {build(outs, request.model).model_dump_json()}\n\n"
             yield sse
     finally:
