@@ -33,6 +33,8 @@ def test_dp8_shares_the_default_budget_instead_of_multiplying_it(tmp_path):
     assert (alone.pending_bytes, alone.writers) == (8192 << 20, 16)
     assert "node budget 8192 MiB of host memory and 16 writer processes, shared by 8 writer rank(s): 1024 MiB and " \
            "2 process(es) on this rank" in budget.describe()
+    assert budget.describe().endswith("16 processes in all, beside one writer supervisor per rank (its hand-off threads, "
+                                      "little CPU)")
 
 
 def test_every_rank_keeps_at_least_one_writer_and_one_mib(tmp_path):

@@ -54,4 +54,5 @@ class NodeBudget:
         return (f"node budget {self.node_pending_bytes >> 20} MiB of host memory and {self.node_writers} writer "
                 f"processes, shared by {self.ranks} writer rank(s): {self.pending_bytes >> 20} MiB and "
                 f"{self.writers} process(es) on this rank; the node holds {self.ranks * (self.pending_bytes >> 20)} MiB "
-                f"and {self.ranks * self.writers} processes in all")
+                f"and {self.ranks * self.writers} processes in all, beside one writer supervisor per rank (its hand-off "
+                f"threads, little CPU)")
