@@ -84,8 +84,9 @@ def test_a_beam_search_is_refused_for_a_client_in_one_line_and_dropped_for_the_o
     assert parse(protocol.marked({}, protocol.OPERATOR), 4) is None
     assert parse({"capture": True}, 1) == CaptureRequest(name="r", dtype="model", loss_spans=None)
     assert [protocol.beam_width(p) for p in ({}, {"beam_width": None}, {"beam_width": 1}, {"beam_width": 3}, None,
-                                             [{"beam_width": 3}], {"beam_width": 2.0}, {"beam_width": "x"})] \
-        == [1, 1, 1, 3, 1, 1, 2, 1]  # as SGLang reads it (beam_width or 1): 2.0 searches two beams
+                                             [{"beam_width": 3}], {"beam_width": 2.0}, {"beam_width": "x"},
+                                             {"beam_width": 1.5}, {"beam_width": float("inf")})] \
+        == [1, 1, 1, 3, 1, 1, 2, 1, 2, 2]  # as SGLang reads it ((beam_width or 1) > 1): 1.5 and inf search beams
 
     class Params:  # SGLang's SamplingParams: an attribute
         beam_width = 2

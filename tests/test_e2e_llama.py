@@ -55,7 +55,7 @@ def test_openai_endpoints_capture_by_custom_params(llama, endpoint):
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_streamed_openai_responses_carry_each_choices_reference_in_the_last_data_chunk(llama, endpoint):
+def test_streamed_openai_responses_carry_each_choices_reference_in_one_chunk_before_the_usage_chunk(llama, endpoint):
     """With the real ``openai`` client's streaming API: one chunk after the choices' own holds one choice
     per captured choice, its reference where SGLang streams hidden states (``delta.hidden_states`` for a
     chat, the choice's ``hidden_states`` for a completion), before the usage chunk, which stays last as

@@ -19,8 +19,9 @@ def _ref(capture_dir: str, rid: str) -> dict:
 
 
 @pytest.fixture
-def capture_dir(tmp_path) -> str:
+def capture_dir(tmp_path, monkeypatch) -> str:
     prepare_capture_dir(str(tmp_path))
+    monkeypatch.setattr(outcome_watch, "is_network_fs", lambda path: False)  # a CI temp dir on NFS would poll
     return str(tmp_path)
 
 
@@ -211,6 +212,43 @@ def test_on_a_network_filesystem_the_wait_also_polls(capture_dir, monkeypatch):
 
 
 def test_the_filesystem_of_a_path_is_read_from_the_mount_table(tmp_path):
-    assert outcome_watch.filesystem_type("/proc/self") == "proc"
-    assert outcome_watch.filesystem_type(str(tmp_path)) not in ("", "proc")
+    """/proc/self/mountinfo: optional fields before '-', octal escapes in mount points, the longest
+    mount point above the path (a later mount stacked on the same point wins)."""
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        "40 22 0:40 / /mnt/shared rw,relatime shared:20 master:3 - autofs systemd-1 rw\n"
+        "41 40 0:41 / /mnt/shared rw,relatime - nfs4 srv:/export rw\n"
+        "42 22 0:42 / /mnt/a\\040b\\134c rw - cifs //srv/x rw\n"
+        "43 22 0:43 / /mnt/sshfs rw - fuse.sshfs me@host: rw\n")
+
+    def fs(path):
+        return outcome_watch.filesystem_type(path, str(mountinfo))
+
+    assert fs("/mnt/shared/captures/.index") == "nfs4"
+    assert fs("/mnt/a b\\c/captures") == "cifs"
+    assert fs("/mnt/sharedother") == "ext4" and fs("/") == "ext4"
+    assert fs("/mnt/sshfs/x") == "fuse.sshfs"
+    assert outcome_watch.filesystem_type("/proc/self") == "proc"  # the real table
     assert not outcome_watch.is_network_fs("/proc/self")
+    assert outcome_watch.filesystem_type("/x", str(tmp_path / "missing")) == ""
+
+
+def test_each_event_loop_gets_its_own_watch_and_a_closed_loops_descriptor_is_closed():
+    from types import SimpleNamespace
+
+    from sglang_capture.server.hooks.response import _outcome_watch
+
+    manager = SimpleNamespace()
+
+    async def get() -> OutcomeWatch:
+        return _outcome_watch(manager)
+
+    async def twice() -> bool:
+        return _outcome_watch(manager) is _outcome_watch(manager)
+
+    first = asyncio.run(get())
+    assert first.event_driven and asyncio.run(twice())  # one watch per loop, kept
+    second = asyncio.run(get())  # the earlier loops are closed by now: their descriptors are closed
+    assert second is not first and not first.event_driven and second.event_driven
+    assert len(vars(manager)["_sglang_capture_outcomes"]) == 1

@@ -106,11 +106,17 @@ def beam_width(sampling_params: Any) -> int:
         value = sampling_params.get("beam_width")
     else:
         value = getattr(sampling_params, "beam_width", None)
-    try:  # as SGLang reads it (``beam_width or 1``): 2.0 searches two beams
-        width = int(value or 1)
-    except (TypeError, ValueError):
+    width = value or 1
+    try:  # as SGLang reads it (``(beam_width or 1) > 1``): 1.5 and 2.0 search beams
+        if not width > 1:
+            return 1
+    except TypeError:
         return 1  # not a number: SGLang refuses the request itself
-    return width if width > 1 else 1
+    try:
+        return max(2, int(width))
+    except (ValueError, OverflowError):
+        return 2  # infinity: a beam search SGLang refuses itself; never captured
+
 
 
 def asks_capture(custom: Mapping[str, Any]) -> bool:

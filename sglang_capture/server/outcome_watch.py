@@ -6,7 +6,7 @@ renaming ``.index/<rid>.json`` into place (``core/capture_dir.record_outcome``; 
 costs the HTTP process an open() per poll per waiting request, and each answer up to a poll
 interval of latency. One inotify descriptor per HTTP process, read by its event loop, instead
 wakes exactly the waiting response whose record was renamed in. A slow re-check (``RECHECK_S``)
-covers what inotify cannot see: an event queue overflow, a watch limit reached. On a network
+covers a lost event; a dir that cannot be watched (a watch limit reached) is polled. On a network
 filesystem (a capture dir shared by DP groups on several nodes, whose writers rename records in on
 their own hosts) the wait also polls with the backoff it always had (2 ms doubling to 50 ms), and
 where inotify is missing altogether (not Linux, or no descriptor left) it only polls.
@@ -19,6 +19,7 @@ import ctypes.util
 import errno
 import json
 import os
+import re
 import struct
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -38,16 +39,19 @@ NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs"
               "afs", "ocfs2", "gfs2", "pvfs2", "orangefs", "wekafs", "fuse")
 
 
-def filesystem_type(path: str) -> str:
-    """The type of the filesystem ``path`` lies on (``/proc/self/mountinfo``), '' when unknown."""
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the filesystem ``path`` lies on (the longest mount point above it), '' when unknown."""
     try:
         real = os.path.realpath(path)
         best, fstype = "", ""
-        with open("/proc/self/mountinfo") as f:
+        with open(mountinfo) as f:
             for line in f:
                 fields = line.split()
                 sep = fields.index("-")
-                point = fields[4].replace("\\040", " ")
+                point = _OCTAL.sub(lambda m: chr(int(m[1], 8)), fields[4])  # \040 a space, \134 a backslash...
                 inside = real == point or real.startswith(point.rstrip("/") + "/")
                 if inside and len(point) >= len(best):
                     best, fstype = point, fields[sep + 1]
@@ -117,7 +121,7 @@ class OutcomeWatch:
         if wd is None:
             wd = self._libc.inotify_add_watch(self._fd, key, IN_MOVED_TO | IN_CREATE)
             if wd < 0:
-                return None  # ENOSPC (watch limit), EACCES, ENOENT: this dir is re-read on RECHECK_S
+                return None  # ENOSPC (watch limit), EACCES, ENOENT: the wait polls, and tries again next pass
             self._dirs[key], self._wd_dirs[wd] = wd, key
         return wd
 

@@ -608,7 +608,8 @@ class WriterPool:
             if not force and (not self._changed or now - self._last_push < STATS_PUSH_S):
                 return
             self._last_push, self._changed = now, False
-            cuda = now - self._last_cuda_push >= STATS_PUSH_S
+            # none while no supervisor is up to take them (every batch of jobs pushes, forced)
+            cuda = self._supervisor is not None and now - self._last_cuda_push >= STATS_PUSH_S
         try:
             extra = self._extra_stats()
         except Exception as e:  # noqa: BLE001 - monitoring must never end the link
@@ -626,4 +627,4 @@ class WriterPool:
                 with self._lock:
                     self._pushed = summed
                     if cuda:  # a failed send (a supervisor restarting) sends them with the next push
-                        self._last_cuda_push = now
+                        self._last_cuda_push = max(self._last_cuda_push, now)

@@ -22,22 +22,26 @@ from sglang_capture.core import protocol
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.server.outcome_watch import OutcomeWatch
 
-OUTCOME_WATCH_ATTR = "_sglang_capture_outcomes"  # the HTTP process's OutcomeWatch, on its TokenizerManager
+OUTCOME_WATCH_ATTR = "_sglang_capture_outcomes"  # on the TokenizerManager: its OutcomeWatch per event loop
 STREAM_OUTPUTS_ATTR = "sglang_capture_outputs"  # on a streaming HTTP request's state: its outputs with a reference
 DONE = "data: [DONE]"  # how SGLang's OpenAI streams end (0.5.17-0.5.23)
 RESPONSE_LEVEL = '"choices":[]'  # in a chunk of the whole response (usage, sglext), as pydantic writes it
 
 
 def _outcome_watch(tokenizer_manager: Any) -> OutcomeWatch:
-    """The HTTP process's outcome watch, kept on its tokenizer manager (made on first use, in the
-    event loop that answers requests)."""
+    """The outcome watch of the running event loop, kept on the tokenizer manager (made on first use;
+    SGLang answers requests in one loop per HTTP process, a test harness may use several)."""
     loop = asyncio.get_running_loop()
-    watch = getattr(tokenizer_manager, OUTCOME_WATCH_ATTR, None)
-    if watch is None or watch.loop is not loop:
-        if watch is not None and watch.loop.is_closed():
-            watch.close()  # its descriptor; a watch of a loop still running is that loop's to close
-        watch = OutcomeWatch(loop)
-        setattr(tokenizer_manager, OUTCOME_WATCH_ATTR, watch)
+    watches: Optional[Dict[Any, OutcomeWatch]] = getattr(tokenizer_manager, OUTCOME_WATCH_ATTR, None)
+    if watches is None:
+        watches = {}
+        setattr(tokenizer_manager, OUTCOME_WATCH_ATTR, watches)
+    watch = watches.get(loop)
+    if watch is None:
+        for old in [w for w in watches.values() if w.loop.is_closed()]:
+            old.close()  # its descriptor
+            del watches[old.loop]
+        watch = watches[loop] = OutcomeWatch(loop)
     return watch
 
 
