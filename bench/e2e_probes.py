@@ -113,9 +113,9 @@ PY_SPY_RATE = 200  # samples/s: enough for ms-scale seams over a 10 s window, li
 
 
 def _py_spy() -> Optional[str]:
-    """The py-spy executable: on PATH, or in a bin/ beside an installed package (pip --target)."""
-    found = shutil.which("py-spy")
-    if found:
+    """The py-spy executable: on PATH, beside this Python, or in a bin/ beside an installed package (pip --target)."""
+    found = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")  # a venv not on PATH
+    if os.path.exists(found):
         return found
     return next((p for p in (os.path.join(d, "bin", "py-spy") for d in sys.path if d) if os.path.exists(p)), None)
 

@@ -30,12 +30,13 @@ import multiprocessing
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Dict, List, Optional
 
 import aiohttp
+import pyspy_summary
+from e2e_probes import _py_spy as find_py_spy
 
 from sglang_capture.core.capture_dir import DirFds, index_path, prepare_capture_dir, record_outcome
 from sglang_capture.server.outcome_watch import OutcomeWatch
@@ -93,9 +94,9 @@ async def window(url: str, kind: str, rate: float, seconds: float, first: int) -
 
 
 def py_spy_share(pid: int, seconds: float, out: str) -> Optional[Dict]:
-    """Share of the HTTP process's on-CPU samples with a package frame, and its top package leaves."""
-    exe = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if not os.path.exists(exe):
+    """Start sampling the HTTP process (py-spy raw, all threads) into ``out``; None without py-spy."""
+    exe = find_py_spy()
+    if exe is None:
         return None
     p = subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", f"{seconds:g}", "--rate", "200",
                           "--nonblocking", "--threads", "--full-filenames", "--format", "raw", "-o", out],
@@ -104,17 +105,16 @@ def py_spy_share(pid: int, seconds: float, out: str) -> Optional[Dict]:
 
 
 def summarize_py_spy(path: str) -> Dict:
+    """Share of the samples with a package frame (the launcher's root frame aside), and the top package leaves."""
     total = ours = 0
     leaves: collections.Counter = collections.Counter()
-    for line in open(path):
-        stack, _, count = line.rstrip("\n").rpartition(" ")
-        frames = stack.split(";")
-        n = int(count)
-        total += n
-        mine = [f for f in frames if PACKAGE in f and not any(x in f for x in LAUNCHERS)]
-        if mine:
-            ours += n
-            leaves[mine[-1].split(" (")[0] + " " + mine[-1].rsplit("/", 1)[-1]] += n
+    for stacks in pyspy_summary.load(path).values():
+        for frames, n in stacks.items():
+            total += n
+            mine = [f for f in frames if PACKAGE in f and not any(x in f for x in LAUNCHERS)]
+            if mine:
+                ours += n
+                leaves[mine[-1].split(" (")[0] + " " + mine[-1].rsplit("/", 1)[-1]] += n
     return {"samples": total, "package_share": round(ours / total, 4) if total else None,
             "package_top": leaves.most_common(6)}
 
