@@ -879,7 +879,7 @@ def run(a: argparse.Namespace) -> int:
     watchdog.daemon = True
     watchdog.start()
     for name, est, fn in plan(a):
-        if done(a, name):
+        if done(a, name) or (a.stages and name not in a.stages):
             continue
         target = name.split("-")[0]
         if name.endswith("-servers") and os.path.exists(os.path.join(a.work, f"{target}-prestart.running")) \
@@ -918,6 +918,8 @@ def main() -> int:
     ap.add_argument("--targets", default="smol,l8b")
     ap.add_argument("--rows-batch", type=int, default=32, help="the SpecForge run whose files the rows stage reads")
     ap.add_argument("--deadline-s", type=float, default=540)
+    ap.add_argument("--stages", type=lambda v: set(v.split(",")), default=set(),
+                    help="only these stages of the plan (comma names, e.g. smol-servers: ours and the ceiling); default all")
     ap.add_argument("--spy-s", type=float, default=6, help="py-spy window of an extra extract pass after the sweep (0: none)")
     ap.add_argument("--server-args", default="", help="replaces the servers' flags (a CPU dry run)")
     ap.add_argument("--device", default="h200", help="names the merged record (vs_specforge-DEVICE-DATE.json)")
