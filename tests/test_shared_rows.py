@@ -97,6 +97,69 @@ def test_the_index_forgets_its_least_recently_used_blocks_beyond_its_capacity():
     assert len(index) == 2 and index.cover(a, B, [ROOT]).reach == B and index.cover(b, B, [ROOT]).reach == 0
 
 
+def _cover_by_scan(blocks, tokens, limit):
+    """What the index's cover must find, by comparing every block of a slot (as it did before)."""
+    from sglang_capture.core.blocks import slot_hash
+
+    by_slot = {}
+    for b in blocks:
+        by_slot.setdefault(b.slot_hash, []).append(b)
+    at, h, slot, limit = 0, ROOT, 0, min(limit, len(tokens))
+    while at < limit:
+        best, reach = None, at
+        for b in by_slot.get(h, ()):
+            if b.start <= at < b.end:
+                n = min(b.end, limit) - slot
+                eq = b.tokens[:n] == tokens[slot:slot + n]
+                agree = slot + (n if eq.all() else int(eq.argmin()))
+                if agree > reach:
+                    best, reach = b, agree
+        if best is None:
+            break
+        at = reach
+        if at == slot + B:
+            h, slot = slot_hash(h, tokens[slot:at]), at
+    return at
+
+
+def test_the_index_finds_what_comparing_every_block_finds():
+    """Conversations forking from each other at random points, stored in random pieces: for every
+    sequence and limit, the sorted slots find the same coverage as a scan of every block."""
+    rng = numpy.random.default_rng(7)
+    seqs = [_ids(3 * B, seed=100)]
+    for k in range(40):
+        parent = seqs[rng.integers(len(seqs))]
+        cut = int(rng.integers(0, len(parent)))
+        seqs.append(numpy.concatenate([parent[:cut], rng.integers(0, 4, 3 * B - cut)]))  # few token values: long agreements
+    index, stored = BlockIndex(), []
+    for ids in seqs[1:]:
+        start = int(rng.integers(0, 2 * B))
+        blocks = _indexed(ids, start, int(rng.integers(start + 1, 3 * B)))
+        index.add(blocks)
+        stored += blocks
+    for ids in seqs:
+        for limit in (len(ids), int(rng.integers(1, len(ids)))):
+            assert index.cover(ids, limit, [ROOT]).reach == _cover_by_scan(stored, ids, limit)
+
+
+def test_a_prefix_match_compares_only_the_blocks_beside_its_tokens(monkeypatch):
+    """Every distinct prompt stores a block of its first slot under the same (root) hash: a match
+    must not compare a request with each of them (a fifth of the scheduler thread after a few
+    thousand prompts, on the CPU test bed)."""
+    from sglang_capture.server import block_index
+
+    index = BlockIndex()
+    prompts = [_ids(B + 10, seed=s) for s in range(2000)]
+    for ids in prompts:
+        index.add(_indexed(ids, 0, B + 10))
+    compared = []
+    real = block_index._common
+    monkeypatch.setattr(block_index, "_common", lambda a, b: compared.append(1) or real(a, b))
+    assert index.cover(prompts[1234], B + 10, [ROOT]).reach == B + 10
+    assert index.cover(_ids(B + 10, seed=99999) + 1000, B + 10, [ROOT]).reach == 0  # tokens no prompt has
+    assert len(compared) <= 8
+
+
 def test_an_indexed_block_holds_the_tokens_of_its_slot_up_to_its_end():
     with pytest.raises(ValueError, match="slot tokens"):
         IndexedBlock("ab" * 16, ROOT, 10, 20, numpy.zeros(5, numpy.int64), 1)
