@@ -23,7 +23,7 @@ import numpy
 
 from sglang_capture.core.blocks import BLOCK_TOKENS, BlockRef, slot_hash, slot_start
 
-# The index keeps up to this many slot tokens (8 bytes each): far more than a radix cache holds, whose
+# The index keeps up to this many slot tokens (16 bytes each: the ids and their sort key): far more than a radix cache holds, whose
 # hits are the only ones worth covering.
 CAPACITY_TOKENS = 4 << 20
 
