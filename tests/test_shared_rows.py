@@ -160,6 +160,47 @@ def test_a_prefix_match_compares_only_the_blocks_beside_its_tokens(monkeypatch):
     assert len(compared) <= 8
 
 
+def test_a_requests_cached_match_holds_until_a_block_lands_where_it_stopped_or_one_it_uses_goes(monkeypatch):
+    """SGLang asks every waiting request's prefix limit at every scheduling pass, and blocks are added
+    all the time under load: a request's match is found again only when a block was added where it
+    stopped or a block it references was dropped, and is then what a fresh match finds."""
+    from sglang_capture.server.shared_rows import RequestShare
+
+    rng = numpy.random.default_rng(3)
+    seqs = [_ids(3 * B, seed=200)]
+    for k in range(30):
+        parent = seqs[rng.integers(len(seqs))]
+        cut = int(rng.integers(0, len(parent)))
+        seqs.append(numpy.concatenate([parent[:cut], rng.integers(0, 4, 3 * B - cut)]))
+    index = BlockIndex()
+    shares = [RequestShare(ROOT) for _ in seqs]
+    matched = []
+    real = index.cover
+    monkeypatch.setattr(index, "cover", lambda *a: matched.append(1) or real(*a))
+    pieces = []
+    for ids in seqs[1:]:
+        start = int(rng.integers(0, 2 * B))
+        pieces.append(_indexed(ids, start, int(rng.integers(start + 1, 3 * B))))
+    for step, blocks in enumerate(pieces):
+        if step % 5 == 4:  # now and then a writer finds a stored block gone
+            index.drop([blocks_seen.name for blocks_seen in pieces[int(rng.integers(step))][:1]])
+        index.add(blocks)
+        for ids, share in zip(seqs, shares):
+            assert share.cap(index, ids, len(ids)) == real(ids, len(ids), [ROOT]).reach
+    assert 0 < len(matched) < len(pieces) * len(seqs)  # some passes found the last match still holding
+
+    index, share = BlockIndex(), RequestShare(ROOT)
+    mine, other = _ids(2 * B, seed=1), _ids(2 * B, seed=2) + 1000  # tokens no block of mine has
+    index.add(_indexed(mine, 0, B + 5))
+    assert share.cap(index, mine, len(mine)) == B + 5
+    matched.clear()
+    monkeypatch.setattr(index, "cover", lambda *a: matched.append(1) or BlockIndex.cover(index, *a))
+    index.add(_indexed(other, 0, 2 * B - 1))  # another conversation's blocks: elsewhere
+    assert share.cap(index, mine, len(mine)) == B + 5 and matched == []
+    index.add(_indexed(mine, B + 5, 2 * B - 1))  # where my match stopped
+    assert share.cap(index, mine, len(mine)) == 2 * B - 1 and len(matched) == 1
+
+
 def test_an_indexed_block_holds_the_tokens_of_its_slot_up_to_its_end():
     with pytest.raises(ValueError, match="slot tokens"):
         IndexedBlock("ab" * 16, ROOT, 10, 20, numpy.zeros(5, numpy.int64), 1)

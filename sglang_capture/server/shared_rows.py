@@ -64,23 +64,24 @@ class RequestShare:
     request's limit changes) and the widest one seen, which its finish may need when a later match
     (a prefill chunk's, after the prefix was taken) found less."""
 
-    __slots__ = ("root", "hashes", "coverage", "widest", "_key")
+    __slots__ = ("root", "hashes", "coverage", "widest", "_limit", "_checked")
 
     def __init__(self, root: bytes) -> None:
         self.root = root
         self.hashes: List[bytes] = [root]
         self.coverage: Coverage = NOTHING
         self.widest: Coverage = NOTHING
-        self._key: Optional[Tuple[int, int]] = None
+        self._limit: Optional[int] = None
+        self._checked = 0  # the index version at which ``coverage`` last held
 
     def cap(self, index: BlockIndex, tokens: Any, limit: int) -> int:
         """How many of the first ``limit`` positions may come from the radix cache: those whose rows are stored."""
-        key = (limit, index.version)
-        if key != self._key:
+        if limit != self._limit or not index.still(self.coverage, self._checked):
             self.coverage = index.cover(as_tokens(tokens), limit, self.hashes)
-            self._key = key
+            self._limit = limit
             if self.coverage.reach >= self.widest.reach:
                 self.widest = self.coverage
+        self._checked = index.version
         return self.coverage.reach
 
     def covering(self, first_row: int) -> Optional[Coverage]:
