@@ -254,10 +254,10 @@ class BlockIndex:
     def still(self, coverage: Coverage, since: int) -> bool:
         """Whether ``cover`` would find ``coverage``, which held at index version ``since``, again
         (same tokens and limit): no block agreeing with its tokens past its reach was added where it
-        stopped since, and every block it references is still here. SGLang asks every waiting
-        request's prefix limit at every scheduling pass, and under load blocks are added all the
-        time, nearly always where they change no waiting request's match (a fresh match for each
-        of 256 waiting requests took 1.5 s a pass with the first-slot scan, ~4 ms without)."""
+        stopped since, and every block it references is still here. SGLang asks a request's prefix
+        limit at every scheduling pass while it waits (under its lpm policy, every waiting request's),
+        and under load blocks are added all the time, nearly always where they change no waiting
+        request's match (``bench/prefix_limit_cost.py``)."""
         if since == self.version:
             return True
         if coverage.stop is not None:

@@ -1,0 +1,114 @@
+"""What prefix sharing's cap on the radix hit costs the scheduler thread per scheduling pass.
+
+    python bench/prefix_limit_cost.py [--policy fcfs|lpm] [--conversations 2400] [--waiting N] [--admit 8] [--rev REV ...]
+
+SGLang asks a request's prefix limit (``Req._compute_max_prefix_len``, capped by ``SharedRows.limit``)
+at every scheduling pass: under ``fcfs`` (its default) of the waiting requests it tries to admit,
+under ``lpm`` of every waiting request (while at most 128 wait; beyond, lpm schedules as fcfs). This
+replays an ``extract``-like load on the scheduler's own index, without a server: ``--waiting``
+capture requests wait (default 256 under fcfs, 128 under lpm; conversations of a 120-token system
+prompt and 300-1,200 tokens of their own), each pass asks the caps the policy asks (fcfs: the
+``--admit`` requests admitted and the next one), then those ``--admit`` finish, their blocks are
+stored (every row of the conversation), and as many new ones arrive. Prints the mean time of a pass, for the working tree's
+``server/block_index.py`` and ``server/shared_rows.py`` and for each ``--rev`` (the same two files
+as of that git revision, loaded in their place).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from types import ModuleType
+from typing import List, Optional, Tuple
+
+import numpy
+
+from sglang_capture.core.blocks import BLOCK_TOKENS, layout_root, plan_blocks
+
+ROOT = layout_root({"model": "bench"})
+FILES = ("sglang_capture/server/block_index.py", "sglang_capture/server/shared_rows.py")
+
+
+def _load(name: str, path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def modules(rev: Optional[str]) -> Tuple[ModuleType, ModuleType]:
+    """(block_index, shared_rows): the working tree's, or ``rev``'s loaded in their place."""
+    if rev is None:
+        from sglang_capture.server import block_index, shared_rows
+
+        return block_index, shared_rows
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
+    out = tempfile.mkdtemp(prefix="prefix-limit-")
+    paths = []
+    for f in FILES:
+        path = os.path.join(out, os.path.basename(f))
+        with open(path, "w") as fh:
+            fh.write(subprocess.run(["git", "-C", root, "show", f"{rev}:{f}"], capture_output=True, text=True,
+                                    check=True).stdout)
+        paths.append(path)
+    # shared_rows imports block_index by its package name: the revision's copy answers to it meanwhile
+    name = "sglang_capture.server.block_index"
+    import sglang_capture.server.block_index as current
+
+    try:
+        block_index = _load(name, paths[0])
+        shared_rows = _load(f"prefix_limit_shared_rows_{rev}", paths[1])
+    finally:
+        sys.modules[name] = current
+    return block_index, shared_rows
+
+
+def one_run(block_index: ModuleType, shared_rows: ModuleType, convs: List[numpy.ndarray], waiting_n: int,
+            admit: int, every: bool) -> Tuple[float, int]:
+    """Mean seconds of a scheduling pass, and the blocks indexed at the end."""
+    index = block_index.BlockIndex()
+    shares = [shared_rows.RequestShare(ROOT) for _ in convs]
+    waiting, arrived = list(range(waiting_n)), waiting_n
+    spent, passes = 0.0, 0
+    while arrived + admit <= len(convs):
+        t0 = time.perf_counter()
+        for i in waiting if every else waiting[:admit + 1]:
+            shares[i].cap(index, convs[i], len(convs[i]) - 1)
+        spent += time.perf_counter() - t0
+        passes += 1
+        for i in waiting[:admit]:
+            ids = convs[i]
+            index.add([block_index.IndexedBlock(b.name, b.slot_hash, b.start, b.end,
+                                                ids[b.start - b.start % BLOCK_TOKENS:b.end].copy(), 1)
+                       for b in plan_blocks(ids, 0, len(ids) - 1, ROOT)])
+        waiting = waiting[admit:] + list(range(arrived, arrived + admit))
+        arrived += admit
+    return spent / max(passes, 1), len(index)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--conversations", type=int, default=2400)
+    ap.add_argument("--policy", choices=("fcfs", "lpm"), default="fcfs")
+    ap.add_argument("--waiting", type=int, default=None, help="default 256 (fcfs), 128 (lpm)")
+    ap.add_argument("--admit", type=int, default=8, help="requests that finish (and store their blocks) per pass")
+    ap.add_argument("--rev", action="append", default=[], help="also a git revision's index (repeatable)")
+    a = ap.parse_args()
+    rng = numpy.random.default_rng(0)
+    system = rng.integers(0, 100000, 120)
+    convs = [numpy.concatenate([system, rng.integers(0, 100000, int(rng.integers(300, 1200)))])
+             for _ in range(a.conversations)]
+    waiting = a.waiting or (256 if a.policy == "fcfs" else 128)
+    for rev in [None, *a.rev]:
+        per_pass, blocks = one_run(*modules(rev), convs, waiting, a.admit, a.policy == "lpm")
+        print(f"{rev or 'working tree'}, {a.policy}: {1e3 * per_pass:.3f} ms per scheduling pass, {waiting} waiting "
+              f"({a.conversations} conversations, {blocks} blocks indexed at the end)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
