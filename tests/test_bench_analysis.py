@@ -413,3 +413,18 @@ def test_vs_specforge_report_needs_only_the_standard_library_and_its_merged_reco
                    "0.291 / **0.175**", "**64,068 / 71,596** (88,354 / 99,244)", "36,056** (20,478 / 55,675 / 84,695)",
                    "9,483 (11,927)", "0.99977", "0.99946"):
         assert figure in text, figure
+
+
+def test_the_prefix_limit_bench_replays_a_pass_on_the_index_of_the_tree_and_of_a_revision():
+    """``bench/prefix_limit_cost.py`` (the figures in docs/performance.md) runs on the working tree's index and on
+    a git revision's, loaded in its place, under both of SGLang's policies."""
+    import subprocess
+
+    for policy in ("fcfs", "lpm"):
+        proc = subprocess.run([sys.executable, os.path.join(BENCH, "prefix_limit_cost.py"), "--policy", policy,
+                               "--conversations", "60", "--waiting", "12", "--admit", "4", "--rev", "HEAD"],
+                              capture_output=True, text=True, timeout=120, cwd=os.path.dirname(BENCH))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines = proc.stdout.splitlines()
+        assert [line.split(":")[0] for line in lines] == [f"working tree, {policy}", f"HEAD, {policy}"]
+        assert all("ms per scheduling pass, 12 waiting (60 conversations" in line for line in lines)
