@@ -143,62 +143,131 @@ def test_the_index_finds_what_comparing_every_block_finds():
 
 
 def test_a_prefix_match_compares_only_the_blocks_beside_its_tokens(monkeypatch):
-    """Every distinct prompt stores a block of its first slot under the same (root) hash: a match
-    must not compare a request with each of them (a fifth of the scheduler thread after a few
-    thousand prompts, on the CPU test bed)."""
+    """Every distinct prompt stores a block of its first slot under the same (root) hash; behind a
+    shared system prompt each of those begins where the prompt ends, and agrees with every request
+    past the slot's first position. A match must compare a request with a few of them, not each
+    (a fifth of the scheduler thread after a few thousand prompts, on the CPU test bed)."""
     from sglang_capture.server import block_index
 
+    system = _ids(120, seed=7)
     index = BlockIndex()
+    index.add(_indexed(numpy.concatenate([system, _ids(B, seed=8)]), 0, 120))  # the system prompt's rows, once
     prompts = [_ids(B + 10, seed=s) for s in range(2000)]
-    for ids in prompts:
-        index.add(_indexed(ids, 0, B + 10))
+    for ids in prompts[:1000]:
+        index.add(_indexed(ids, 0, B + 10))  # prompts of their own, from their first row
+    for ids in prompts[1000:]:
+        ids[:120] = system
+        index.add(_indexed(ids, 120, B + 10))  # behind the system prompt: from its end
     compared = []
     real = block_index._common
     monkeypatch.setattr(block_index, "_common", lambda a, b: compared.append(1) or real(a, b))
+    assert index.cover(prompts[123], B + 10, [ROOT]).reach == B + 10
     assert index.cover(prompts[1234], B + 10, [ROOT]).reach == B + 10
-    assert index.cover(_ids(B + 10, seed=99999) + 1000, B + 10, [ROOT]).reach == 0  # tokens no prompt has
-    assert len(compared) <= 8
+    fresh = numpy.concatenate([system, _ids(B, seed=99999) + 1000])  # the system prompt, then tokens no prompt has
+    assert index.cover(fresh, B + 10, [ROOT]).reach == 120
+    assert index.cover(_ids(B + 10, seed=99999) + 1000, B + 10, [ROOT]).reach == 0
+    assert len(compared) <= 16
 
 
-def test_a_requests_cached_match_holds_until_a_block_lands_where_it_stopped_or_one_it_uses_goes(monkeypatch):
-    """SGLang asks every waiting request's prefix limit at every scheduling pass, and blocks are added
-    all the time under load: a request's match is found again only when a block was added where it
-    stopped or a block it references was dropped, and is then what a fresh match finds."""
+@pytest.mark.parametrize("kept", [256, 2])
+def test_a_requests_cached_match_is_what_a_scan_of_the_stored_blocks_finds(monkeypatch, kept):
+    """SGLang asks a waiting request's prefix limit at every scheduling pass, and blocks are added all
+    the time under load: a request's last match is reused unless a block agreeing with it past its reach
+    landed where it stopped, or one it references went (or came back with another size). Against a
+    scan of every stored block after each change (adds where matches stop and elsewhere, drops, the
+    capacity's evictions, with few token values: long agreements, many equal keys), and with a short
+    memory of a slot's additions (``kept``)."""
+    from sglang_capture.server import block_index
     from sglang_capture.server.shared_rows import RequestShare
 
+    monkeypatch.setattr(block_index, "ADDED_KEPT", kept)
     rng = numpy.random.default_rng(3)
-    seqs = [_ids(3 * B, seed=200)]
-    for k in range(30):
+    seqs = [_ids(3 * B, seed=200) % 4]
+    for k in range(24):
         parent = seqs[rng.integers(len(seqs))]
         cut = int(rng.integers(0, len(parent)))
         seqs.append(numpy.concatenate([parent[:cut], rng.integers(0, 4, 3 * B - cut)]))
-    index = BlockIndex()
+    index = BlockIndex(capacity_tokens=12 * B)
     shares = [RequestShare(ROOT) for _ in seqs]
     matched = []
     real = index.cover
     monkeypatch.setattr(index, "cover", lambda *a: matched.append(1) or real(*a))
-    pieces = []
-    for ids in seqs[1:]:
-        start = int(rng.integers(0, 2 * B))
-        pieces.append(_indexed(ids, start, int(rng.integers(start + 1, 3 * B))))
-    for step, blocks in enumerate(pieces):
-        if step % 5 == 4:  # now and then a writer finds a stored block gone
-            index.drop([blocks_seen.name for blocks_seen in pieces[int(rng.integers(step))][:1]])
+    asked = 0
+    for step in range(80):
+        ids = seqs[rng.integers(len(seqs))]
+        start = int(rng.integers(0, 3 * B - 1))
+        blocks = _indexed(ids, start, int(rng.integers(start + 1, 3 * B)))
+        if step % 4 == 3:  # a writer found a stored block gone; now and then it comes back with another size
+            gone = list(index._blocks.values())[int(rng.integers(len(index)))]
+            index.drop([gone.name])
+            if step % 8 == 7:
+                index.add([IndexedBlock(gone.name, gone.slot_hash, gone.start, gone.end, gone.tokens, gone.size + 1)])
         index.add(blocks)
+        stored = list(index._blocks.values())
         for ids, share in zip(seqs, shares):
-            assert share.cap(index, ids, len(ids)) == real(ids, len(ids), [ROOT]).reach
-    assert 0 < len(matched) < len(pieces) * len(seqs)  # some passes found the last match still holding
+            limit = len(ids) - int(rng.integers(0, 2)) * int(rng.integers(1, B))
+            reach = share.cap(index, ids, limit)
+            asked += 1
+            assert reach == _cover_by_scan(stored, ids, limit)
+            sizes = {b.name: b.size for b in stored}
+            assert all(sizes[r.name] == size for r, size in zip(share.coverage.refs, share.coverage.sizes))
+    assert 0 < len(matched) < asked  # some asks reused the last match
 
     index, share = BlockIndex(), RequestShare(ROOT)
-    mine, other = _ids(2 * B, seed=1), _ids(2 * B, seed=2) + 1000  # tokens no block of mine has
+    mine = _ids(2 * B, seed=1)
     index.add(_indexed(mine, 0, B + 5))
     assert share.cap(index, mine, len(mine)) == B + 5
     matched.clear()
     monkeypatch.setattr(index, "cover", lambda *a: matched.append(1) or BlockIndex.cover(index, *a))
-    index.add(_indexed(other, 0, 2 * B - 1))  # another conversation's blocks: elsewhere
+    index.add(_indexed(_ids(2 * B, seed=2) + 1000, 0, 2 * B - 1))  # another conversation: other slots
+    fork = mine.copy()
+    fork[B + 5] += 1
+    index.add(_indexed(fork, B, 2 * B - 1))  # where my match stopped, agreeing with me only up to my reach
     assert share.cap(index, mine, len(mine)) == B + 5 and matched == []
-    index.add(_indexed(mine, B + 5, 2 * B - 1))  # where my match stopped
+    index.add(_indexed(mine, B + 5, 2 * B - 1))  # where my match stopped, agreeing past it
     assert share.cap(index, mine, len(mine)) == 2 * B - 1 and len(matched) == 1
+
+
+def test_a_cached_match_changes_exactly_when_what_it_found_changes(monkeypatch):
+    """Each way a request's reused match can go stale, one at a time: a block agreeing one token past its
+    reach where it stopped, a block there whose rows begin one past its reach (unusable: a row between is
+    missing), a block it references dropped, or back with another size, and an agreeing block that the
+    slot's memory of its additions lost."""
+    from sglang_capture.server import block_index
+    from sglang_capture.server.shared_rows import RequestShare
+
+    mine = _ids(2 * B, seed=1)
+    index, share = BlockIndex(), RequestShare(ROOT)
+    index.add(_indexed(mine, 0, B + 5))
+    assert share.cap(index, mine, len(mine)) == B + 5
+
+    index.add(_indexed(mine, B + 6, 2 * B - 1))  # begins one row past my reach: row B+5 is stored nowhere
+    assert share.cap(index, mine, len(mine)) == B + 5
+    one_more = mine.copy()
+    one_more[B + 6] += 1  # agrees with me through row B+5, not B+6: its rows reach the block above
+    index.add(_indexed(one_more, B, B + 10))
+    assert share.cap(index, mine, len(mine)) == 2 * B - 1
+
+    for reach in (B + 6, B + 5, B):  # the block the match ends with dropped, one after another
+        index.drop([share.coverage.refs[-1].name])
+        assert share.cap(index, mine, len(mine)) == reach
+    resized = [IndexedBlock(b.name, b.slot_hash, b.start, b.end, b.tokens, 101) for b in _indexed(mine, B, B + 5)]
+    index.add(resized)
+    assert share.cap(index, mine, len(mine)) == B + 5 and share.coverage.sizes[-1] == 101
+    index.drop([resized[0].name])
+    index.add(_indexed(mine, B, B + 5))  # back under its name with its first size, before the next ask
+    assert share.cap(index, mine, len(mine)) == B + 5 and share.coverage.sizes[-1] == 100
+
+    monkeypatch.setattr(block_index, "ADDED_KEPT", 2)
+    index, share = BlockIndex(), RequestShare(ROOT)
+    index.add(_indexed(mine, 0, B + 5))
+    assert share.cap(index, mine, len(mine)) == B + 5
+    index.add(_indexed(mine, B + 5, B + 9))  # agrees past my reach where I stopped...
+    slot_1 = _indexed(mine, B, B + 1)[0].slot_hash
+    other = _ids(2 * B, seed=5) + 1000
+    for k in range(2):  # ...then the slot's memory of its additions (two) holds only others' blocks
+        index.add([IndexedBlock(f"{k:032x}", slot_1, B, B + 1, other[B + k:B + k + 1], 1)])
+    assert share.cap(index, mine, len(mine)) == B + 9
 
 
 def test_an_indexed_block_holds_the_tokens_of_its_slot_up_to_its_end():

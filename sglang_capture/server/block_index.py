@@ -23,10 +23,10 @@ import numpy
 
 from sglang_capture.core.blocks import BLOCK_TOKENS, BlockRef, slot_hash, slot_start
 
-# The index keeps up to this many slot tokens (16 bytes each: the ids and their sort key): far more than a radix cache holds, whose
-# hits are the only ones worth covering.
+# The index keeps up to this many slot tokens (16 bytes each: the ids and their sort key; and the keys of
+# each slot's latest ADDED_KEPT additions): far more than a radix cache holds, whose hits are the only ones worth covering.
 CAPACITY_TOKENS = 4 << 20
-ADDED_KEPT = 1024  # the latest blocks added to a slot that a cached match is checked against
+ADDED_KEPT = 256  # the latest blocks added to a slot that a cached match is checked against
 
 
 def as_tokens(ids: Any) -> numpy.ndarray:
@@ -106,36 +106,88 @@ def _order_key(tokens: numpy.ndarray) -> bytes:
     return (tokens.astype(numpy.int64, copy=False).view(numpy.uint64) ^ numpy.uint64(1 << 63)).astype(">u8").tobytes()
 
 
+class _Sorted:
+    """Blocks in the order of their slot tokens (as ``_order_key`` sorts them)."""
+
+    __slots__ = ("keys", "blocks")
+
+    def __init__(self) -> None:
+        self.keys: List[bytes] = []
+        self.blocks: List[IndexedBlock] = []
+
+    def add(self, key: bytes, block: IndexedBlock) -> None:
+        i = bisect.bisect_right(self.keys, key)  # after equal keys: every rank, applying the same events, orders alike
+        self.keys.insert(i, key)
+        self.blocks.insert(i, block)
+
+    def remove(self, key: bytes, block: IndexedBlock) -> None:
+        i = bisect.bisect_left(self.keys, key)
+        while self.blocks[i] is not block:
+            i += 1
+        del self.keys[i], self.blocks[i]
+
+    def best(self, query: numpy.ndarray, slot: int, at: int) -> Tuple[Optional[IndexedBlock], int]:
+        """Of the blocks with rows at ``at``, the one whose tokens agree with ``query`` (the slot's
+        tokens from ``slot``) furthest past ``at``, and how far; (None, at) when none does.
+
+        Walking away from where ``query`` would sort, agreement never grows: in each direction the
+        walk ends at the first block with rows at ``at`` (none further on agrees further), or at one
+        that agrees no further than the best so far."""
+        i = bisect.bisect_left(self.keys, _order_key(query))
+        best: Optional[IndexedBlock] = None
+        reach = at
+        for walk in (range(i - 1, -1, -1), range(i, len(self.blocks))):
+            for j in walk:
+                block = self.blocks[j]
+                n = min(len(block.tokens), len(query))
+                agree = slot + _common(block.tokens[:n], query[:n])
+                if agree <= reach:
+                    break
+                if block.start <= at:  # (agree > at, so at < block.end)
+                    best, reach = block, agree
+                    break
+        return best, reach
+
+
 class _Slot:
     """The stored blocks under one slot hash, in the order of their slot tokens.
 
     Every distinct prompt stores a block of its first slot, all under the layout's root hash: a scan
     of them for every prefix match cost the scheduler thread a fifth of its time on the CPU test bed
     after a few thousand prompts. In sorted order the blocks agreeing longest with a request's tokens
-    lie beside where its tokens would sort, and agreement only shrinks walking away from there."""
+    lie beside where its tokens would sort (``_Sorted.best``). A match entering the slot at its first
+    position can only use blocks that begin there (``heads``): behind a shared system prompt every
+    other prompt's block begins where the prompt ends, and agrees with every request past the slot's
+    first position, so among all blocks the walk would pass each of them."""
 
-    __slots__ = ("keys", "blocks", "grown", "added", "forgotten")
+    __slots__ = ("every", "heads", "grown", "added", "forgotten")
 
     def __init__(self) -> None:
-        self.keys: List[bytes] = []
-        self.blocks: List[IndexedBlock] = []
+        self.every = _Sorted()
+        self.heads = _Sorted()  # the blocks whose rows begin at the slot's first position
         self.grown = 0  # the index's version when a block was last added here
         self.added: List[Tuple[int, bytes]] = []  # (version, sort key) of the latest blocks added here
         self.forgotten = 0  # the version of the latest addition no longer in ``added``
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.every.blocks)
 
     def add(self, block: IndexedBlock, version: int) -> None:
         key = _order_key(block.tokens)
-        i = bisect.bisect_right(self.keys, key)  # after equal keys: every rank, applying the same events, orders alike
-        self.keys.insert(i, key)
-        self.blocks.insert(i, block)
+        self.every.add(key, block)
+        if block.start == slot_start(block.start):
+            self.heads.add(key, block)
         self.grown = version
         self.added.append((version, key))
         if len(self.added) > ADDED_KEPT:
             self.forgotten = self.added[-ADDED_KEPT - 1][0]
             del self.added[:-ADDED_KEPT]
+
+    def remove(self, block: IndexedBlock) -> None:
+        key = _order_key(block.tokens)
+        self.every.remove(key, block)
+        if block.start == slot_start(block.start):
+            self.heads.remove(key, block)
 
     def grew_for(self, want: bytes, since: int) -> bool:
         """Whether a block beginning with ``want`` was added here after index version ``since``."""
@@ -150,30 +202,11 @@ class _Slot:
                 return True
         return False
 
-    def remove(self, block: IndexedBlock) -> None:
-        i = bisect.bisect_left(self.keys, _order_key(block.tokens))
-        while self.blocks[i] is not block:
-            i += 1
-        del self.keys[i], self.blocks[i]
-
     def best(self, tokens: numpy.ndarray, slot: int, at: int, limit: int) -> Tuple[Optional[IndexedBlock], int]:
         """The block with rows at ``at`` whose tokens agree with ``tokens`` furthest (up to ``limit``)
         past ``at``, and how far; (None, at) when none agrees past it."""
         query = tokens[slot:min(limit, slot + BLOCK_TOKENS)]
-        i = bisect.bisect_left(self.keys, _order_key(query))
-        best: Optional[IndexedBlock] = None
-        reach = at
-        for walk in (range(i - 1, -1, -1), range(i, len(self.blocks))):
-            for j in walk:
-                block = self.blocks[j]
-                n = min(len(block.tokens), len(query))
-                agree = slot + _common(block.tokens[:n], query[:n])
-                if agree <= reach:
-                    break  # the blocks further on agree no further
-                if block.start <= at:  # (agree > at, so at < block.end)
-                    best, reach = block, agree
-                    break
-        return best, reach
+        return (self.heads if at == slot else self.every).best(query, slot, at)
 
 
 class BlockIndex:
@@ -254,18 +287,24 @@ class BlockIndex:
     def still(self, coverage: Coverage, since: int) -> bool:
         """Whether ``cover`` would find ``coverage``, which held at index version ``since``, again
         (same tokens and limit): no block agreeing with its tokens past its reach was added where it
-        stopped since, and every block it references is still here. SGLang asks a request's prefix
+        stopped since, and every block it references is still here as it was (then they are marked
+        used, as a fresh match marks them). SGLang asks a request's prefix
         limit at every scheduling pass while it waits (under its lpm policy, every waiting request's),
         and under load blocks are added all the time, nearly always where they change no waiting
         request's match (``bench/prefix_limit_cost.py``)."""
-        if since == self.version:
-            return True
-        if coverage.stop is not None:
-            slot = self._by_slot.get(coverage.stop)
-            if slot is not None and slot.grew_for(coverage.want, since):
-                return False
-        return self._dropped <= since or all(ref.name in self._blocks for ref in coverage.refs)
-
+        if since != self.version:
+            if coverage.stop is not None:
+                slot = self._by_slot.get(coverage.stop)
+                if slot is not None and slot.grew_for(coverage.want, since):
+                    return False
+            if self._dropped > since:  # one it references may be gone, or back under its name with another size
+                for ref, size in zip(coverage.refs, coverage.sizes, strict=True):
+                    block = self._blocks.get(ref.name)
+                    if block is None or block.size != size:
+                        return False
+        for ref in coverage.refs:
+            self._blocks.move_to_end(ref.name)  # used, as a fresh match would mark them
+        return True
 
 def blocks_of(stored: Sequence[Sequence[Any]], tokens: numpy.ndarray) -> List[IndexedBlock]:
     """``IndexedBlock``s of the blocks a writer reports for a capture (``[name, slot_hash hex,

@@ -60,8 +60,8 @@ LEASE_CHECK_S = 60.0  # how often the writer rank looks for blocks whose lease r
 
 class RequestShare:
     """A capture request's view of the stored blocks: its layout root, its slots' prefix hashes (its
-    tokens only grow), the coverage of its latest prefix match (cached until the index or the
-    request's limit changes) and the widest one seen, which its finish may need when a later match
+    tokens only grow), the coverage of its latest prefix match (reused while the index says it
+    holds, ``BlockIndex.still``, for the same limit) and the widest one seen, which its finish may need when a later match
     (a prefill chunk's, after the prefix was taken) found less."""
 
     __slots__ = ("root", "hashes", "coverage", "widest", "_limit", "_checked")
@@ -76,6 +76,7 @@ class RequestShare:
 
     def cap(self, index: BlockIndex, tokens: Any, limit: int) -> int:
         """How many of the first ``limit`` positions may come from the radix cache: those whose rows are stored."""
+        limit = min(limit, len(tokens))  # what the match can reach: fewer tokens than the limit end it sooner
         if limit != self._limit or not index.still(self.coverage, self._checked):
             self.coverage = index.cover(as_tokens(tokens), limit, self.hashes)
             self._limit = limit
