@@ -8,8 +8,9 @@ under ``lpm`` of every waiting request (while at most 128 wait; beyond, lpm sche
 replays an ``extract``-like load on the scheduler's own index, without a server: ``--waiting``
 capture requests wait (default 256 under fcfs, 128 under lpm; conversations of a 120-token system
 prompt and 300-1,200 tokens of their own), each pass asks the caps the policy asks (fcfs: the
-``--admit`` requests admitted and the next one), then those ``--admit`` finish, their blocks are
-stored (every row of the conversation), and as many new ones arrive. Prints the mean time of a pass, for the working tree's
+``--admit`` requests admitted and the next one), then those ``--admit`` finish and store their
+blocks as a server does (the rows from where their stored prefix ended: behind the shared system
+prompt once it is stored), and as many new ones arrive. Prints the mean time of a pass, for the working tree's
 ``server/block_index.py`` and ``server/shared_rows.py`` and for each ``--rev`` (the same two files
 as of that git revision, loaded in their place).
 """
@@ -28,6 +29,7 @@ from typing import List, Optional, Tuple
 import numpy
 
 from sglang_capture.core.blocks import BLOCK_TOKENS, layout_root, plan_blocks
+from sglang_capture.server.shared_rows import MIN_REUSE_ROWS
 
 ROOT = layout_root({"model": "bench"})
 FILES = ("sglang_capture/server/block_index.py", "sglang_capture/server/shared_rows.py")
@@ -83,9 +85,11 @@ def one_run(block_index: ModuleType, shared_rows: ModuleType, convs: List[numpy.
         passes += 1
         for i in waiting[:admit]:
             ids = convs[i]
+            reach = shares[i].coverage.reach
+            first = reach if reach >= MIN_REUSE_ROWS else 0  # the rows it computed, as its file's job stores them
             index.add([block_index.IndexedBlock(b.name, b.slot_hash, b.start, b.end,
                                                 ids[b.start - b.start % BLOCK_TOKENS:b.end].copy(), 1)
-                       for b in plan_blocks(ids, 0, len(ids) - 1, ROOT)])
+                       for b in plan_blocks(ids, first, len(ids) - 1, ROOT)])
         waiting = waiting[admit:] + list(range(arrived, arrived + admit))
         arrived += admit
     return spent / max(passes, 1), len(index)
