@@ -60,9 +60,9 @@ LEASE_CHECK_S = 60.0  # how often the writer rank looks for blocks whose lease r
 
 class RequestShare:
     """A capture request's view of the stored blocks: its layout root, its slots' prefix hashes (its
-    tokens only grow), the coverage of its latest prefix match (reused while the index says it
-    holds, ``BlockIndex.still``, for the same limit) and the widest one seen, which its finish may need when a later match
-    (a prefill chunk's, after the prefix was taken) found less."""
+    tokens only grow), the coverage of its latest prefix match (reused for the same limit while
+    ``BlockIndex.still`` says it holds) and the widest one seen, which its finish may need when a
+    later match (a prefill chunk's, after the prefix was taken) found less."""
 
     __slots__ = ("root", "hashes", "coverage", "widest", "_limit", "_checked")
 
