@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 
 import numpy
 
-from sglang_capture.core.blocks import BLOCK_TOKENS, layout_root, plan_blocks
+from sglang_capture.core.blocks import layout_root, plan_blocks
 from sglang_capture.server.shared_rows import MIN_REUSE_ROWS
 
 ROOT = layout_root({"model": "bench"})
@@ -87,9 +87,8 @@ def one_run(block_index: ModuleType, shared_rows: ModuleType, convs: List[numpy.
             ids = convs[i]
             reach = shares[i].coverage.reach
             first = reach if reach >= MIN_REUSE_ROWS else 0  # the rows it computed, as its file's job stores them
-            index.add([block_index.IndexedBlock(b.name, b.slot_hash, b.start, b.end,
-                                                ids[b.start - b.start % BLOCK_TOKENS:b.end].copy(), 1)
-                       for b in plan_blocks(ids, first, len(ids) - 1, ROOT)])
+            stored = [[b.name, b.slot_hash.hex(), b.start, b.end, 1] for b in plan_blocks(ids, first, len(ids) - 1, ROOT)]
+            index.add(block_index.blocks_of(stored, ids))  # as a writer's report of them reaches every rank
         waiting = waiting[admit:] + list(range(arrived, arrived + admit))
         arrived += admit
     return spent / max(passes, 1), len(index)

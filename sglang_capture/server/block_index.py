@@ -288,10 +288,10 @@ class BlockIndex:
         """Whether ``cover`` would find ``coverage``, which held at index version ``since``, again
         (same tokens and limit): no block agreeing with its tokens past its reach was added where it
         stopped since, and every block it references is still here as it was (then they are marked
-        used, as a fresh match marks them). SGLang asks a request's prefix
-        limit at every scheduling pass while it waits (under its lpm policy, every waiting request's),
-        and under load blocks are added all the time, nearly always where they change no waiting
-        request's match (``bench/prefix_limit_cost.py``)."""
+        used, as a fresh match marks them). SGLang asks a request's prefix limit at every scheduling
+        pass while it waits (under its lpm policy, every waiting request's), and under load blocks are
+        added all the time, nearly always where they change no waiting request's match
+        (``bench/prefix_limit_cost.py``)."""
         if since != self.version:
             if coverage.stop is not None:
                 slot = self._by_slot.get(coverage.stop)
@@ -305,6 +305,7 @@ class BlockIndex:
         for ref in coverage.refs:
             self._blocks.move_to_end(ref.name)  # used, as a fresh match would mark them
         return True
+
 
 def blocks_of(stored: Sequence[Sequence[Any]], tokens: numpy.ndarray) -> List[IndexedBlock]:
     """``IndexedBlock``s of the blocks a writer reports for a capture (``[name, slot_hash hex,
