@@ -54,9 +54,11 @@ def modules(rev: Optional[str]) -> Tuple[ModuleType, ModuleType]:
     paths = []
     for f in FILES:
         path = os.path.join(out, os.path.basename(f))
+        shown = subprocess.run(["git", "-C", root, "show", f"{rev}:{f}"], capture_output=True, text=True)
+        if shown.returncode != 0:
+            raise SystemExit(f"--rev {rev}: git has no {f} there ({shown.stderr.strip().splitlines()[-1]})")
         with open(path, "w") as fh:
-            fh.write(subprocess.run(["git", "-C", root, "show", f"{rev}:{f}"], capture_output=True, text=True,
-                                    check=True).stdout)
+            fh.write(shown.stdout)
         paths.append(path)
     # shared_rows imports block_index by its package name: the revision's copy answers to it meanwhile
     name = "sglang_capture.server.block_index"

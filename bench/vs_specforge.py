@@ -878,7 +878,12 @@ def run(a: argparse.Namespace) -> int:
     watchdog = threading.Timer(a.deadline_s + 25, _abort)
     watchdog.daemon = True
     watchdog.start()
-    for name, est, fn in plan(a):
+    steps = plan(a)
+    unknown = a.stages - {name for name, _, _ in steps}
+    if unknown:
+        raise SystemExit(f"--stages: no stage {', '.join(sorted(unknown))} in the plan for --targets "
+                         f"{','.join(a.targets)}: {', '.join(name for name, _, _ in steps)}")
+    for name, est, fn in steps:
         if done(a, name) or (a.stages and name not in a.stages):
             continue
         target = name.split("-")[0]
