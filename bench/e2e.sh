@@ -72,6 +72,7 @@ os.makedirs('/tmp/l8b', exist_ok=True); json.dump(L8B, open('/tmp/l8b/config.jso
       --sglang-args "$SGLANG_GPU_ARGS --load-format dummy --skip-tokenizer-init --mem-fraction-static 0.88 \
 --max-total-tokens ${SESSIONS_KV:-240000}" ${SESSIONS_ARGS:-} 2> >(tee $W/e2e.log >&2) | tee "$OUT/sessions.md"
     rc=${PIPESTATUS[0]}
+    [ -d "$OUT/sessions/pyspy" ] && tar -C "$OUT/sessions" -czf "$OUT/pyspy.tgz" pyspy && rm -rf "$OUT/sessions/pyspy"
     ;;
 esac
 tail -12 $W/e2e.log

@@ -24,6 +24,11 @@ selects nothing (``plain``) and one with ``--capture-fraction 1`` (``fraction``:
 captured, responses do not wait for files), both with sharing on, in alternating windows of plain
 requests; their summary is under ``fraction``.
 
+Every window records the GPU's busy share (``gpu``, from nvidia-smi where there is one). With
+``--py-spy-seconds S``, py-spy samples the scheduler and HTTP processes of each server for S seconds
+in its last-round window (summaries under ``pyspy``, named server-mode; raw files in OUT_DIR/pyspy):
+where capture's host time goes on this decode-heavy load (issue 51).
+
 Writes OUT_DIR/gpu_sessions.json (rewritten after every window) and prints a table.
 """
 from __future__ import annotations
@@ -41,6 +46,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
+import e2e_probes  # bench/ is on sys.path: this script lives there
 import requests
 
 from sglang_capture.core.capture_dir import writer_stats
@@ -112,6 +118,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     a = chats.a
     count = capture if count is None else count
     before = counters(server.capture_dir) if count else None
+    gpu = e2e_probes.GpuSampler()
     t0 = time.monotonic()
     with ThreadPoolExecutor(a.sessions) as pool:
         results = list(pool.map(lambda s: run_chat(server.url, chats, s, capture, name), range(a.sessions)))
@@ -119,7 +126,8 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     lat = sorted(x for r in results for x in r["latencies"])
     out: Dict[str, Any] = {"seconds": round(seconds, 3), "requests": a.sessions * a.turns,
                            "requests_per_s": round(a.sessions * a.turns / seconds, 2),
-                           "latency_p50_s": round(lat[len(lat) // 2], 4), "latency_p99_s": round(lat[int(len(lat) * 0.99)], 4)}
+                           "latency_p50_s": round(lat[len(lat) // 2], 4), "latency_p99_s": round(lat[int(len(lat) * 0.99)], 4),
+                           "gpu": gpu.stop()}
     if count:
         after = counters(server.capture_dir)
         delta = {k: after[k] - before[k] for k in COUNTED}
@@ -227,6 +235,8 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--caps", default="/tmp/caps-sessions")
     ap.add_argument("--sglang-args", default="")
     ap.add_argument("--capture-args", default="")
+    ap.add_argument("--py-spy-seconds", type=float, default=0.0,
+                    help="sample each server's scheduler and HTTP processes this long in its last-round window")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     result: Dict[str, Any] = {"args": vars(a), "windows": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -265,9 +275,17 @@ def main(argv: List[str]) -> int:
         if {"plain", "fraction"} <= set(names):
             plan += [(name, "fraction", mode, r) for r in range(a.rounds)
                      for name, mode in (("plain", "none"), ("fraction", "capture"))]
+        spied: Dict[str, Any] = {}
         for name, pair, mode, r in plan:
+            last_round = r == (a.rounds if name in ("on", "plain", "fraction") else a.off_rounds) - 1
+            spies = ([e2e_probes.py_spy_window(servers[name], f"{name}-{mode}" + suffix, a.py_spy_seconds,
+                                               os.path.join(a.out, "pyspy"), spied, http=bool(suffix))
+                      for suffix in ("", "-http")] if a.py_spy_seconds > 0 and last_round else [])
             w = window(servers[name], Chats(a, seed), mode == "capture" and name in ("on", "off"), f"{name}-w{seed}",
                        count=mode == "capture")
+            for spy in spies:
+                spy.join()
+            result["pyspy"] = spied.get("pyspy", {})
             w.update(server=name, pair=pair, mode=mode, round=r, seed=seed)
             seed += 1
             result["windows"].append(w)
