@@ -105,7 +105,7 @@ class ResultRows:
 
     def source(self, hidden: Any, capture: Any) -> Any:
         """The host rows ``capture`` takes: the packed copy for an FP8 capture where there is one."""
-        if capture.is_fp8 and self.rows is not None and self.rows.packed is not None:
+        if capture.fp8_block is not None and self.rows is not None and self.rows.packed is not None:  # is_fp8, on the hot path
             return self.rows.packed
         return hidden
 

@@ -41,15 +41,25 @@ MAX_BEHIND = 8  # flushes the copier may have queued before the scheduler waits 
 
 @dataclass
 class _Source:
-    """One host tensor of the step's rows, and where its reserved rows go."""
+    """One host tensor of the step's rows, and where its reserved rows go (its facts read once a
+    step: ``take`` runs for every capture request of every decode step)."""
 
     tensor: Any
+    dtype: Any
     row_shape: Tuple[int, ...]
     row_bytes: int
     batchable: bool  # a contiguous host tensor: scatter_rows can read it
+    packed: bool  # FP8 rows (one byte each): what an FP8 capture takes
     rows: List[int] = field(default_factory=list)
     offsets: List[int] = field(default_factory=list)
     buffers: List[Any] = field(default_factory=list)  # the runs written to, kept until the copy
+
+    @classmethod
+    def of(cls, source: torch.Tensor) -> _Source:
+        row_shape = tuple(source.shape[1:])
+        return cls(source, source.dtype, row_shape, math.prod(row_shape) * source.element_size(),
+                   source.device.type == "cpu" and source.dim() > 1 and source.is_contiguous(),
+                   source.element_size() == 1)
 
 
 class CopyClosed(RuntimeError):
@@ -181,23 +191,25 @@ class DecodeRows:
         False when they cannot be batched (the caller then adds them itself)."""
         src = self._pending.get(id(source))
         if src is None:
-            batchable = source.device.type == "cpu" and source.dim() > 1 and source.is_contiguous()
-            row_shape = tuple(source.shape[1:])
-            row_bytes = math.prod(row_shape) * source.element_size()
-            src = self._pending[id(source)] = _Source(source, row_shape, row_bytes, batchable)
-        if not src.batchable or n > RUN_ROWS or (capture.is_fp8 and source.element_size() != 1):
+            src = self._pending[id(source)] = _Source.of(source)
+        if not src.batchable or n > RUN_ROWS or (capture.fp8_block is not None and not src.packed):
             return False
-        placed = capture.place(start, n, source.dtype, src.row_shape)
+        placed = capture.place(start, n, src.dtype, src.row_shape)
         if placed is None:  # no room in the pool for a run (counted there): the view of the step's block
             capture.keep(start, source[row:row + n])
             return True
         buffer, at, chunk = placed
-        src.rows.extend(range(row, row + n))
-        src.offsets.extend(range(at, at + n * src.row_bytes, src.row_bytes))
+        if n == 1:
+            src.rows.append(row)
+            src.offsets.append(at)
+        else:
+            src.rows.extend(range(row, row + n))
+            src.offsets.extend(range(at, at + n * src.row_bytes, src.row_bytes))
         src.buffers.append(buffer)
-        if not isinstance(chunk.ready, CopyTicket):
-            chunk.ready = CopyTicket(self.copier)
-        self._tickets.append(chunk.ready)
+        ticket = chunk.ready
+        if ticket.__class__ is not CopyTicket:
+            ticket = chunk.ready = CopyTicket(self.copier)
+        self._tickets.append(ticket)
         return True
 
     def flush(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 import mmap
 import os
 import threading
@@ -126,7 +127,7 @@ class HostPool:
         return out
 
     def _block(self, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, Any, int, int]]:
-        nbytes = int(numpy.prod(shape)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return None
         size = _round_up(nbytes)

@@ -63,6 +63,9 @@ class HostMemoryLedger:
                 self._cond.notify_all()
 
     def _wait_locked(self, incoming: int) -> None:
+        if self.held_bytes + incoming <= self.cap_bytes:  # the common case, on the scheduler thread
+            return
+
         def over() -> bool:
             return self.held_bytes > 0 and self.held_bytes + incoming > self.cap_bytes and self.draining()
 
