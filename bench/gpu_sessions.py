@@ -24,7 +24,9 @@ selects nothing (``plain``) and one with ``--capture-fraction 1`` (``fraction``:
 captured, responses do not wait for files), both with sharing on, in alternating windows of plain
 requests; their summary is under ``fraction``.
 
-Every window records the GPU's busy share (``gpu``, from nvidia-smi where there is one). With
+Every window records the GPU's busy share (``gpu``, from nvidia-smi where there is one), and a
+capturing window the scheduler thread's time in the patched seams (``seams``: calls and microseconds
+a call per seam, for batches that capture or not, server/seam_clock.py). With
 ``--py-spy-seconds S``, py-spy samples the scheduler and HTTP processes of each server for S seconds
 in its last-round window (summaries under ``pyspy``, named server-mode; raw files in OUT_DIR/pyspy):
 where capture's host time goes on this decode-heavy load (issue 51).
@@ -73,6 +75,18 @@ def counters(capture_dir: str) -> Dict[str, float]:
     return out
 
 
+def seam_clock(capture_dir: str) -> Dict[str, List[float]]:
+    """The scheduler thread's time in the patched seams (server/seam_clock.py), summed over ranks:
+    per account, [calls, seconds]."""
+    out: Dict[str, List[float]] = {}
+    for doc in writer_stats(capture_dir, settled=True).values():
+        for k, v in (doc.get("scheduler_thread") or {}).items():
+            acc = out.setdefault(k, [0, 0.0])
+            acc[0] += v.get("calls", 0)
+            acc[1] += v.get("s", 0.0)
+    return out
+
+
 class Chats:
     """The chats of one window: token ids drawn from a seed, the system prompt shared by all windows."""
 
@@ -118,6 +132,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     a = chats.a
     count = capture if count is None else count
     before = counters(server.capture_dir) if count else None
+    clock_before = seam_clock(server.capture_dir) if count else None
     gpu = e2e_probes.GpuSampler()
     t0 = time.monotonic()
     with ThreadPoolExecutor(a.sessions) as pool:
@@ -131,6 +146,11 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     if count:
         after = counters(server.capture_dir)
         delta = {k: after[k] - before[k] for k in COUNTED}
+        clock = seam_clock(server.capture_dir)
+        # per seam account: the window's calls and microseconds a call (decode steps, sealing steps, ...)
+        out["seams"] = {k: [int(n - clock_before.get(k, [0, 0.0])[0]),
+                            round(1e6 * (sec - clock_before.get(k, [0, 0.0])[1]) / (n - clock_before.get(k, [0, 0.0])[0]), 1)]
+                        for k, (n, sec) in sorted(clock.items()) if n > clock_before.get(k, [0, 0.0])[0]}
         # rows a chat needs (its last turn's, the system prompt's counted once per window) and those stored
         unique = a.system + sum(r["rows"] - a.system for r in results)
         out.update(delta=delta, unique_rows=unique, file_rows=sum(r["file_rows"] for r in results),
