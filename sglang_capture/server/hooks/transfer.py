@@ -35,11 +35,10 @@ def copy_hidden_to_pool(state: SchedulerCapture, wrapped: Any, instance: Any, ar
     the batch's rows are looked up on the result first."""
     return_logprob, return_hidden = _bind(*args, **kwargs)
     out = instance.logits_output
-    if not return_hidden or out is None or out.hidden_states is None:
-        return wrapped(*args, **kwargs)
     rows = getattr(instance, RESULT_ATTR, None) or state.launching
-    if rows is None:
-        return wrapped(*args, **kwargs)
+    if not return_hidden or out is None or out.hidden_states is None or rows is None:
+        # timed too: a capture batch's account holds SGLang's own copies of the rest of the result
+        return state.clock.timed("copy_to_cpu", False, lambda: wrapped(*args, **kwargs))
     rows.attach(instance)
     return state.clock.timed("copy_to_cpu", True, lambda: _copy_hidden(state, wrapped, out, rows, return_logprob, args, kwargs))
 
