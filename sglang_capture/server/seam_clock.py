@@ -29,5 +29,5 @@ class SeamClock:
 
     def stats(self) -> Dict[str, Dict[str, float]]:
         """Per account: calls, total seconds and microseconds per call."""
-        return {k: {"calls": int(n), "s": round(s, 4), "us_per_call": round(1e6 * s / n, 1) if n else 0.0}
+        return {k: {"calls": int(n), "s": round(s, 6), "us_per_call": round(1e6 * s / n, 1) if n else 0.0}
                 for k, (n, s) in sorted(self._totals.items())}
