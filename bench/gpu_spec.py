@@ -42,6 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
 
+import requests
 import torch
 from e2e_probes import py_spy_window  # bench/ is on sys.path: this script lives there
 
@@ -183,12 +184,26 @@ def check_rows(spec: Server, ref: Server, outs: List[Dict], setting: str) -> Dic
     return compared.result()
 
 
+def flush_radix(server: Server) -> None:
+    """Empty the server's radix cache (no request may be running)."""
+    r = requests.post(server.url + "/flush_cache", timeout=60)
+    if r.status_code != 200:
+        raise RuntimeError(f"/flush_cache: HTTP {r.status_code}: {r.text[:200]}")
+
+
 def check_tokens(server: Server, ps: List[List[int]], tokens: int, setting: str, alone: int = 8) -> tuple:
     """Capture on and off, one request at a time (the same batches both ways) for the first ``alone``
-    prompts: identical tokens and verify passes; then every prompt captured at once, for the rows."""
+    prompts: identical tokens and verify passes; then every prompt captured at once, for the rows.
+    The radix cache is emptied before each of the two: under prefix sharing the plain request would
+    otherwise reuse the capture's cached sequence (a one-token prefill after a cached prefix, not the
+    whole prompt's), whose numerics differ at the last bits and tip near-tied greedy tokens (r76: 1 and
+    4 of 8 the same on an H100)."""
     same_tokens = same_verify = tok = verify = 0
     for i in range(min(alone, len(ps))):
-        captured, plain = generate(server, ps[i], tokens, f"{setting}-alone-{i}"), generate(server, ps[i], tokens)
+        flush_radix(server)
+        captured = generate(server, ps[i], tokens, f"{setting}-alone-{i}")
+        flush_radix(server)
+        plain = generate(server, ps[i], tokens)
         same_tokens += captured["output_ids"] == plain["output_ids"]
         same_verify += captured["meta_info"]["spec_verify_ct"] == plain["meta_info"]["spec_verify_ct"]
         tok += plain["meta_info"]["completion_tokens"]
@@ -282,6 +297,10 @@ def main(a: argparse.Namespace) -> int:
     os.makedirs(a.out, exist_ok=True)
     target, draft = os.path.join(a.pair, "target"), os.path.join(a.pair, "draft")
     settings = a.settings.split(",")
+    unknown = sorted({s for s in [*settings, *a.throughput_on.split(",")] if s} - {*SETTINGS, "ref"})
+    if unknown:
+        raise SystemExit(f"gpu_spec.py: unknown setting(s) {', '.join(unknown)}: --settings takes {', '.join(SETTINGS)}; "
+                         "--throughput-on those and ref, or nothing")
     work = os.path.join(a.out, "work")
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(target, "config.json")) as f:
@@ -309,7 +328,7 @@ def main(a: argparse.Namespace) -> int:
             log(f"{'PASS' if tokens['pass'] else 'FAIL'} {s} tokens: {tokens}")
             log(f"{'PASS' if rows['pass'] else 'FAIL'} {s} rows: {rows['files']} files, {rows['rows']} rows, "
                 + ", ".join(f"{k} {v['p0.1']}" for k, v in rows["columns"].items()))
-        for s in a.throughput_on.split(","):
+        for s in [s for s in a.throughput_on.split(",") if s]:
             tp = throughput(servers[s], vocab, a.windows, a.concurrency, a.window_tokens, a.window_seconds, s,
                             a.py_spy_seconds, os.path.join(a.out, "pyspy"), a.warmup_seconds)
             res.setdefault(s, {})["throughput"] = tp
