@@ -26,7 +26,8 @@ requests; their summary is under ``fraction``.
 
 Every window records the GPU's busy share (``gpu``, from nvidia-smi where there is one), and a
 capturing window the scheduler thread's time in the patched seams (``seams``: calls and microseconds
-a call per seam, for batches that capture or not, server/seam_clock.py). With
+a call per seam, for batches that capture or not, server/seam_clock.py; none for a server's first
+capturing window, whose counts would include its warm-up). With
 ``--py-spy-seconds S``, py-spy samples the scheduler and HTTP processes of each server for S seconds
 in its last-round window (summaries under ``pyspy``, named server-mode; raw files in OUT_DIR/pyspy):
 where capture's host time goes on this decode-heavy load (issue 51).
@@ -135,20 +136,24 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     clock_before = seam_clock(server.capture_dir) if count else None
     gpu = e2e_probes.GpuSampler()
     t0 = time.monotonic()
-    with ThreadPoolExecutor(a.sessions) as pool:
-        results = list(pool.map(lambda s: run_chat(server.url, chats, s, capture, name), range(a.sessions)))
+    try:
+        with ThreadPoolExecutor(a.sessions) as pool:
+            results = list(pool.map(lambda s: run_chat(server.url, chats, s, capture, name), range(a.sessions)))
+    finally:
+        gpu_busy = gpu.stop()
     seconds = time.monotonic() - t0
     lat = sorted(x for r in results for x in r["latencies"])
     out: Dict[str, Any] = {"seconds": round(seconds, 3), "requests": a.sessions * a.turns,
                            "requests_per_s": round(a.sessions * a.turns / seconds, 2),
                            "latency_p50_s": round(lat[len(lat) // 2], 4), "latency_p99_s": round(lat[int(len(lat) * 0.99)], 4),
-                           "gpu": gpu.stop()}
+                           "gpu": gpu_busy}
     if count:
         after = counters(server.capture_dir)
         delta = {k: after[k] - before[k] for k in COUNTED}
         clock = seam_clock(server.capture_dir)
-        # per seam account: the window's calls and microseconds a call (decode steps, sealing steps, ...)
-        out["seams"] = {k: [int(n - clock_before.get(k, [0, 0.0])[0]),
+        # per seam account: the window's calls and microseconds a call (decode steps, sealing steps, ...);
+        # not for a server's first capturing window, which has no stats file before it to count from
+        out["seams"] = None if not clock_before else {k: [int(n - clock_before.get(k, [0, 0.0])[0]),
                             round(1e6 * (sec - clock_before.get(k, [0, 0.0])[1]) / (n - clock_before.get(k, [0, 0.0])[0]), 1)]
                         for k, (n, sec) in sorted(clock.items()) if n > clock_before.get(k, [0, 0.0])[0]}
         # rows a chat needs (its last turn's, the system prompt's counted once per window) and those stored

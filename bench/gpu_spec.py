@@ -185,8 +185,9 @@ def check_rows(spec: Server, ref: Server, outs: List[Dict], setting: str) -> Dic
 
 
 def flush_radix(server: Server) -> None:
-    """Empty the server's radix cache (no request may be running)."""
-    r = requests.post(server.url + "/flush_cache", timeout=60)
+    """Empty the server's radix cache, waiting up to 30 s for it to be idle (under overlap scheduling a
+    request just answered still holds its batch for about a step: without the wait SGLang answers 400)."""
+    r = requests.post(server.url + "/flush_cache", params={"timeout": 30}, timeout=60)
     if r.status_code != 200:
         raise RuntimeError(f"/flush_cache: HTTP {r.status_code}: {r.text[:200]}")
 
@@ -297,10 +298,13 @@ def main(a: argparse.Namespace) -> int:
     os.makedirs(a.out, exist_ok=True)
     target, draft = os.path.join(a.pair, "target"), os.path.join(a.pair, "draft")
     settings = a.settings.split(",")
-    unknown = sorted({s for s in [*settings, *a.throughput_on.split(",")] if s} - {*SETTINGS, "ref"})
+    unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
-        raise SystemExit(f"gpu_spec.py: unknown setting(s) {', '.join(unknown)}: --settings takes {', '.join(SETTINGS)}; "
-                         "--throughput-on those and ref, or nothing")
+        raise SystemExit(f"gpu_spec.py: --settings {','.join(unknown)}: not a setting ({', '.join(SETTINGS)})")
+    unserved = sorted({s for s in a.throughput_on.split(",") if s} - {*settings, "ref"})
+    if unserved:
+        raise SystemExit(f"gpu_spec.py: --throughput-on {','.join(unserved)}: not served (--settings {a.settings}, and ref); "
+                         "name those, or nothing")
     work = os.path.join(a.out, "work")
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(target, "config.json")) as f:
