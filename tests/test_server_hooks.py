@@ -39,6 +39,7 @@ def test_only_capture_requests_rows_are_selected_from_a_shared_batch():
     assert capture_rows(batch("decode", [req(True), req(), req(True)]), 3) == ([(0, 1), (2, 3)], {0: 0, 2: 1})
     assert capture_rows(b, 16) is None  # rows that do not add up: copy everything
     assert capture_rows(batch("extend", [req(True), req(True)], [2, 2]), 4) is None  # all captured
+    assert capture_rows(batch("decode", [req(True), req(True)]), 2) is None
     assert capture_rows(batch("extend", [req(True), req(json_hidden=True)], [2, 2]), 4) is None  # SGLang's JSON too
     assert capture_rows(batch("mixed", [req(True), req()], [2, 1]), 3) is None
     assert capture_rows(None, 3) is None

@@ -130,6 +130,8 @@ def capture_rows(batch: Any, n_rows: int, mode: Any = None) -> Optional[Selectio
     if batch is None:
         return None
     reqs, mode = batch.reqs, mode if mode is not None else batch.forward_mode
+    if all(getattr(req, CAPTURE_ATTR, None) is not None for req in reqs):
+        return None  # every row is captured (every request capturing: a pass over the batch, not a map of it)
     if mode.is_decode():
         # one row per request; under EAGLE-3, one per draft token of each request's verify pass
         spec = getattr(batch, "spec_algorithm", None)
