@@ -67,20 +67,20 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def counters(capture_dir: str) -> Dict[str, float]:
-    """The writer ranks' counters summed (settled: every answered request counted)."""
+def counters(docs: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
+    """The writer ranks' counters summed (``docs``: their stats files, settled: every answered request counted)."""
     out = {k: 0.0 for k in COUNTED}
-    for doc in writer_stats(capture_dir, settled=True).values():
+    for doc in docs.values():
         for k in COUNTED:
             out[k] += doc.get(k, 0) or 0
     return out
 
 
-def seam_clock(capture_dir: str) -> Dict[str, List[float]]:
-    """The scheduler thread's time in the patched seams (server/seam_clock.py), summed over ranks:
-    per account, [calls, seconds]."""
+def seam_clock(docs: Dict[str, Dict[str, Any]]) -> Dict[str, List[float]]:
+    """The scheduler thread's time in the patched seams (server/seam_clock.py), summed over the ranks'
+    stats files ``docs``: per account, [calls, seconds]."""
     out: Dict[str, List[float]] = {}
-    for doc in writer_stats(capture_dir, settled=True).values():
+    for doc in docs.values():
         for k, v in (doc.get("scheduler_thread") or {}).items():
             acc = out.setdefault(k, [0, 0.0])
             acc[0] += v.get("calls", 0)
@@ -132,8 +132,8 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     (by default when ``capture``; a ``fraction`` server captures plain requests)."""
     a = chats.a
     count = capture if count is None else count
-    before = counters(server.capture_dir) if count else None
-    clock_before = seam_clock(server.capture_dir) if count else None
+    docs = writer_stats(server.capture_dir, settled=True) if count else {}
+    before, clock_before = counters(docs), seam_clock(docs)
     gpu = e2e_probes.GpuSampler()
     t0 = time.monotonic()
     try:
@@ -148,14 +148,19 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
                            "latency_p50_s": round(lat[len(lat) // 2], 4), "latency_p99_s": round(lat[int(len(lat) * 0.99)], 4),
                            "gpu": gpu_busy}
     if count:
-        after = counters(server.capture_dir)
+        docs = writer_stats(server.capture_dir, settled=True)
+        after = counters(docs)
         delta = {k: after[k] - before[k] for k in COUNTED}
-        clock = seam_clock(server.capture_dir)
         # per seam account: the window's calls and microseconds a call (decode steps, sealing steps, ...);
         # not for a server's first capturing window, which has no stats file before it to count from
-        out["seams"] = None if not clock_before else {k: [int(n - clock_before.get(k, [0, 0.0])[0]),
-                            round(1e6 * (sec - clock_before.get(k, [0, 0.0])[1]) / (n - clock_before.get(k, [0, 0.0])[0]), 1)]
-                        for k, (n, sec) in sorted(clock.items()) if n > clock_before.get(k, [0, 0.0])[0]}
+        seams: Optional[Dict[str, List[float]]] = None
+        if clock_before:
+            seams = {}
+            for k, (n, sec) in sorted(seam_clock(docs).items()):
+                n0, sec0 = clock_before.get(k, (0, 0.0))
+                if n > n0:
+                    seams[k] = [int(n - n0), round(1e6 * (sec - sec0) / (n - n0), 1)]
+        out["seams"] = seams
         # rows a chat needs (its last turn's, the system prompt's counted once per window) and those stored
         unique = a.system + sum(r["rows"] - a.system for r in results)
         out.update(delta=delta, unique_rows=unique, file_rows=sum(r["file_rows"] for r in results),
