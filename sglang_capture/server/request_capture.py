@@ -150,9 +150,7 @@ class RequestCapture:
         there; the caller then ``keep``s them)."""
         if n > RUN_ROWS or self.pool is None:
             return None
-        run = self._run
-        if run is None or not run.takes(start, n, dtype, row_shape):
-            run = self._run_for(start, n, dtype, row_shape)
+        run = self._run_for(start, n, dtype, row_shape)
         if run is None or run.offset is None:
             return None
         at = run.offset + run.used * run.row_bytes
