@@ -104,16 +104,18 @@ def test_short_host_rows_move_to_runs_of_their_own_request_so_the_steps_shared_b
             want[i].append(block[i].clone())
         del block
     assert pool.stats()["blocks"] == (RUN_ROWS + 5) + 3 * 2  # the steps' blocks, two runs per request
-    runs_bytes = 3 * 2 * 4096  # each run (32 rows x 32 bytes) rounds up to one page
+    runs_bytes = 3 * 2 * 4096  # each run (32 rows, then 64, x 32 bytes) rounds up to one page
     pool.free_segments()  # folds in the returned blocks: every step's block is back
-    assert pool.stats()["used_bytes"] == runs_bytes and ledger.held_bytes == 3 * 2 * RUN_ROWS * 32
+    assert pool.stats()["used_bytes"] == runs_bytes and ledger.held_bytes == 3 * 3 * RUN_ROWS * 32
     for i, cap in enumerate(caps):
+        assert cap.run.capacity == 2 * RUN_ROWS  # the first run filled: the next one is twice as long
         cap.seal()  # a run's rows are final when it closes
         assert [c.start for c in cap.chunks] == [100, 100 + RUN_ROWS]
         assert torch.equal(torch.cat([c.rows for c in cap.chunks]), torch.stack(want[i]))
     caps[0].add(500, torch.ones(1, 16, dtype=torch.bfloat16))  # not the next position (a retraction): a new run
     caps[0].seal()
     assert [c.start for c in caps[0].chunks][-1] == 500 and caps[0].chunks[-1].rows.shape[0] == 1
+    assert caps[0].chunks[-1].rows.untyped_storage().nbytes() == RUN_ROWS * 32  # not a continuation: first size
     for cap in caps:
         cap.release()
     pool.free_segments()
@@ -125,8 +127,29 @@ def test_short_host_rows_move_to_runs_of_their_own_request_so_the_steps_shared_b
     assert lone.chunks[0].rows.data_ptr() == step.data_ptr() and full.stats()["fallbacks"] == 1
 
 
+@pytest.mark.parametrize("cap_mb,width,want", [(1, 16, [32, 64, 128, 128]), (1024, 8192, [32, 64, 128, 128]),
+                                                 (4, 1024, [32, 32, 32])])
+def test_a_request_that_fills_its_runs_gets_longer_ones_up_to_a_bound_set_by_the_run_limit_and_the_cap(cap_mb, width, want):
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.server.ledger import HostMemoryLedger
+    from sglang_capture.server.request_capture import RequestCapture
+
+    pool = HostPool(64 << 20, pin=False)
+    cap = RequestCapture(rid="r", name="r", ledger=HostMemoryLedger(cap_mb << 20), pool=pool)
+    row = torch.ones(1, width, dtype=torch.bfloat16)  # 1 MiB cap, 32-byte rows: 4 KiB a run at most; 16 KiB rows: 2 MiB
+    position = 0
+    for _ in range(sum(want)):
+        cap.add(position, row)
+        position += 1
+    cap.add(position + 5, row)  # a retraction's jump: back to the first size
+    cap.seal()
+    assert [c.rows.untyped_storage().nbytes() // (2 * width) for c in cap.chunks] == [*want, 32]
+    assert all(c.rows.shape[0] == n for c, n in zip(cap.chunks, want, strict=False))
+
+
 @pytest.mark.parametrize("on", ["copier", "scheduler"])
 def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_as_one_by_one(on):
+    from sglang_capture.server.batch_rows import ResultRows
     from sglang_capture.server.copy_counts import CopyCounts
     from sglang_capture.server.decode_rows import CopyTicket, DecodeRows, RowCopier
     from sglang_capture.server.host_pool import HostPool
@@ -148,10 +171,10 @@ def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_
             if step == RUN_ROWS + 3 and i == 1:
                 position[i] += 100  # retracted and decoded again elsewhere: a new run
             one_by_one[i].add(position[i], block[i * stride:i * stride + accept])
-            assert batched.take(together[i], position[i], block, i * stride, accept)
+            batched.note(together[i], position[i], block, i * stride, accept)
             position[i] += accept
+        batched.flush(ResultRows(None, None))  # placed here, together
         del block  # the reservations keep the step's rows until the copy
-        batched.flush()
     for a, b in zip(one_by_one, together, strict=True):
         a.seal()
         b.seal()
@@ -166,36 +189,77 @@ def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_
         c.rows.shape[0] for b in together for c in b.chunks)
 
 
-def test_decode_rows_that_cannot_be_scattered_are_refused_so_the_seam_adds_them_itself_or_kept_as_views():
+def test_decode_rows_that_cannot_be_scattered_are_added_by_their_capture_or_kept_as_views():
+    from sglang_capture.server.batch_rows import ResultRows
+    from sglang_capture.server.copy_counts import CopyCounts
+    from sglang_capture.server.decode_rows import CopyTicket, DecodeRows
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.server.ledger import HostMemoryLedger
+    from sglang_capture.server.request_capture import RequestCapture
+
+    pool, ledger, counts = HostPool(1 << 20, pin=False), HostMemoryLedger(1 << 20), CopyCounts()
+    rows = DecodeRows(pool, counts)
+    step = torch.randn(48, 16).to(torch.bfloat16)
+    strided = step.t().contiguous().t()
+    refused = {"strided": (strided, 1), "fp8": (step, 1), "long": (step, 40)}  # not contiguous; not packed yet; > a run
+    caps = {k: RequestCapture(rid=k, name=k, ledger=ledger, pool=pool, fp8_block=8 if k == "fp8" else None) for k in refused}
+    for k, (source, n) in refused.items():
+        rows.note(caps[k], 5, source, 0, n)
+    rows.flush(ResultRows(None, None))
+    assert counts.decode_scatters == 0  # none was scattered: each capture added its own rows
+    for k, (source, n) in refused.items():
+        caps[k].seal()
+        chunk = caps[k].chunks[0]
+        assert chunk.start == 5 and chunk.rows.shape[0] == n and not isinstance(chunk.ready, CopyTicket)
+    assert torch.equal(caps["strided"].chunks[0].rows, strided[:1]) and caps["fp8"].chunks[0].rows.element_size() == 1
+    assert caps["long"].chunks[0].rows.data_ptr() == step.data_ptr()  # more rows than a run: a view, no copy
+    full = HostPool(4096, pin=False)
+    held = full.alloc((4096,), torch.uint8)  # noqa: F841  (the pool is full while it lives)
+    lone = RequestCapture(rid="x", name="x", ledger=ledger, pool=full)
+    lonely = DecodeRows(full, CopyCounts())
+    lonely.note(lone, 0, step, 0, 1)
+    lonely.flush(ResultRows(None, None))  # no room for a run: the step's view is kept
+    assert lone.chunks[0].rows.data_ptr() == step.data_ptr() and full.stats()["fallbacks"] == 1  # one try, counted once
+    with pytest.raises(ValueError, match="lie outside the pool"):
+        pool.scatter_rows(step, [0], [pool.size_bytes - 8])
+
+
+def test_noted_rows_that_are_not_in_the_batch_fail_their_capture_at_the_flush_and_the_others_are_placed():
+    from sglang_capture.server.batch_rows import BatchRows, ResultRows
     from sglang_capture.server.copy_counts import CopyCounts
     from sglang_capture.server.decode_rows import DecodeRows
     from sglang_capture.server.host_pool import HostPool
     from sglang_capture.server.ledger import HostMemoryLedger
     from sglang_capture.server.request_capture import RequestCapture
 
-    pool, ledger = HostPool(1 << 20, pin=False), HostMemoryLedger(1 << 20)
-    rows = DecodeRows(pool, CopyCounts())
-    plain = RequestCapture(rid="p", name="p", ledger=ledger, pool=pool)
-    fp8 = RequestCapture(rid="f", name="f", ledger=ledger, pool=pool, fp8_block=8)
-    step = torch.randn(4, 16).to(torch.bfloat16)
-    assert not rows.take(plain, 0, step.t().contiguous().t(), 0, 1)  # not contiguous
-    assert not rows.take(fp8, 0, step, 0, 1)  # an FP8 capture's rows not packed yet: packed by add()
-    assert not rows.take(plain, 0, step, 0, 40)  # more rows than a run holds
-    full = HostPool(4096, pin=False)
-    held = full.alloc((4096,), torch.uint8)  # noqa: F841  (the pool is full while it lives)
-    lone = RequestCapture(rid="x", name="x", ledger=ledger, pool=full)
-    assert DecodeRows(full, CopyCounts()).take(lone, 0, step, 0, 1)  # no room for a run: the step's view is kept
-    assert lone.chunks[0].rows.data_ptr() == step.data_ptr() and full.stats()["fallbacks"] == 1  # one try, counted once
-    with pytest.raises(ValueError, match="lie outside the pool"):
-        pool.scatter_rows(step, [0], [pool.size_bytes - 8])
+    pool, ledger, counts = HostPool(1 << 20, pin=False), HostMemoryLedger(1 << 20), CopyCounts()
+    rows = DecodeRows(pool, counts)
+    step = pool.take(torch.randn(4, 16).to(torch.bfloat16))
+    good, past, unkept, outside = (RequestCapture(rid=k, name=k, ledger=ledger, pool=pool) for k in "gpuo")
+    rows.note(good, 9, step, 1, 1)
+    rows.note(past, 9, step, 3, 2)  # rows 3-4 of 4
+    rows.flush(ResultRows(None, None))
+    good.seal()
+    assert past.failure == "rows 3-4 asked of 4" and not past.chunks
+    assert good.failure is None and torch.equal(good.chunks[0].rows, step[1:2]) and counts.decode_scatters == 1
+    kept = BatchRows(None, captures=True)
+    kept.keep(([(0, 4)], {0: 0, 2: 2}), batch_rows=6, in_forward=False)  # rows at batch offsets 0 and 2 were kept
+    rows.note(unkept, 9, step, 1, 1)  # batch offset 1 was not kept
+    rows.flush(ResultRows(None, kept))
+    assert unkept.failure.startswith("kept rows do not match: offset 1")
+    rows.note(outside, 9, step, 0, 1)
+    rows.flush(None)
+    assert outside.failure == "rows of batch offset 0 arrived outside a batch's result processing"
 
 
 def _decode_step(pool, rows, caps, position):
     """One decode step's rows (a row per capture) reserved in ``rows``, then flushed."""
+    from sglang_capture.server.batch_rows import ResultRows
+
     block = pool.take(torch.randn(len(caps), 16).to(torch.bfloat16))
     for i, cap in enumerate(caps):
-        assert rows.take(cap, position, block, i, 1)
-    rows.flush()
+        rows.note(cap, position, block, i, 1)
+    rows.flush(ResultRows(None, None))
     return block.clone()
 
 

@@ -5,9 +5,13 @@ pass's accepted ones). Copying each request's rows into its run as they arrive
 (``RequestCapture.add``) costs the scheduler thread a few tensor operations per request and
 step: 2.7 ms per 64-request step in isolation, against 0.7 ms as one scatter (measured on the
 CPU test bed when the scatter was added, commit ``747aed4``).
-Here the result seam only reserves each request's place in its run (``RequestCapture.place``, plain
-Python); ``flush`` hands the step's reservations to the ``RowCopier`` thread, which copies them with
-one ``HostPool.scatter_rows`` per source tensor while the scheduler goes on with the next batch.
+Here the result seam only notes where each request's rows are (``note``: one list append per
+request); ``flush`` places the step's rows in their runs in one loop (a continued run is read off
+its attributes; a new one comes from ``RequestCapture.place``) and hands the reservations to the
+``RowCopier`` thread, which copies them with one ``HostPool.scatter_rows`` per source tensor while
+the scheduler goes on with the next batch. Noting rather than placing per request keeps the
+scheduler thread's cost per request and step to the seam's call (on the EAGLE-3 24 x 2048 pair
+the chain of placing calls per request was ~4% of that thread: bench/RESULTS.md, r76).
 
 A run that took rows this way carries a ``CopyTicket`` as its chunk's ``ready``: the hand-off
 thread waits on it (``describe_chunks``) before a writer process reads the run, as it waits on a
@@ -25,11 +29,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
 
+from sglang_capture.server.batch_rows import RowsMismatch
 from sglang_capture.server.request_capture import RUN_ROWS
 
 if TYPE_CHECKING:
     import torch
 
+    from sglang_capture.server.batch_rows import ResultRows
     from sglang_capture.server.copy_counts import CopyCounts
     from sglang_capture.server.host_pool import HostPool
     from sglang_capture.server.request_capture import RequestCapture
@@ -177,48 +183,31 @@ class RowCopier:
 
 
 class DecodeRows:
-    """Rows placed but not yet copied, per source tensor (scheduler thread)."""
+    """A decode step's rows, noted per request and reserved and copied per step (scheduler thread)."""
 
     def __init__(self, pool: HostPool, counts: CopyCounts, copier: Optional[RowCopier] = None) -> None:
         self.pool = pool
         self.counts = counts
         self.copier = copier  # None: each flush copies on the scheduler thread
-        self._pending: Dict[int, _Source] = {}
-        self._tickets: List[CopyTicket] = []  # the runs this flush's rows go to
+        self._notes: List[Tuple[RequestCapture, int, torch.Tensor, int, int]] = []
 
-    def take(self, capture: RequestCapture, start: int, source: torch.Tensor, row: int, n: int) -> bool:
-        """Reserve ``n`` rows of ``source`` from ``row`` on for ``capture``'s positions from ``start``;
-        False when they cannot be batched (the caller then adds them itself)."""
-        src = self._pending.get(id(source))
-        if src is None:
-            src = self._pending[id(source)] = _Source.of(source)
-        if not src.batchable or n > RUN_ROWS or (capture.fp8_block is not None and not src.packed):
-            return False
-        placed = capture.place(start, n, src.dtype, src.row_shape)
-        if placed is None:  # no room in the pool for a run (counted there): the view of the step's block
-            capture.keep(start, source[row:row + n])
-            return True
-        buffer, at, chunk = placed
-        if n == 1:
-            src.rows.append(row)
-            src.offsets.append(at)
-        else:
-            src.rows.extend(range(row, row + n))
-            src.offsets.extend(range(at, at + n * src.row_bytes, src.row_bytes))
-        src.buffers.append(buffer)
-        ticket = chunk.ready
-        if ticket.__class__ is not CopyTicket:
-            ticket = chunk.ready = CopyTicket(self.copier)
-        self._tickets.append(ticket)
-        return True
+    def note(self, capture: RequestCapture, position: int, hidden: torch.Tensor, offset: int, n: int) -> None:
+        """Hot path, once per capture request and decode step: ``capture``'s ``n`` rows at batch
+        offset ``offset`` of ``hidden`` are its positions from ``position``. Nothing else happens
+        here: ``flush`` places the step's rows together, in one loop instead of a chain of calls
+        per request."""
+        self._notes.append((capture, position, hidden, offset, n))
 
-    def flush(self) -> None:
-        """Hand every reserved row to the copier (before the requests are sealed, and at the step's
-        end); without one, or once it is closed, copy them here. Never raises: a copy that fails
-        fails the runs it was for (their tickets), not the scheduler."""
-        pending, self._pending = self._pending, {}
-        tickets, self._tickets = self._tickets, []
-        sources = [src for src in pending.values() if src.rows]
+    def flush(self, processing: Optional[ResultRows]) -> None:
+        """Place every noted row in its request's run and hand the copies to the copier (before
+        the requests are sealed, and at the step's end); without one, or once it is closed, copy
+        them here. ``processing``: the batch whose result the rows came from (where each request's
+        rows lie). Never raises: a row that cannot be found fails its capture, and a copy that
+        fails fails the runs it was for (their tickets), not the scheduler."""
+        notes, self._notes = self._notes, []
+        if not notes:
+            return
+        sources, tickets = self._place(notes, processing)
         if not sources:
             return
         if self.copier is not None:
@@ -235,3 +224,57 @@ class DecodeRows:
         except Exception as e:  # noqa: BLE001 - on the scheduler thread: fail the runs, never the server
             for ticket in tickets:
                 ticket.error = ticket.error or f"{type(e).__name__}: {e}"
+
+    def _place(self, notes: List[Tuple[RequestCapture, int, torch.Tensor, int, int]],
+               processing: Optional[ResultRows]) -> Tuple[List[_Source], List[CopyTicket]]:
+        """Reserve each note's rows in its request's run: a continued run in place (the common
+        case, read off the run's attributes), a new one through ``RequestCapture.place``. Rows
+        that cannot be scattered are added by their capture itself."""
+        pending: Dict[int, _Source] = {}
+        tickets: List[CopyTicket] = []
+        last, src = None, None
+        kept = processing.rows if processing is not None else None
+        packed = kept.packed if kept is not None else None  # ResultRows.source's choice, made once a step
+        for capture, position, hidden, offset, n in notes:
+            if capture.failure is not None:
+                continue
+            if processing is None:
+                capture.fail(f"rows of batch offset {offset} arrived outside a batch's result processing")
+                continue
+            try:
+                row = processing.row(hidden, offset, n)
+            except RowsMismatch as e:
+                capture.fail(str(e))
+                continue
+            source = packed if packed is not None and capture.fp8_block is not None else hidden
+            if source is not last:
+                last = source
+                src = pending.get(id(source))
+                if src is None:
+                    src = pending[id(source)] = _Source.of(source)
+            if not src.batchable or n > RUN_ROWS or (capture.fp8_block is not None and not src.packed):
+                capture.add(position, source[row:row + n])
+                continue
+            run = capture.run
+            if (run is not None and run.chunk.start + run.used == position and run.used + n <= run.capacity
+                    and run.offset is not None and run.dtype == src.dtype and run.row_shape == src.row_shape):
+                buffer, at, chunk = run.buffer, run.offset + run.used * run.row_bytes, run.chunk
+                run.used += n
+            else:
+                placed = capture.place(position, n, src.dtype, src.row_shape)
+                if placed is None:  # no room in the pool for a run (counted there): the view of the step's block
+                    capture.keep(position, source[row:row + n])
+                    continue
+                buffer, at, chunk = placed
+            if n == 1:
+                src.rows.append(row)
+                src.offsets.append(at)
+            else:
+                src.rows.extend(range(row, row + n))
+                src.offsets.extend(range(at, at + n * src.row_bytes, src.row_bytes))
+            src.buffers.append(buffer)
+            ticket = chunk.ready
+            if ticket.__class__ is not CopyTicket:
+                ticket = chunk.ready = CopyTicket(self.copier)
+            tickets.append(ticket)
+        return [s for s in pending.values() if s.rows], tickets

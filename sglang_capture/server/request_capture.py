@@ -11,7 +11,8 @@ run of the request's own: a decode step's block holds one row of every capture r
 batch, so keeping views of it would keep each neighbour's rows alive until the longest of them
 is written, and a long generation beside a stream of short ones would hold the batch's rows of
 every step it lived through, far beyond ``--capture-max-pending-mb``. A run is a pool block of
-``RUN_ROWS`` rows; copying a row costs one row's bytes of memcpy. A decode step's rows are placed
+``RUN_ROWS`` rows, doubling for each next run of the same request up to ``RUN_MAX_BYTES``; copying
+a row costs one row's bytes of memcpy. A decode step's rows are placed
 here one request at a time (``place``) but copied together, on a thread of their own
 (decode_rows.py); a run's chunk gets its rows when the run closes (a new run, ``seal``).
 """
@@ -45,12 +46,18 @@ class RowChunk:
     ready: Optional[Any] = None
 
 
-RUN_ROWS = 32  # rows per run, and the most rows copied into one: a run's unused tail is below this
+RUN_ROWS = 32  # a request's first run's rows, and the most rows copied into a run at once
+# A run that fills doubles for the next one, up to this many bytes and 1/RUN_CAP_SHARE of the host
+# memory cap (never below RUN_ROWS rows): each new run costs the scheduler thread ~15 us (pool
+# block, tensor, ledger), which a verify pass's several rows a step would otherwise pay every ~10
+# steps; a run's unused tail stays below it, and far below the cap.
+RUN_MAX_BYTES = 2 << 20
+RUN_CAP_SHARE = 256
 
 
-class _Run:
+class Run:
     """A pool block filling with one request's consecutive short rows (its facts kept as plain
-    attributes: ``takes`` runs for every decode row)."""
+    attributes: ``DecodeRows`` reads them for every decode row)."""
 
     __slots__ = ("buffer", "chunk", "offset", "used", "capacity", "dtype", "row_shape", "row_bytes")
 
@@ -104,7 +111,7 @@ class RequestCapture:
     pool: Optional[HostPool] = None  # for rows that arrive still on the device
     failure: Optional[str] = None  # why rows could not be taken; the request then gets status error
     fp8_block: Optional[int] = None  # --capture-dtype fp8: rows not yet packed are packed here (core/fp8.py)
-    _run: Optional[_Run] = field(default=None, init=False, repr=False)  # the run being filled
+    run: Optional[Run] = field(default=None, init=False, repr=False)  # the run being filled
     counts: Optional[CopyCounts] = None  # the scheduler's copy counters (FP8 rows packed here)
 
     @property
@@ -157,20 +164,24 @@ class RequestCapture:
         run.used += n
         return run.buffer, at, run.chunk
 
-    def _run_for(self, start: int, n: int, dtype: torch.dtype, row_shape: Tuple[int, ...]) -> Optional[_Run]:
+    def _run_for(self, start: int, n: int, dtype: torch.dtype, row_shape: Tuple[int, ...]) -> Optional[Run]:
         """The run that ``n`` rows at ``start`` continue (a new one when they do not continue the
         current run), or None when the pool has no room for one (counted there)."""
-        run = self._run
+        run = self.run
         if run is not None and run.takes(start, n, dtype, row_shape):
             return run
+        rows = RUN_ROWS
         if run is not None:
             run.close()
-        buffer = self.pool.alloc((RUN_ROWS, *row_shape), dtype) if self.pool is not None else None
+            if run.chunk.start + run.used == start:  # it filled: a longer one
+                most = min(RUN_MAX_BYTES, self.ledger.cap_bytes // RUN_CAP_SHARE) // max(run.row_bytes, 1)
+                rows = max(RUN_ROWS, min(2 * run.capacity, most))
+        buffer = self.pool.alloc((rows, *row_shape), dtype) if self.pool is not None else None
         if buffer is None:
-            self._run = None
+            self.run = None
             return None
         self.ledger.hold(buffer)
-        run = self._run = _Run(buffer, start, self.pool.offset_of(buffer))
+        run = self.run = Run(buffer, start, self.pool.offset_of(buffer))
         self.chunks.append(run.chunk)
         return run
 
@@ -189,9 +200,9 @@ class RequestCapture:
 
     def seal(self) -> None:
         """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""
-        if self._run is not None:
-            self._run.close()
-            self._run = None
+        if self.run is not None:
+            self.run.close()
+            self.run = None
         if self.finalizer is not None:
             self.finalizer.detach()
             self.finalizer = None
@@ -199,6 +210,6 @@ class RequestCapture:
     def release(self) -> None:
         """Give the rows' host memory back (after writing, or when the request is dropped)."""
         chunks, self.chunks = self.chunks, []
-        self._run = None
+        self.run = None
         for chunk in chunks:
             self.ledger.release(chunk.rows)

@@ -31,7 +31,7 @@ def batch_result_context(state: SchedulerCapture, wrapped: Any, instance: Any, a
             return wrapped(*args, **kwargs)
         finally:
             if state.decode_rows is not None:
-                state.decode_rows.flush()  # the step's rows of requests that did not finish in it
+                state.decode_rows.flush(state.processing)  # the step's rows of requests that did not finish in it
 
     try:
         return state.clock.timed(f"process_result/{mode}", batch_captures(batch), process)
@@ -122,15 +122,14 @@ def take_decode_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args:
         return wrapped(*args, **{**kwargs, "hidden_states": _sglang_columns(state, kwargs["hidden_states"])})
     accept = kwargs["accept_len"]
     if accept > 0:
-        start = kwargs["start"]
         # output_ids already holds this step's tokens; the rows belong to the tokens fed in.
         position = len(req.origin_input_ids) + len(req.output_ids) - 1 - accept
+        if state.decode_rows is not None:  # placed with the step's other decode rows, at its flush (decode_rows.py)
+            state.decode_rows.note(capture, position, kwargs["hidden_states"], kwargs["start"], accept)
+            return None
         hidden = kwargs["hidden_states"]
-        found = _rows_of(state, req, capture, hidden, start, accept)
+        found = _rows_of(state, req, capture, hidden, kwargs["start"], accept)
         if found is not None:
             row, processing = found
-            source = processing.source(hidden, capture)
-            # copied with the step's other decode rows, on the row copier's thread (decode_rows.py)
-            if state.decode_rows is None or not state.decode_rows.take(capture, position, source, row, accept):
-                capture.add(position, source[row:row + accept])
+            capture.add(position, processing.source(hidden, capture)[row:row + accept])
     return None
