@@ -33,7 +33,7 @@ Stacks = Dict[str, Counter[Tuple[str, ...]]]
 def load(path: str) -> Stacks:
     """py-spy ``--format raw --threads`` output: per thread name, sample counts per stack."""
     out: Stacks = collections.defaultdict(collections.Counter)
-    with open(path) as f:
+    with open(path, errors="replace") as f:  # py-spy writes frame names as it reads them, bytes not always UTF-8
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if not stack or not count.isdigit():
