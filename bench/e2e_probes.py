@@ -158,6 +158,31 @@ def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: 
 _VM_KEYS = ("allocstall", "pgscan_direct", "pgscan_kswapd", "pgsteal_direct", "pgsteal_kswapd")
 
 
+def scheduler_clock(docs: Dict[str, Dict]) -> Dict[str, List[float]]:
+    """The scheduler thread's time in the patched seams (server/seam_clock.py) and in garbage
+    collections (``gc/gen0..2``, server/gc_pauses.py), summed over the ranks' stats files ``docs``:
+    per account, [calls, seconds]."""
+    out: Dict[str, List[float]] = {}
+    for doc in docs.values():
+        accounts = [(k, v) for k, v in (doc.get("scheduler_thread") or {}).items()]
+        accounts += [(f"gc/{k}", v) for k, v in (doc.get("gc_pauses") or {}).items()]
+        for k, v in accounts:
+            acc = out.setdefault(k, [0, 0.0])
+            acc[0] += v.get("calls", 0)
+            acc[1] += v.get("s", 0.0)
+    return out
+
+
+def clock_deltas(before: Dict[str, List[float]], after: Dict[str, List[float]]) -> Dict[str, List[float]]:
+    """Per account of ``scheduler_clock`` called in between: [calls, microseconds a call]."""
+    out: Dict[str, List[float]] = {}
+    for k, (n, sec) in sorted(after.items()):
+        n0, sec0 = before.get(k, (0, 0.0))
+        if n > n0:
+            out[k] = [int(n - n0), round(1e6 * (sec - sec0) / (n - n0), 1)]
+    return out
+
+
 def vmstat() -> Dict[str, int]:
     """The host's memory-reclaim counters (summed over zones/kinds), where /proc has them."""
     out = dict.fromkeys(_VM_KEYS, 0)

@@ -26,7 +26,8 @@ requests; their summary is under ``fraction``.
 
 Every window records the GPU's busy share (``gpu``, from nvidia-smi where there is one), and a
 capturing window the scheduler thread's time in the patched seams (``seams``: calls and microseconds
-a call per seam, for batches that capture or not, server/seam_clock.py; none for a server's first
+a call per seam, for batches that capture or not, server/seam_clock.py, and per generation of garbage
+collections, `gc/gen0..2`; none for a server's first
 capturing window, whose counts would include its warm-up). With
 ``--py-spy-seconds S``, py-spy samples the scheduler and HTTP processes of each server for S seconds
 in its last-round window (summaries under ``pyspy``, named server-mode; raw files in OUT_DIR/pyspy):
@@ -76,18 +77,6 @@ def counters(docs: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
     return out
 
 
-def seam_clock(docs: Dict[str, Dict[str, Any]]) -> Dict[str, List[float]]:
-    """The scheduler thread's time in the patched seams (server/seam_clock.py), summed over the ranks'
-    stats files ``docs``: per account, [calls, seconds]."""
-    out: Dict[str, List[float]] = {}
-    for doc in docs.values():
-        for k, v in (doc.get("scheduler_thread") or {}).items():
-            acc = out.setdefault(k, [0, 0.0])
-            acc[0] += v.get("calls", 0)
-            acc[1] += v.get("s", 0.0)
-    return out
-
-
 class Chats:
     """The chats of one window: token ids drawn from a seed, the system prompt shared by all windows."""
 
@@ -133,7 +122,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     a = chats.a
     count = capture if count is None else count
     docs = writer_stats(server.capture_dir, settled=True) if count else {}
-    before, clock_before = counters(docs), seam_clock(docs)
+    before, clock_before = counters(docs), e2e_probes.scheduler_clock(docs)
     gpu = e2e_probes.GpuSampler()
     t0 = time.monotonic()
     try:
@@ -153,14 +142,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
         delta = {k: after[k] - before[k] for k in COUNTED}
         # per seam account: the window's calls and microseconds a call (decode steps, sealing steps, ...);
         # not for a server's first capturing window, which has no stats file before it to count from
-        seams: Optional[Dict[str, List[float]]] = None
-        if clock_before:
-            seams = {}
-            for k, (n, sec) in sorted(seam_clock(docs).items()):
-                n0, sec0 = clock_before.get(k, (0, 0.0))
-                if n > n0:
-                    seams[k] = [int(n - n0), round(1e6 * (sec - sec0) / (n - n0), 1)]
-        out["seams"] = seams
+        out["seams"] = e2e_probes.clock_deltas(clock_before, e2e_probes.scheduler_clock(docs)) if clock_before else None
         # rows a chat needs (its last turn's, the system prompt's counted once per window) and those stored
         unique = a.system + sum(r["rows"] - a.system for r in results)
         out.update(delta=delta, unique_rows=unique, file_rows=sum(r["file_rows"] for r in results),

@@ -24,8 +24,9 @@ Per speculating server:
   for its file), every request asking for its file (``custom_params.capture``: each client waits
   for the file before its next request), and none (``capture: false``), after an uncounted window of
   each (``--warmup-seconds``), each request with a prompt of its own; output tok/s per window,
-  ratio of the medians to none; bar 0.95 for the operator's. The writer's stats (scheduler-thread
-  time per seam, writer queue and times) after the windows go into the record.
+  ratio of the medians to none; bar 0.95 for the operator's. Per window (``clock``), the scheduler
+  thread's calls and microseconds a call per seam and per garbage-collector generation; the writer's
+  stats (writer queue and times) after the windows go into the record.
 Prints a PASS/FAIL line per check and writes OUT_DIR/gpu_spec.json.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import Dict, List
 
 import requests
 import torch
-from e2e_probes import py_spy_window  # bench/ is on sys.path: this script lives there
+from e2e_probes import clock_deltas, py_spy_window, scheduler_clock  # bench/ is on sys.path: this script lives there
 
 import sglang_capture
 from sglang_capture.core.capture_dir import read_stats, writer_stats
@@ -228,7 +229,8 @@ def window(server: Server, vocab: List[int], kind: str, name: str, concurrency: 
     the last one was answered. (Counting only the requests answered within ``seconds`` read whole rounds
     of the 64 clients: with rounds of 1-2 s, 4 against 5 of them in 10 s, a 0.8 that was not there.)
     Every request has a prompt of its own (``fresh_prompt``), so no kind of window reads the radix cache.
-    The writers then finish the window's files, which are removed (the disk would not hold them all)."""
+    The writers then finish the window's files, which are removed (the disk would not hold them all);
+    last, their stats files by name."""
     t0 = time.perf_counter()
     stop = t0 + seconds
 
@@ -246,10 +248,10 @@ def window(server: Server, vocab: List[int], kind: str, name: str, concurrency: 
 
     with ThreadPoolExecutor(concurrency) as pool:
         done = list(pool.map(client, range(concurrency)))
-    drain(server)  # an operator window's files are still being written when its responses are in
+    stats = drain(server)  # an operator window's files are still being written when its responses are in
     for f in glob.glob(os.path.join(server.capture_dir, "*" + FILE_SUFFIX)):
         os.remove(f)
-    return sum(n for n, _ in done), max(end for _, end in done) - t0
+    return sum(n for n, _ in done), max(end for _, end in done) - t0, stats
 
 
 def throughput(server: Server, vocab: List[int], windows: int, concurrency: int, tokens: int, seconds: float,
@@ -264,22 +266,26 @@ def throughput(server: Server, vocab: List[int], windows: int, concurrency: int,
             window(server, vocab, kind, f"{setting}-{kind}-warmup", concurrency, tokens, warmup_seconds)
     rates: Dict[str, List[float]] = {k: [] for k in KINDS}
     durations: Dict[str, List[float]] = {k: [] for k in KINDS}
+    clocks: Dict[str, List[Dict]] = {k: [] for k in KINDS}
+    clock = scheduler_clock(drain(server))
     spied: Dict = {}
     for w in range(windows):
         for kind in KINDS[w % 3:] + KINDS[:w % 3]:
             spy = (py_spy_window(server, f"{setting}-{kind}", spy_seconds, spy_dir, spied)
                    if spy_seconds > 0 and w < len(KINDS) and kind == KINDS[w] else None)
-            total, lasted = window(server, vocab, kind, f"{setting}-{kind}-{w}", concurrency, tokens, seconds)
+            total, lasted, stats = window(server, vocab, kind, f"{setting}-{kind}-{w}", concurrency, tokens, seconds)
             if spy is not None:
                 spy.join()
             rates[kind].append(total / lasted)
             durations[kind].append(round(lasted, 2))
+            clocks[kind].append(clock_deltas(clock, clock := scheduler_clock(stats)))
         log(f"{setting} window {w}: " + ", ".join(f"{k} {rates[k][-1]:.0f}" for k in KINDS) + " tok/s")
     plain = statistics.median(rates["plain"])
     ratios = {k: round(statistics.median(rates[k]) / plain, 4) for k in KINDS[:2]}
     return {"windows": windows, "seconds": seconds, "warmup_seconds": warmup_seconds, "concurrency": concurrency,
             "tokens": tokens, "tok_s": {k: [round(x) for x in v] for k, v in rates.items()}, "window_s": durations,
-            "ratio_of_medians": ratios, "pass": ratios["operator"] >= MIN_RATIO, "stats": drain(server), **spied}
+            "ratio_of_medians": ratios, "pass": ratios["operator"] >= MIN_RATIO, "clock": clocks, "stats": drain(server),
+            **spied}
 
 
 def drain(server: Server, timeout_s: float = 120.0) -> Dict:
