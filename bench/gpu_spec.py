@@ -255,15 +255,23 @@ def window(server: Server, vocab: List[int], kind: str, name: str, concurrency: 
 
 
 def throughput(server: Server, vocab: List[int], windows: int, concurrency: int, tokens: int, seconds: float,
-               setting: str, spy_seconds: float = 0.0, spy_dir: str = "", warmup_seconds: float = 0.0) -> Dict:
+               setting: str, spy_seconds: float = 0.0, spy_dir: str = "", warmup_seconds: float = 0.0,
+               freeze_gc: bool = False) -> Dict:
     """``windows`` rounds of one ``window`` of each kind of traffic, rotating their order; a window's
     rate is its tokens over its time. ``warmup_seconds``: first a window of each kind that is not
     counted (r72's first window, the server's first batches of 64 new prompts, read a quarter of the
     rate of the others). ``spy_seconds``: py-spy samples the scheduler in the first window of each
-    kind (bench/e2e_probes.py), summaries under ``pyspy``."""
+    kind (bench/e2e_probes.py), summaries under ``pyspy``. ``freeze_gc``: after the warm-up, SGLang's
+    ``/freeze_gc`` (``gc.freeze()`` in the scheduler and detokenizer: the objects alive then are never
+    walked again), as an operator would run it once a server is warm (r80: one full collection of 0.73 s
+    inside an 8 s window)."""
     if warmup_seconds > 0:
         for kind in KINDS:
             window(server, vocab, kind, f"{setting}-{kind}-warmup", concurrency, tokens, warmup_seconds)
+    if freeze_gc:
+        r = requests.post(server.url + "/freeze_gc", timeout=60)
+        if r.status_code != 200:
+            raise RuntimeError(f"/freeze_gc: HTTP {r.status_code}: {r.text[:200]}")
     rates: Dict[str, List[float]] = {k: [] for k in KINDS}
     durations: Dict[str, List[float]] = {k: [] for k in KINDS}
     clocks: Dict[str, List[Dict]] = {k: [] for k in KINDS}
@@ -282,7 +290,8 @@ def throughput(server: Server, vocab: List[int], windows: int, concurrency: int,
         log(f"{setting} window {w}: " + ", ".join(f"{k} {rates[k][-1]:.0f}" for k in KINDS) + " tok/s")
     plain = statistics.median(rates["plain"])
     ratios = {k: round(statistics.median(rates[k]) / plain, 4) for k in KINDS[:2]}
-    return {"windows": windows, "seconds": seconds, "warmup_seconds": warmup_seconds, "concurrency": concurrency,
+    return {"windows": windows, "seconds": seconds, "warmup_seconds": warmup_seconds, "freeze_gc": freeze_gc,
+            "concurrency": concurrency,
             "tokens": tokens, "tok_s": {k: [round(x) for x in v] for k, v in rates.items()}, "window_s": durations,
             "ratio_of_medians": ratios, "pass": ratios["operator"] >= MIN_RATIO, "clock": clocks, "stats": drain(server),
             **spied}
@@ -340,7 +349,7 @@ def main(a: argparse.Namespace) -> int:
                 + ", ".join(f"{k} {v['p0.1']}" for k, v in rows["columns"].items()))
         for s in [s for s in a.throughput_on.split(",") if s]:
             tp = throughput(servers[s], vocab, a.windows, a.concurrency, a.window_tokens, a.window_seconds, s,
-                            a.py_spy_seconds, os.path.join(a.out, "pyspy"), a.warmup_seconds)
+                            a.py_spy_seconds, os.path.join(a.out, "pyspy"), a.warmup_seconds, a.freeze_gc)
             res.setdefault(s, {})["throughput"] = tp
             ok &= tp["pass"] or s == "ref"  # the reference (no speculation) is context, not a bar
             log(f"{'PASS' if tp['pass'] else 'FAIL'} {s} throughput over none: {tp['ratio_of_medians']} ({tp['tok_s']})")
@@ -371,5 +380,7 @@ if __name__ == "__main__":
                     "same target without speculation, for context)")
     ap.add_argument("--py-spy-seconds", type=float, default=0.0, help="sample the scheduler in the first window of "
                     "each kind for this long (py-spy on PATH or beside the package)")
+    ap.add_argument("--freeze-gc", action="store_true", help="POST /freeze_gc to each measured server after its "
+                    "warm-up windows")
     ap.add_argument("--captures", default="/tmp/gpu-spec-captures", help="capture dirs, one per server (outside OUT)")
     sys.exit(main(ap.parse_args()))
