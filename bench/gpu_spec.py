@@ -24,9 +24,10 @@ Per speculating server:
   for its file), every request asking for its file (``custom_params.capture``: each client waits
   for the file before its next request), and none (``capture: false``), after an uncounted window of
   each (``--warmup-seconds``), each request with a prompt of its own; output tok/s per window,
-  ratio of the medians to none; bar 0.95 for the operator's. Per window (``clock``), the scheduler
-  thread's calls and microseconds a call per seam and per garbage-collector generation; the writer's
-  stats (writer queue and times) after the windows go into the record.
+  ratio of the medians to none; bar 0.95 for the operator's. Per capture window (``clock``), the
+  scheduler thread's calls and microseconds a call per seam and per garbage-collector generation
+  since the last capture window (a none window before it included: its ``*/plain`` accounts); the
+  writer's stats (writer queue and times) after the windows go into the record.
 Prints a PASS/FAIL line per check and writes OUT_DIR/gpu_spec.json.
 """
 from __future__ import annotations
@@ -286,7 +287,9 @@ def throughput(server: Server, vocab: List[int], windows: int, concurrency: int,
                 spy.join()
             rates[kind].append(total / lasted)
             durations[kind].append(round(lasted, 2))
-            clocks[kind].append(clock_deltas(clock, clock := scheduler_clock(stats)))
+            # a stats file is rewritten only as capture jobs finish: a none window's batches and
+            # collections land in the next capture window's deltas (its */plain accounts), none of its own
+            clocks[kind].append(clock_deltas(clock, clock := scheduler_clock(stats)) if kind != "plain" else None)
         log(f"{setting} window {w}: " + ", ".join(f"{k} {rates[k][-1]:.0f}" for k in KINDS) + " tok/s")
     plain = statistics.median(rates["plain"])
     ratios = {k: round(statistics.median(rates[k]) / plain, 4) for k in KINDS[:2]}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -147,6 +148,23 @@ def test_a_request_that_fills_its_runs_gets_longer_ones_up_to_a_bound_set_by_the
     assert all(c.rows.shape[0] == n for c, n in zip(cap.chunks, want, strict=False))
 
 
+def test_a_longer_run_that_does_not_fit_falls_back_to_the_first_size_before_the_steps_view():
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.server.ledger import HostMemoryLedger
+    from sglang_capture.server.request_capture import RUN_ROWS, RequestCapture
+
+    pool = HostPool(3 * 4096, pin=False)  # three pages: a 32-row run of 128-byte rows each
+    cap = RequestCapture(rid="r", name="r", ledger=HostMemoryLedger(1 << 30), pool=pool)
+    held = pool.alloc((4096,), torch.uint8)  # noqa: F841  (one page stays taken)
+    row = torch.ones(1, 64, dtype=torch.bfloat16)
+    for position in range(RUN_ROWS + 1):  # the first run fills; the doubled one (two pages) does not fit
+        cap.add(position, row)
+    cap.seal()
+    assert [c.rows.shape[0] for c in cap.chunks] == [RUN_ROWS, 1]
+    assert cap.chunks[1].rows.untyped_storage().nbytes() == RUN_ROWS * 128  # the first size, in the pool
+    assert pool.stats()["fallbacks"] == 0  # the longer run's miss is not a fallback: nothing fell back
+
+
 @pytest.mark.parametrize("on", ["copier", "scheduler"])
 def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_as_one_by_one(on):
     from sglang_capture.server.batch_rows import ResultRows
@@ -171,9 +189,9 @@ def test_a_steps_decode_rows_go_into_their_requests_runs_in_one_scatter_exactly_
             if step == RUN_ROWS + 3 and i == 1:
                 position[i] += 100  # retracted and decoded again elsewhere: a new run
             one_by_one[i].add(position[i], block[i * stride:i * stride + accept])
-            batched.note(together[i], position[i], block, i * stride, accept)
+            batched.note(together[i], position[i], block, i * stride, accept, ResultRows(None, None))
             position[i] += accept
-        batched.flush(ResultRows(None, None))  # placed here, together
+        batched.flush()  # placed here, together
         del block  # the reservations keep the step's rows until the copy
     for a, b in zip(one_by_one, together, strict=True):
         a.seal()
@@ -204,8 +222,8 @@ def test_decode_rows_that_cannot_be_scattered_are_added_by_their_capture_or_kept
     refused = {"strided": (strided, 1), "fp8": (step, 1), "long": (step, 40)}  # not contiguous; not packed yet; > a run
     caps = {k: RequestCapture(rid=k, name=k, ledger=ledger, pool=pool, fp8_block=8 if k == "fp8" else None) for k in refused}
     for k, (source, n) in refused.items():
-        rows.note(caps[k], 5, source, 0, n)
-    rows.flush(ResultRows(None, None))
+        rows.note(caps[k], 5, source, 0, n, ResultRows(None, None))
+    rows.flush()
     assert counts.decode_scatters == 0  # none was scattered: each capture added its own rows
     for k, (source, n) in refused.items():
         caps[k].seal()
@@ -217,14 +235,14 @@ def test_decode_rows_that_cannot_be_scattered_are_added_by_their_capture_or_kept
     held = full.alloc((4096,), torch.uint8)  # noqa: F841  (the pool is full while it lives)
     lone = RequestCapture(rid="x", name="x", ledger=ledger, pool=full)
     lonely = DecodeRows(full, CopyCounts())
-    lonely.note(lone, 0, step, 0, 1)
-    lonely.flush(ResultRows(None, None))  # no room for a run: the step's view is kept
+    lonely.note(lone, 0, step, 0, 1, ResultRows(None, None))
+    lonely.flush()  # no room for a run: the step's view is kept
     assert lone.chunks[0].rows.data_ptr() == step.data_ptr() and full.stats()["fallbacks"] == 1  # one try, counted once
     with pytest.raises(ValueError, match="lie outside the pool"):
         pool.scatter_rows(step, [0], [pool.size_bytes - 8])
 
 
-def test_noted_rows_that_are_not_in_the_batch_fail_their_capture_at_the_flush_and_the_others_are_placed():
+def test_noted_rows_that_are_not_in_the_batch_or_cannot_be_placed_fail_their_capture_and_the_others_are_still_copied():
     from sglang_capture.server.batch_rows import BatchRows, ResultRows
     from sglang_capture.server.copy_counts import CopyCounts
     from sglang_capture.server.decode_rows import DecodeRows
@@ -235,21 +253,46 @@ def test_noted_rows_that_are_not_in_the_batch_fail_their_capture_at_the_flush_an
     pool, ledger, counts = HostPool(1 << 20, pin=False), HostMemoryLedger(1 << 20), CopyCounts()
     rows = DecodeRows(pool, counts)
     step = pool.take(torch.randn(4, 16).to(torch.bfloat16))
-    good, past, unkept, outside = (RequestCapture(rid=k, name=k, ledger=ledger, pool=pool) for k in "gpuo")
-    rows.note(good, 9, step, 1, 1)
-    rows.note(past, 9, step, 3, 2)  # rows 3-4 of 4
-    rows.flush(ResultRows(None, None))
-    good.seal()
-    assert past.failure == "rows 3-4 asked of 4" and not past.chunks
-    assert good.failure is None and torch.equal(good.chunks[0].rows, step[1:2]) and counts.decode_scatters == 1
+    good, past, unkept, broken, after = (RequestCapture(rid=k, name=k, ledger=ledger, pool=pool) for k in "gpuba")
     kept = BatchRows(None, captures=True)
     kept.keep(([(0, 4)], {0: 0, 2: 2}), batch_rows=6, in_forward=False)  # rows at batch offsets 0 and 2 were kept
-    rows.note(unkept, 9, step, 1, 1)  # batch offset 1 was not kept
-    rows.flush(ResultRows(None, kept))
+
+    def place_fails(*args):
+        raise OSError("injected")
+
+    broken.place = place_fails
+    rows.note(good, 9, step, 1, 1, ResultRows(None, None))
+    rows.note(past, 9, step, 3, 2, ResultRows(None, None))  # rows 3-4 of 4
+    rows.note(unkept, 9, step, 1, 1, ResultRows(None, kept))  # batch offset 1 was not kept: each note keeps its batch
+    rows.note(broken, 9, step, 0, 1, ResultRows(None, None))
+    rows.note(after, 9, step, 2, 1, ResultRows(None, None))  # after the failures: still placed and copied
+    rows.flush()
+    assert past.failure == "rows 3-4 asked of 4" and not past.chunks
     assert unkept.failure.startswith("kept rows do not match: offset 1")
-    rows.note(outside, 9, step, 0, 1)
-    rows.flush(None)
-    assert outside.failure == "rows of batch offset 0 arrived outside a batch's result processing"
+    assert broken.failure == "decode rows at position 9 could not be placed: OSError: injected"
+    assert counts.decode_scatters == 1 and counts.decode_rows_scattered == 2
+    for cap, want in ((good, step[1:2]), (after, step[2:3])):
+        cap.seal()
+        assert cap.failure is None and torch.equal(cap.chunks[0].rows, want)
+
+
+def test_a_decode_row_arriving_outside_a_batch_result_fails_its_capture_with_or_without_the_pool():
+    from sglang_capture.server.copy_counts import CopyCounts
+    from sglang_capture.server.decode_rows import DecodeRows
+    from sglang_capture.server.hooks.results import take_decode_rows
+    from sglang_capture.server.host_pool import HostPool
+    from sglang_capture.server.ledger import HostMemoryLedger
+    from sglang_capture.server.request_capture import CAPTURE_ATTR, RequestCapture
+
+    pool, ledger = HostPool(1 << 20, pin=False), HostMemoryLedger(1 << 20)
+    for decode_rows in (DecodeRows(pool, CopyCounts()), None):
+        state = types.SimpleNamespace(decode_rows=decode_rows, processing=None)
+        req = types.SimpleNamespace(origin_input_ids=[1, 2, 3], output_ids=[4, 5])
+        capture = RequestCapture(rid="r", name="r", ledger=ledger, pool=pool)
+        setattr(req, CAPTURE_ATTR, capture)
+        take_decode_rows(state, None, None, (), {"req": req, "hidden_states": torch.zeros(2, 16), "start": 0, "accept_len": 1})
+        assert capture.failure == "rows of batch offset 0 arrived outside a batch's result processing"
+        assert decode_rows is None or not decode_rows._notes  # nothing left for the next batch's flush
 
 
 def _decode_step(pool, rows, caps, position):
@@ -258,8 +301,8 @@ def _decode_step(pool, rows, caps, position):
 
     block = pool.take(torch.randn(len(caps), 16).to(torch.bfloat16))
     for i, cap in enumerate(caps):
-        rows.note(cap, position, block, i, 1)
-    rows.flush(ResultRows(None, None))
+        rows.note(cap, position, block, i, 1, ResultRows(None, None))
+    rows.flush()
     return block.clone()
 
 

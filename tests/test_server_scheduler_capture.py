@@ -61,6 +61,7 @@ def test_stop_ends_the_gc_watch_and_the_row_copier_and_later_rows_are_copied_on_
     that goes on serving without it (a callback in ``gc.callbacks``, the copy thread)."""
     import gc
 
+    from sglang_capture.server.batch_rows import ResultRows
     from sglang_capture.server.request_capture import RequestCapture
     from sglang_capture.server.scheduler_capture import SchedulerCapture
 
@@ -74,7 +75,7 @@ def test_stop_ends_the_gc_watch_and_the_row_copier_and_later_rows_are_copied_on_
     assert state.gc_pauses not in gc.callbacks and not state.copier._thread.is_alive()
     capture = RequestCapture(rid="r", name="r", ledger=state.ledger, pool=state.pool)
     step = torch.randn(2, 8)
-    assert state.decode_rows.take(capture, 0, step, 1, 1)
+    state.decode_rows.note(capture, 0, step, 1, 1, ResultRows(None, None))
     state.decode_rows.flush()  # the copier is closed: copied here, at once
     capture.seal()
     assert not capture.chunks[0].ready.seqs and torch.equal(capture.chunks[0].rows, step[1:2])

@@ -48,7 +48,7 @@ MAX_BEHIND = 8  # flushes the copier may have queued before the scheduler waits 
 @dataclass
 class _Source:
     """One host tensor of the step's rows, and where its reserved rows go (its facts read once a
-    step: ``take`` runs for every capture request of every decode step)."""
+    step: ``DecodeRows._place`` runs for every capture request of every decode step)."""
 
     tensor: Any
     dtype: Any
@@ -189,25 +189,25 @@ class DecodeRows:
         self.pool = pool
         self.counts = counts
         self.copier = copier  # None: each flush copies on the scheduler thread
-        self._notes: List[Tuple[RequestCapture, int, torch.Tensor, int, int]] = []
+        self._notes: List[Tuple[RequestCapture, int, torch.Tensor, int, int, ResultRows]] = []
 
-    def note(self, capture: RequestCapture, position: int, hidden: torch.Tensor, offset: int, n: int) -> None:
+    def note(self, capture: RequestCapture, position: int, hidden: torch.Tensor, offset: int, n: int,
+             processing: ResultRows) -> None:
         """Hot path, once per capture request and decode step: ``capture``'s ``n`` rows at batch
-        offset ``offset`` of ``hidden`` are its positions from ``position``. Nothing else happens
-        here: ``flush`` places the step's rows together, in one loop instead of a chain of calls
-        per request."""
-        self._notes.append((capture, position, hidden, offset, n))
+        offset ``offset`` of ``hidden`` (the result of ``processing``'s batch) are its positions from
+        ``position``. Nothing else happens here: ``flush`` places the step's rows together, in one
+        loop instead of a chain of calls per request."""
+        self._notes.append((capture, position, hidden, offset, n, processing))
 
-    def flush(self, processing: Optional[ResultRows]) -> None:
+    def flush(self) -> None:
         """Place every noted row in its request's run and hand the copies to the copier (before
         the requests are sealed, and at the step's end); without one, or once it is closed, copy
-        them here. ``processing``: the batch whose result the rows came from (where each request's
-        rows lie). Never raises: a row that cannot be found fails its capture, and a copy that
-        fails fails the runs it was for (their tickets), not the scheduler."""
+        them here. Never raises: a row that cannot be found or placed fails its capture, and a
+        copy that fails fails the runs it was for (their tickets), not the scheduler."""
         notes, self._notes = self._notes, []
         if not notes:
             return
-        sources, tickets = self._place(notes, processing)
+        sources, tickets = self._place(notes)
         if not sources:
             return
         if self.copier is not None:
@@ -225,47 +225,50 @@ class DecodeRows:
             for ticket in tickets:
                 ticket.error = ticket.error or f"{type(e).__name__}: {e}"
 
-    def _place(self, notes: List[Tuple[RequestCapture, int, torch.Tensor, int, int]],
-               processing: Optional[ResultRows]) -> Tuple[List[_Source], List[CopyTicket]]:
+    def _place(self, notes: List[Tuple[RequestCapture, int, torch.Tensor, int, int, ResultRows]]
+               ) -> Tuple[List[_Source], List[CopyTicket]]:
         """Reserve each note's rows in its request's run: a continued run in place (the common
         case, read off the run's attributes), a new one through ``RequestCapture.place``. Rows
-        that cannot be scattered are added by their capture itself."""
+        that cannot be scattered are added by their capture itself. A note that fails (its rows
+        not in the batch, or an error placing them) fails its capture only: the rows reserved for
+        the others are still handed on."""
         pending: Dict[int, _Source] = {}
         tickets: List[CopyTicket] = []
-        last, src = None, None
-        kept = processing.rows if processing is not None else None
-        packed = kept.packed if kept is not None else None  # ResultRows.source's choice, made once a step
-        for capture, position, hidden, offset, n in notes:
+        last, src, batch, packed = None, None, None, None
+        for capture, position, hidden, offset, n, processing in notes:
             if capture.failure is not None:
                 continue
-            if processing is None:
-                capture.fail(f"rows of batch offset {offset} arrived outside a batch's result processing")
-                continue
+            if processing is not batch:
+                batch = processing
+                packed = processing.rows.packed if processing.rows is not None else None  # ResultRows.source's choice
             try:
                 row = processing.row(hidden, offset, n)
+                source = packed if packed is not None and capture.fp8_block is not None else hidden
+                if source is not last:
+                    last = source
+                    src = pending.get(id(source))
+                    if src is None:
+                        src = pending[id(source)] = _Source.of(source)
+                if not src.batchable or n > RUN_ROWS or (capture.fp8_block is not None and not src.packed):
+                    capture.add(position, source[row:row + n])
+                    continue
+                run = capture.run
+                if (run is not None and run.chunk.start + run.used == position and run.used + n <= run.capacity
+                        and run.offset is not None and run.dtype == src.dtype and run.row_shape == src.row_shape):
+                    buffer, at, chunk = run.buffer, run.offset + run.used * run.row_bytes, run.chunk
+                    run.used += n
+                else:
+                    placed = capture.place(position, n, src.dtype, src.row_shape)
+                    if placed is None:  # no room in the pool for a run (counted there): the view of the step's block
+                        capture.keep(position, source[row:row + n])
+                        continue
+                    buffer, at, chunk = placed
             except RowsMismatch as e:
                 capture.fail(str(e))
                 continue
-            source = packed if packed is not None and capture.fp8_block is not None else hidden
-            if source is not last:
-                last = source
-                src = pending.get(id(source))
-                if src is None:
-                    src = pending[id(source)] = _Source.of(source)
-            if not src.batchable or n > RUN_ROWS or (capture.fp8_block is not None and not src.packed):
-                capture.add(position, source[row:row + n])
+            except Exception as e:  # noqa: BLE001 - on the scheduler thread: fail this capture, never the server
+                capture.fail(f"decode rows at position {position} could not be placed: {type(e).__name__}: {e}")
                 continue
-            run = capture.run
-            if (run is not None and run.chunk.start + run.used == position and run.used + n <= run.capacity
-                    and run.offset is not None and run.dtype == src.dtype and run.row_shape == src.row_shape):
-                buffer, at, chunk = run.buffer, run.offset + run.used * run.row_bytes, run.chunk
-                run.used += n
-            else:
-                placed = capture.place(position, n, src.dtype, src.row_shape)
-                if placed is None:  # no room in the pool for a run (counted there): the view of the step's block
-                    capture.keep(position, source[row:row + n])
-                    continue
-                buffer, at, chunk = placed
             if n == 1:
                 src.rows.append(row)
                 src.offsets.append(at)

@@ -116,17 +116,19 @@ class HostPool:
         weakref.finalize(view, self._returned.append, (start, size, event)).atexit = False
         return out
 
-    def alloc(self, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    def alloc(self, shape: Tuple[int, ...], dtype: torch.dtype, last_try: bool = True) -> Optional[torch.Tensor]:
         """An uninitialized host tensor in a block of the pool, or None when no block fits (the
-        block returns, as ``take``'s do, once nothing references the tensor)."""
-        found = self._block(shape, dtype)
+        block returns, as ``take``'s do, once nothing references the tensor). ``last_try=False``:
+        the caller tries a smaller block next, so a miss is not counted as a fallback."""
+        found = self._block(shape, dtype, count_miss=last_try)
         if found is None:
             return None
         out, view, start, size = found
         weakref.finalize(view, self._returned.append, (start, size, None)).atexit = False
         return out
 
-    def _block(self, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, Any, int, int]]:
+    def _block(self, shape: Tuple[int, ...], dtype: torch.dtype, count_miss: bool = True
+               ) -> Optional[Tuple[torch.Tensor, Any, int, int]]:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return None
@@ -135,7 +137,7 @@ class HostPool:
             self._reclaim_locked()
             start = self._alloc_locked(size)
             if start is None:
-                self.fallbacks += 1
+                self.fallbacks += count_miss
                 return None
             self.blocks += 1
             self.used_bytes += size

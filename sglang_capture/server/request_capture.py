@@ -13,8 +13,9 @@ is written, and a long generation beside a stream of short ones would hold the b
 every step it lived through, far beyond ``--capture-max-pending-mb``. A run is a pool block of
 ``RUN_ROWS`` rows, doubling for each next run of the same request up to ``RUN_MAX_BYTES``; copying
 a row costs one row's bytes of memcpy. A decode step's rows are placed
-here one request at a time (``place``) but copied together, on a thread of their own
-(decode_rows.py); a run's chunk gets its rows when the run closes (a new run, ``seal``).
+together once a step (decode_rows.py: continued runs in place, new ones through ``place``) and
+copied together, on a thread of their own; a run's chunk gets its rows when the run closes (a new
+run, ``seal``).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ RUN_ROWS = 32  # a request's first run's rows, and the most rows copied into a r
 # A run that fills doubles for the next one, up to this many bytes and 1/RUN_CAP_SHARE of the host
 # memory cap (never below RUN_ROWS rows): each new run costs the scheduler thread ~15 us (pool
 # block, tensor, ledger), which a verify pass's several rows a step would otherwise pay every ~10
-# steps; a run's unused tail stays below it, and far below the cap.
+# steps. A request's unused tail is at most its last run: below RUN_ROWS rows or these bounds.
 RUN_MAX_BYTES = 2 << 20
 RUN_CAP_SHARE = 256
 
@@ -176,7 +177,9 @@ class RequestCapture:
             if run.chunk.start + run.used == start:  # it filled: a longer one
                 most = min(RUN_MAX_BYTES, self.ledger.cap_bytes // RUN_CAP_SHARE) // max(run.row_bytes, 1)
                 rows = max(RUN_ROWS, min(2 * run.capacity, most))
-        buffer = self.pool.alloc((rows, *row_shape), dtype) if self.pool is not None else None
+        buffer = self.pool.alloc((rows, *row_shape), dtype, last_try=rows == RUN_ROWS) if self.pool is not None else None
+        if buffer is None and rows > RUN_ROWS:  # no room for the longer run: the first size may still fit
+            buffer = self.pool.alloc((RUN_ROWS, *row_shape), dtype)
         if buffer is None:
             self.run = None
             return None

@@ -15,7 +15,7 @@ def seal_finished(state: SchedulerCapture, wrapped: Any, instance: Any, args: tu
 
     def seal_and_stream() -> Any:
         if sealing and state.decode_rows is not None:
-            state.decode_rows.flush(state.processing)  # this step's decode rows, into the runs about to be sealed
+            state.decode_rows.flush()  # this step's decode rows, into the runs about to be sealed
         for req in sealing:
             capture = getattr(req, CAPTURE_ATTR)
             delattr(req, CAPTURE_ATTR)

@@ -31,7 +31,7 @@ def batch_result_context(state: SchedulerCapture, wrapped: Any, instance: Any, a
             return wrapped(*args, **kwargs)
         finally:
             if state.decode_rows is not None:
-                state.decode_rows.flush(state.processing)  # the step's rows of requests that did not finish in it
+                state.decode_rows.flush()  # the step's rows of requests that did not finish in it
 
     try:
         return state.clock.timed(f"process_result/{mode}", batch_captures(batch), process)
@@ -124,8 +124,9 @@ def take_decode_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args:
     if accept > 0:
         # output_ids already holds this step's tokens; the rows belong to the tokens fed in.
         position = len(req.origin_input_ids) + len(req.output_ids) - 1 - accept
-        if state.decode_rows is not None:  # placed with the step's other decode rows, at its flush (decode_rows.py)
-            state.decode_rows.note(capture, position, kwargs["hidden_states"], kwargs["start"], accept)
+        processing = state.processing
+        if state.decode_rows is not None and processing is not None:  # placed with the step's other decode rows, at its flush
+            state.decode_rows.note(capture, position, kwargs["hidden_states"], kwargs["start"], accept, processing)
             return None
         hidden = kwargs["hidden_states"]
         found = _rows_of(state, req, capture, hidden, kwargs["start"], accept)
