@@ -6,8 +6,8 @@ pass's accepted ones). Copying each request's rows into its run as they arrive
 step: 2.7 ms per 64-request step in isolation, against 0.7 ms as one scatter (measured on the
 CPU test bed when the scatter was added, commit ``747aed4``).
 Here the result seam only notes where each request's rows are (``note``: one list append per
-request); ``flush`` places the step's rows in their runs in one loop (a continued run is read off
-its attributes; a new one comes from ``RequestCapture.place``) and hands the reservations to the
+request); ``flush`` places the step's rows in their runs in one loop (a continued run directly;
+a new one comes from ``RequestCapture.place``) and hands the reservations to the
 ``RowCopier`` thread, which copies them with one ``HostPool.scatter_rows`` per source tensor while
 the scheduler goes on with the next batch. Noting rather than placing per request keeps the
 scheduler thread's cost per request and step to the seam's call (on the EAGLE-3 24 x 2048 pair
@@ -227,8 +227,8 @@ class DecodeRows:
 
     def _place(self, notes: List[Tuple[RequestCapture, int, torch.Tensor, int, int, ResultRows]]
                ) -> Tuple[List[_Source], List[CopyTicket]]:
-        """Reserve each note's rows in its request's run: a continued run in place (the common
-        case, read off the run's attributes), a new one through ``RequestCapture.place``. Rows
+        """Reserve each note's rows in its request's run: a continued run directly (the common
+        case: ``Run.takes``, ``Run.reserve``), a new one through ``RequestCapture.place``. Rows
         that cannot be scattered are added by their capture itself. A note that fails (its rows
         not in the batch, or an error placing them) fails its capture only: the rows reserved for
         the others are still handed on."""
@@ -253,10 +253,8 @@ class DecodeRows:
                     capture.add(position, source[row:row + n])
                     continue
                 run = capture.run
-                if (run is not None and run.chunk.start + run.used == position and run.used + n <= run.capacity
-                        and run.offset is not None and run.dtype == src.dtype and run.row_shape == src.row_shape):
-                    buffer, at, chunk = run.buffer, run.offset + run.used * run.row_bytes, run.chunk
-                    run.used += n
+                if run is not None and run.offset is not None and run.takes(position, n, src.dtype, src.row_shape):
+                    buffer, at, chunk = run.buffer, run.reserve(n), run.chunk
                 else:
                     placed = capture.place(position, n, src.dtype, src.row_shape)
                     if placed is None:  # no room in the pool for a run (counted there): the view of the step's block

@@ -77,6 +77,12 @@ class Run:
         return (self.chunk.start + self.used == position and self.used + n <= self.capacity
                 and dtype == self.dtype and row_shape == self.row_shape)
 
+    def reserve(self, n: int) -> int:
+        """Take the next ``n`` rows (the caller checked ``takes``): the pool byte offset of the first."""
+        at = self.offset + self.used * self.row_bytes
+        self.used += n
+        return at
+
     def close(self) -> None:
         """No more rows come: the chunk's rows are the ones used (reserved rows included)."""
         self.chunk.rows = self.buffer[:self.used]
@@ -161,9 +167,7 @@ class RequestCapture:
         run = self._run_for(start, n, dtype, row_shape)
         if run is None or run.offset is None:
             return None
-        at = run.offset + run.used * run.row_bytes
-        run.used += n
-        return run.buffer, at, run.chunk
+        return run.buffer, run.reserve(n), run.chunk
 
     def _run_for(self, start: int, n: int, dtype: torch.dtype, row_shape: Tuple[int, ...]) -> Optional[Run]:
         """The run that ``n`` rows at ``start`` continue (a new one when they do not continue the
