@@ -23,16 +23,19 @@
 #      two trainings then run on in the background, as many steps as the bf16 draft's). The wait and the
 #      stage share one call: set TRAIN_STEPS (r64: 1200) or run `train` until it is done first.
 #   6. flyserve carry [dist]                 source .devkit/env.sh; bash bench/drafter.sh flyserve $OUT
+# Prefix sharing (issue 50): carry with CHATS=600, prep with STAGES="turns sharecap" FEATURES=private,shared
+# SAMPLES=600 (chats, answered turn by turn: 3 samples each), then train and serve as above (same knobs);
+# serve's verdict: shared >= 0.97 x private.
 # Knobs (NAME=VALUE arguments after OUT, or environment): SAMPLES (2000), ANSWER_TOKENS (384),
 # TRAIN_BUDGET_S (660), TRAIN_STEPS (0: sized to the budget), TEST_PROMPTS (200), STAGES (prep's:
 # "regen capture baseline"), FEATURES (the drafts trained and served: bf16,fp8,baseline), CAPTURE_DTYPES
-# (bf16,fp8); carry: TRAIN_PROMPTS (the training prompts written; SAMPLES).
+# (bf16,fp8); carry: TRAIN_PROMPTS (the training prompts written; SAMPLES), CHATS (multi-turn chats written; 0).
 set -o pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/phases.sh"
 parse_phase_args "usage: bash bench/drafter.sh carry|kit|part|prep|train|serve|fly|flyserve OUT [NAME=VALUE ...]   (carry: no OUT)" carry "$@"
 case $PHASE in
   carry)
-    carry_smollm2_gguf "${TRAIN_PROMPTS:-${SAMPLES:-2000}}" "${TEST_PROMPTS:-200}"
+    carry_smollm2_gguf "${TRAIN_PROMPTS:-${SAMPLES:-2000}}" "${TEST_PROMPTS:-200}" -- --chats "${CHATS:-0}"
     for w in specforge datasets gguf sgl_deep_gemm; do
       ls .whl/${w}-*.whl > /dev/null 2>&1 || echo "missing in .whl: $w (see this script's header)"
     done
@@ -51,7 +54,7 @@ export PYTHONPATH=$PYTHONPATH:$EXTRA
 cd /tmp  # python -m in the repo root would import the tree, not the installed wheel
 M=$W/model
 run() { python "$R/bench/drafter_run.py" "$@" --model $M --train-prompts $W/prompts-train.jsonl \
-  --test-prompts $W/prompts-test.jsonl --samples ${SAMPLES:-2000} --answer-tokens ${ANSWER_TOKENS:-384} \
+  --test-prompts $W/prompts-test.jsonl --chat-prompts $W/chats-train.jsonl --samples ${SAMPLES:-2000} --answer-tokens ${ANSWER_TOKENS:-384} \
   --train-budget-s ${TRAIN_BUDGET_S:-660} --train-steps ${TRAIN_STEPS:-0} --features ${FEATURES:-bf16,fp8,baseline} \
   --capture-dtypes ${CAPTURE_DTYPES:-bf16,fp8}; }
 # wait_for STAGE: until the background run of STAGE is done (at most 550 s), or it is gone
@@ -68,7 +71,8 @@ in_background() {
 case $PHASE in
   prep)
     join_smollm2_gguf $R/.carry-b
-    cp $R/.carry-b/prompts/prompts-train.jsonl $W/ && head -n ${TEST_PROMPTS:-200} $R/.carry-b/prompts/prompts-test.jsonl > $W/prompts-test.jsonl
+    cp $R/.carry-b/prompts/prompts-train.jsonl $W/ && cp $R/.carry-b/prompts/chats-train.jsonl $W/ 2>/dev/null
+    head -n ${TEST_PROMPTS:-200} $R/.carry-b/prompts/prompts-test.jsonl > $W/prompts-test.jsonl
     PYTHONPATH=$PYTHONPATH:$GGUF_DIR python -m sglang_capture.testbed.real_model $M || exit 1
     read -ra stages <<< "${STAGES:-regen capture baseline}"
     for stage in "${stages[@]}"; do run $stage $W 2>&1 | tee -a $W/drafter.log | grep -v "it/s\]" | tail -4; done
@@ -100,9 +104,9 @@ case $PHASE in
     ;;
 esac
 rc=$?
-for f in regen capture baseline train serve flywheel flytrain flyserve; do cp $W/$f.json "$OUT/drafter-$f.json" 2>/dev/null; done
+for f in regen capture baseline train serve flywheel flytrain flyserve turns sharecap; do cp $W/$f.json "$OUT/drafter-$f.json" 2>/dev/null; done
 cp $W/draft_config.json "$OUT/" 2>/dev/null
 tar -C $W -czf "$OUT/logs-$PHASE.tgz" --exclude='*.msgpack' --exclude='*.ckpt' --exclude='model' --exclude='draft-*' \
-  --exclude='train-bf16' --exclude='train-fp8' --exclude='train-baseline' --exclude='train-flywheel' --exclude='train-prefill' --exclude='target-view' --exclude='cache-*' \
-  --exclude='capture-server' . 2>/dev/null
+  --exclude='train-bf16' --exclude='train-fp8' --exclude='train-baseline' --exclude='train-flywheel' --exclude='train-prefill' --exclude='train-private' --exclude='train-shared' --exclude='target-view' --exclude='cache-*' \
+  --exclude='capture-server' --exclude='capture-server-*' . 2>/dev/null
 exit $rc

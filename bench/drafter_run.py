@@ -35,6 +35,19 @@ The flywheel (issue 38, item 4) follows ``train`` of the bf16 draft alone (``--f
               row's 4 largest channels), both verified and exported: WORK/ckpt-{flywheel,prefill}.
 ``flytrain``  ``train`` for the two (same steps, seed, config and vocab mapping as the bf16 draft).
 ``flyserve``  ``serve`` of the three drafts; bar: flywheel >= 0.97 x prefill at every setting.
+
+Prefix sharing (issue 50): the same data as a dataset with one sample per assistant turn, whose
+samples re-send their conversation's history:
+
+``turns``     serve the target (plain SGLang) and answer each chat of ``--chat-prompts`` turn by turn,
+              greedily, each turn sent with the chat so far: WORK/turn-samples.jsonl, one ShareGPT line
+              per assistant turn (``CHAT-tK``: the chat up to its K-th answer), turn-major, so that
+              turn K's rows are stored before turn K+1 asks for them.
+``sharecap``  ``extract`` of those samples on a launcher with ``--capture-prefix-sharing on`` and on
+              one with it ``off``: WORK/caps-shared, WORK/caps-private; rows stored against the
+              samples' unique rows, bytes on disk, every file's rows read through its blocks against the
+              private capture's, both verified and exported: WORK/ckpt-{shared,private}. Then ``train``
+              and ``serve`` with ``--features private,shared``; bar: shared >= 0.97 x private.
 """
 from __future__ import annotations
 
@@ -50,7 +63,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import requests
 
@@ -67,6 +80,7 @@ GPU_ARGS = ("--attention-backend triton --grammar-backend none --cuda-graph-max-
             "--max-total-tokens 131072")
 FEATURES = ("bf16", "fp8", "baseline")
 FLY_FEATURES = ("flywheel", "prefill")  # flytrain's runs; flyserve serves them beside the bf16 draft
+SHARE_FEATURES = ("private", "shared")  # sharecap's captures, private first: the vocab mapping comes from it
 FLY_SETTING = "s3k1d4"  # the flywheel's served setting: chain drafting
 SETTINGS = {"s3k1d4": "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
             "default": ""}  # SGLang 0.5.17 picks (5, 4, 8) for LlamaForCausalLM by itself
@@ -95,8 +109,10 @@ def _server(cmd: List[str], work: str, name: str, capture_dir: str = "") -> Serv
     return start_server(cmd, server_env(cache_dir()), os.path.join(work, f"server-{name}.log"), capture_dir)
 
 
-def _chat_ids(tokenizer, prompt: str) -> List[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True)
+def _chat_ids(tokenizer, prompt: Union[str, List[Dict[str, str]]]) -> List[int]:
+    """The template's ids for a prompt (a first user turn) or a chat so far, ready for the answer."""
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
@@ -175,6 +191,110 @@ def capture(a: argparse.Namespace) -> None:
     info["eagle_config"] = json.load(open(fragment))["eagle_config"]
     info["layers"] = _layers_of(os.path.join(a.work, "caps-bf16"))
     _mark(a.work, "capture", info)
+
+
+def _chat_sample(cid: str, turn: int, history: List[Dict[str, str]]) -> dict:
+    """A ShareGPT line: the chat up to and with its ``turn``-th answer."""
+    who = {"user": "human", "assistant": "gpt"}
+    return {"id": f"{cid}-t{turn}", "conversations": [{"from": who[m["role"]], "value": m["content"]}
+                                                      for m in history[:2 * turn]]}
+
+
+def turns(a: argparse.Namespace) -> None:
+    """Each chat answered turn by turn by the target, every turn sent with the chat so far."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    chats = _read_jsonl(a.chat_prompts)[:a.samples]
+    history: Dict[str, List[Dict[str, str]]] = {c["id"]: [] for c in chats}
+    server = _server([sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, *shlex.split(a.server_args)],
+                     a.work, "turns")
+
+    def answer(chat: dict, turn: int) -> int:
+        msgs = history[chat["id"]] + [{"role": "user", "content": chat["prompts"][turn]}]
+        r = _generate(server, _chat_ids(tok, msgs), a.answer_tokens)
+        history[chat["id"]] = msgs + [{"role": "assistant", "content": r["text"]}]
+        return r["meta_info"]["completion_tokens"]
+
+    t0, gen_tokens, most = time.monotonic(), 0, max(len(c["prompts"]) for c in chats)
+    try:
+        with cf.ThreadPoolExecutor(a.concurrency) as pool:
+            for turn in range(most):
+                gen_tokens += sum(pool.map(lambda c, t=turn: answer(c, t), [c for c in chats if len(c["prompts"]) > turn]))
+    finally:
+        stop_server(server)
+    seconds = time.monotonic() - t0
+    n = 0
+    with open(os.path.join(a.work, "turn-samples.jsonl"), "w") as f:
+        for turn in range(1, most + 1):
+            for c in chats:
+                if len(history[c["id"]]) >= 2 * turn:
+                    f.write(json.dumps(_chat_sample(c["id"], turn, history[c["id"]])) + "\n")
+                    n += 1
+    _mark(a.work, "turns", {"chats": len(chats), "samples": n, "generated_tokens": gen_tokens,
+                            "seconds": round(seconds, 1), "answer_tokens": a.answer_tokens})
+    log(f"turns: {len(chats)} chats, {n} samples, {gen_tokens:,} tokens generated in {seconds:.0f} s")
+
+
+def stored_rows(caps: str) -> Dict[str, int]:
+    """Rows a capture dir stores (its blocks' rows, each block once, and the rows files hold themselves)
+    against its samples' unique rows (distinct token prefixes: a row is its token and all before it)."""
+    import sglang_capture
+    from sglang_capture.core.blocks import BLOCKS_KEY
+    from sglang_capture.core.format import row_count
+    from sglang_capture.core.reader import read_meta
+
+    in_blocks = sum(int(m["end"]) - int(m["start"]) for m in
+                    (read_meta(p) for p in glob.glob(os.path.join(caps, ".blocks", "*", "*.block.msgpack"))))
+    in_files, nodes = 0, {}
+    for path in sorted(glob.glob(os.path.join(caps, "*" + FILE_SUFFIX))):
+        d = sglang_capture.load(path, tensors=("input_ids", "output_ids"))
+        meta = d["meta"]
+        n = row_count(int(meta["num_prompt_tokens"]), int(meta["num_output_tokens"]))
+        if meta.get(BLOCKS_KEY) is None:  # a self-contained file (sharing off): its rows are its own
+            in_files += n
+        node = 0
+        for t in (d["input_ids"].tolist() + d["output_ids"].tolist())[:n]:
+            node = nodes.setdefault((node, t), len(nodes) + 1)
+    return {"rows_in_blocks": in_blocks, "rows_in_files": in_files, "unique_rows": len(nodes),
+            "stored_per_unique": round((in_blocks + in_files) / max(len(nodes), 1), 4)}
+
+
+def sharecap(a: argparse.Namespace) -> None:
+    """The turn samples extracted with prefix sharing on and off; storage, rows and exports."""
+    samples = os.path.join(a.work, "turn-samples.jsonl")
+    info: Dict = {}
+    for feature, flags in (("shared", ["--capture-prefix-sharing", "on"]), ("private", ["--capture-prefix-sharing", "off"])):
+        server_dir, caps = os.path.join(a.work, f"capture-server-{feature}"), os.path.join(a.work, f"caps-{feature}")
+        for stale in (server_dir, caps, os.path.join(a.work, f"ckpt-{feature}")):
+            shutil.rmtree(stale, ignore_errors=True)  # a call cut off before: dedup would count its blocks
+        os.makedirs(server_dir)
+        server = _server([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", server_dir, *flags,
+                          "--model-path", a.model, *shlex.split(a.server_args)], a.work, f"sharecap-{feature}", server_dir)
+        try:
+            t0 = time.monotonic()
+            out = _cli("extract", samples, "--server", server.url, "--out", caps, "--concurrency", str(a.concurrency),
+                       "--no-progress")
+            seconds = time.monotonic() - t0
+        finally:
+            stop_server(server)
+        summary = out.strip().splitlines()[-1]
+        tokens = int(re.search(r"([\d,]+) tokens", summary).group(1).replace(",", ""))
+        info[feature] = {"extract": summary, "seconds": round(seconds, 1), "tokens": tokens,
+                         "tok_per_s": round(tokens / seconds), "bytes_on_disk": _du(caps), **stored_rows(caps)}
+        log(f"sharecap {feature}: {summary}; {json.dumps(info[feature])}")
+    shared, private = (os.path.join(a.work, f"caps-{f}") for f in ("shared", "private"))
+    names = sorted(os.path.basename(p)[:-len(FILE_SUFFIX)] for p in glob.glob(os.path.join(private, "*" + FILE_SUFFIX)))
+    info["bytes_shared_per_private"] = round(info["shared"]["bytes_on_disk"] / max(info["private"]["bytes_on_disk"], 1), 4)
+    info["rows"] = _compare_rows(shared, private, names, "shared", "private")
+    log(f"{'PASS' if info['rows']['pass'] else 'FAIL'} rows through shared blocks against private captures (bar "
+        f"{info['rows']['bar']}): {json.dumps(info['rows'])}")
+    for feature, caps in (("shared", shared), ("private", private)):
+        info[feature]["verify"] = _cli("verify", caps, "--no-progress").strip().splitlines()[-1]
+        info[feature]["export"] = _cli("export", "--format", "specforge", caps, os.path.join(a.work, f"ckpt-{feature}"),
+                                       "--no-progress").strip()
+        log(f"{feature}: {info[feature]['verify']}")
+    _mark(a.work, "sharecap", info)
 
 
 def _du(path: str) -> int:
@@ -308,18 +428,19 @@ def _probe(a: argparse.Namespace, view: str) -> Dict:
 def train(a: argparse.Namespace) -> None:
     """Time a few steps of one run, size the three runs to ``--train-budget-s`` side by side,
     train them, export each for SGLang."""
-    cap = json.load(open(os.path.join(a.work, "capture.json")))
+    first = os.path.join(a.work, f"ckpt-{a.features[0]}")  # every run's draft config and vocab mapping come from it
+    eagle_config = json.load(open(os.path.join(first, "eagle3_draft_config_fragment.json")))["eagle_config"]
     with open(os.path.join(a.work, "draft_config.json"), "w") as f:
-        json.dump(_draft_config(a, cap["eagle_config"]), f, indent=2)
+        json.dump(_draft_config(a, eagle_config), f, indent=2)
     view = _target_view(a.model, os.path.join(a.work, "target-view"))
     vocab = os.path.join(a.work, "vocab_mapping.pt")
-    if not os.path.exists(vocab):  # one mapping for all three runs, from the loss-masked tokens
+    if not os.path.exists(vocab):  # one mapping for all the runs, from the loss-masked tokens
         import torch
         from specforge.data.preprocessing import process_token_dict_to_mappings
         from specforge.training.vocab_mapping import count_effective_feature_tokens
 
         t = json.load(open(os.path.join(a.model, "config.json")))
-        counts = count_effective_feature_tokens(os.path.join(a.work, "ckpt-bf16"), max_length=a.max_length,
+        counts = count_effective_feature_tokens(first, max_length=a.max_length,
                                                 target_vocab_size=t["vocab_size"])
         d2t, t2d = process_token_dict_to_mappings(counts, a.draft_vocab, t["vocab_size"])
         torch.save({"d2t": d2t, "t2d": t2d}, vocab)
@@ -367,23 +488,32 @@ def _capture_answer(server: Server, ids: List[int], name: str, max_new: int) -> 
     return meta
 
 
-def _compare_rows(fly_dir: str, pre_dir: str, names: List[str]) -> Dict:
-    """Each flywheel file's rows against the prefill-only capture of its sequence, per column."""
+def _rows_tokens(capture: Dict) -> List[int]:
+    """The tokens a loaded capture's rows belong to: its prompt, then the outputs fed back."""
+    n, prompt = capture["aux_hidden_states"].shape[0], capture["input_ids"].tolist()
+    return prompt + capture["output_ids"].tolist()[:max(0, n - len(prompt))]
+
+
+def _compare_rows(mine_dir: str, ref_dir: str, names: List[str], label: str = "flywheel",
+                  ref_label: str = "prefill-only") -> Dict:
+    """Each file's rows in ``mine_dir`` against the file of the same name in ``ref_dir``, a capture of
+    the same token sequence (prefill-only, or private), per column."""
     from gpu_spec import ColumnCosines  # bench/ is on sys.path: this script lives there
 
     import sglang_capture
 
     compared = ColumnCosines()
     for name in names:
-        mine = sglang_capture.load(os.path.join(fly_dir, name + FILE_SUFFIX))
-        theirs = sglang_capture.load(os.path.join(pre_dir, name + FILE_SUFFIX))
+        mine = sglang_capture.load(os.path.join(mine_dir, name + FILE_SUFFIX))
+        theirs = sglang_capture.load(os.path.join(ref_dir, name + FILE_SUFFIX))
         n = mine["aux_hidden_states"].shape[0]
-        seq = mine["input_ids"].tolist() + mine["output_ids"].tolist()[:n - mine["input_ids"].numel()]
-        if theirs["input_ids"].tolist() != seq or theirs["aux_hidden_states"].shape[0] != n:
-            raise SystemExit(f"flywheel {name}: the prefill-only capture holds {theirs['input_ids'].numel()} tokens and "
-                             f"{theirs['aux_hidden_states'].shape[0]} rows, the flywheel file {len(seq)} and {n}")
+        seq, ref_seq = _rows_tokens(mine), _rows_tokens(theirs)
+        if ref_seq != seq or theirs["aux_hidden_states"].shape[0] != n:
+            raise SystemExit(f"{label} {name}: the {ref_label} capture holds {len(ref_seq)} tokens' rows "
+                             f"({theirs['aux_hidden_states'].shape[0]} rows), the {label} file {len(seq)} ({n} rows), "
+                             "or the tokens differ")
         if list(theirs["layers"]) != list(mine["layers"]):
-            raise SystemExit(f"flywheel {name}: layers {mine['layers']} against {theirs['layers']} prefill-only")
+            raise SystemExit(f"{label} {name}: layers {mine['layers']} against {theirs['layers']} {ref_label}")
         compared.add(mine, theirs, n)
     return compared.result()
 
@@ -499,6 +629,18 @@ MIN_ACCEPTANCE = ("bf16-s3k1d4", 1.5)
 # issue 38, item 4: the draft trained on the flywheel's captures against the one trained on
 # prefill-only captures of the same token sequences
 FLY_BARS = {"flywheel / prefill": ("flywheel", "prefill", 0.97)}
+# issue 50: the draft trained on files whose rows lie in shared blocks against one trained on private captures
+SHARE_BARS = {"shared / private": ("shared", "private", 0.97)}
+
+
+def bars_for(stage: str, features: tuple) -> tuple:
+    """(bars, minimum) for ``verdicts``: the flywheel's, prefix sharing's (``--features private,shared``)
+    or issue 27's."""
+    if stage == "flyserve":
+        return FLY_BARS, None
+    if set(features) == set(SHARE_FEATURES):
+        return SHARE_BARS, None
+    return BARS, MIN_ACCEPTANCE
 
 
 def verdicts(configs: Dict[str, Dict], bars: Dict[str, tuple] = BARS,
@@ -574,18 +716,20 @@ def serve(a: argparse.Namespace) -> None:
         for k in ("acceptance", "bs1"):
             if target:
                 r[k]["speedup_vs_target"] = round(r[k]["output_tok_per_s"] / target[k]["output_tok_per_s"], 3)
-    results["verdicts"] = verdicts(results["configs"], FLY_BARS, None) if fly else verdicts(results["configs"])
+    results["verdicts"] = verdicts(results["configs"], *bars_for(a.stage, a.features))
     _mark(a.work, a.stage, results)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=("regen", "capture", "baseline", "train", "serve", "flywheel", "flytrain", "flyserve"))
+    ap.add_argument("stage", choices=("regen", "capture", "baseline", "train", "serve", "flywheel", "flytrain", "flyserve",
+                                      "turns", "sharecap"))
     ap.add_argument("work")
     ap.add_argument("--model", required=True, help="target checkpoint (bf16 safetensors)")
     ap.add_argument("--train-prompts", default="")
     ap.add_argument("--test-prompts", default="")
-    ap.add_argument("--samples", type=int, default=3000, help="training conversations")
+    ap.add_argument("--chat-prompts", default="", help="turns: multi-turn chats (bench/drafter_data.py --chats)")
+    ap.add_argument("--samples", type=int, default=3000, help="training conversations (turns: chats)")
     ap.add_argument("--answer-tokens", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--server-args", default=GPU_ARGS)
@@ -605,7 +749,8 @@ def main() -> int:
     ap.add_argument("--mirror", default="", help="serve: also write the results so far here after each configuration")
     ap.add_argument("--bs1-prompts", type=int, default=20, help="held-out prompts also run one at a time (tok/s at batch 1)")
     ap.add_argument("--features", default=",".join(FEATURES),
-                    help="train, serve: the feature sets (WORK/ckpt-NAME); flytrain: always flywheel,prefill")
+                    help="train, serve: the feature sets (WORK/ckpt-NAME; the first gives the vocab mapping); flytrain: "
+                         "always flywheel,prefill; private,shared: prefix sharing's bar")
     ap.add_argument("--capture-dtypes", default="bf16,fp8", help="capture: the dtypes extracted")
     ap.add_argument("--spec-backend-args", default="",
                     help="flags for every speculative server (a CPU dry run passes the test bed's EAGLE backends)")
@@ -618,7 +763,7 @@ def main() -> int:
         log(f"{a.stage}: already done")
         return 0
     {"regen": regen, "capture": capture, "baseline": baseline, "train": train, "serve": serve, "flywheel": flywheel,
-     "flytrain": train, "flyserve": serve}[a.stage](a)
+     "flytrain": train, "flyserve": serve, "turns": turns, "sharecap": sharecap}[a.stage](a)
     return 0
 
 

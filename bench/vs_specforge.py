@@ -363,7 +363,8 @@ def server_cmds(a: argparse.Namespace, target: str) -> Dict[str, Tuple[List[str]
     os.makedirs(capture_dir, exist_ok=True)
     return {"plain": ([sys.executable, "-m", "sglang.launch_server", "--model-path", model, *args], ""),
             "ours": ([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir,
-                      "--capture-layers-from-draft", draft, "--model-path", model, *args], capture_dir)}
+                      "--capture-layers-from-draft", draft, *shlex.split(a.ours_args), "--model-path", model, *args],
+                     capture_dir)}
 
 
 def start_both(a: argparse.Namespace, target: str) -> Dict[str, Tuple[Server, float]]:
@@ -927,6 +928,7 @@ def main() -> int:
                     help="only these stages of the plan (comma names, e.g. smol-servers: ours and the ceiling); default all")
     ap.add_argument("--spy-s", type=float, default=6, help="py-spy window of an extra extract pass after the sweep (0: none)")
     ap.add_argument("--server-args", default="", help="replaces the servers' flags (a CPU dry run)")
+    ap.add_argument("--ours-args", default="", help="launcher flags for our server only (--capture-prefix-sharing off)")
     ap.add_argument("--device", default="h200", help="names the merged record (vs_specforge-DEVICE-DATE.json)")
     ap.add_argument("--tree", default="unknown", help="the commit the wheel was built from, for the merged record")
     a = ap.parse_args()

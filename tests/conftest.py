@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Dict, Iterator, List, Optional
 
 import pytest
@@ -12,6 +13,8 @@ from sglang_capture.testbed.server import Server, plain_cmd, start_server, stop_
 from sglang_capture.testbed.tiny_models import build_all
 
 CACHE = cache_dir()
+# the benchmark scripts' analysis is tested as they run it: as top-level modules of bench/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,9 @@ import json
 import os
 import sys
 
+import e2e_report
+import pyspy_summary
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-
-import e2e_report  # noqa: E402
-import pyspy_summary  # noqa: E402
 
 
 def _window(others_tok_s, gpu, thread, host, writers=0.0):
@@ -332,6 +329,51 @@ def test_drafter_prompts_are_whole_objects_up_to_the_cut_first_human_turns_witho
     prompts, read = drafter_data.first_prompts(str(path), max_chars=20)
     assert read == 5
     assert prompts == [{"id": "sharegpt-1", "prompt": "hello"}, {"id": "sharegpt-5", "prompt": "second"}]
+
+
+def test_drafter_chats_keep_their_first_human_turns_in_order_when_each_is_usable(tmp_path):
+    import drafter_data
+
+    def chat(i, *msgs):
+        return {"id": str(i), "conversations": [{"from": who, "value": text} for who, text in msgs]}
+    whole = [chat(1, ("human", "a"), ("gpt", "x"), ("human", " b "), ("gpt", "y"), ("human", "c")),
+             chat(2, ("human", "only one"), ("gpt", "x")),  # too few turns
+             chat(3, ("gpt", "x"), ("human", "a"), ("human", "b")),  # opens with an answer
+             chat(4, ("human", "a"), ("human", "again")),  # the same first turn as chat 1
+             chat(5, ("human", "d"), ("gpt", "x"), ("human", "")),  # an empty turn
+             chat(6, ("human", "e"), ("gpt", "x"), ("human", "y" * 50)),  # a turn too long
+             chat(7, ("human", "f"), ("human", "g"))]
+    path = tmp_path / "sharegpt.json"
+    path.write_text("[" + ", ".join(json.dumps(c) for c in whole) + "]")
+    assert drafter_data.chat_prompts(str(path), max_chars=20, turns=2) == [
+        {"id": "chat-1", "prompts": ["a", "b"]}, {"id": "chat-7", "prompts": ["f", "g"]}]
+    assert drafter_data.chat_prompts(str(path), max_chars=20, turns=3) == [{"id": "chat-1", "prompts": ["a", "b", "c"]}]
+
+
+def test_the_prefix_sharing_drafts_are_held_to_shared_against_private_at_every_setting():
+    import drafter_run
+
+    bars = drafter_run.bars_for("serve", ("private", "shared"))
+    configs = {f"{f}-{s}": {"acceptance": {"mean_acceptance_length": m}}
+               for f, m in (("private", 2.0), ("shared", 1.95)) for s in drafter_run.SETTINGS}
+    v = drafter_run.verdicts(configs, *bars)
+    assert set(v) == {f"shared / private ({s})" for s in drafter_run.SETTINGS}
+    assert all(x["pass"] and x["ratio"] == 0.975 for x in v.values())
+    configs["shared-default"]["acceptance"]["mean_acceptance_length"] = 1.9
+    assert not drafter_run.verdicts(configs, *bars)["shared / private (default)"]["pass"]
+    assert drafter_run.bars_for("serve", ("bf16", "fp8", "baseline")) == (drafter_run.BARS, drafter_run.MIN_ACCEPTANCE)
+    assert drafter_run.bars_for("flyserve", ("flywheel", "prefill"))[0] == drafter_run.FLY_BARS
+
+
+def test_a_turn_sample_is_the_chat_up_to_that_turns_answer():
+    from drafter_run import _chat_sample
+
+    history = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+               {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    assert _chat_sample("c", 1, history) == {"id": "c-t1", "conversations": [{"from": "human", "value": "q1"},
+                                                                             {"from": "gpt", "value": "a1"}]}
+    assert _chat_sample("c", 2, history)["conversations"][2:] == [{"from": "human", "value": "q2"},
+                                                                  {"from": "gpt", "value": "a2"}]
 
 
 def test_results_page_is_the_current_picture_and_every_record_it_names_exists():

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 import sglang_capture
 from sglang_capture.core.blocks import BLOCKS_DIR, block_relpath
 from sglang_capture.core.capture_dir import read_stats
-from sglang_capture.core.format import SCHEMA, SCHEMA_REFS, CaptureFileError
+from sglang_capture.core.format import SCHEMA, SCHEMA_REFS, CaptureFileError, row_count
 from sglang_capture.core.reader import load_records
 from sglang_capture.testbed.server import capture_cmd, stop_server
 from tests.reference import max_abs_diff, reference_states
@@ -96,15 +96,16 @@ def test_each_turn_reuses_the_stored_rows_of_the_turns_before_and_reads_as_a_pri
     assert stored == rows
 
 
-def test_a_specforge_export_of_shared_files_equals_one_of_private_captures(shared, private, tok, tmp_path):
-    """What a drafter trains on is the same whether the files share rows or not: the SpecForge export of
-    a conversation's shared-prefix files against that of private captures of the same tokens."""
+@pytest.fixture(scope="module")
+def turn_dirs(shared, private, tok, tmp_path_factory):
+    """A 3-turn conversation's files as ``extract`` leaves them: its shared-prefix files (blocks linked
+    beside them) in one directory, private captures of the same tokens in another."""
     import shutil
 
-    from sglang_capture.tools.export_specforge import export_specforge
     from sglang_capture.tools.extract import move_to_sample
 
-    dirs = {"shared": tmp_path / "shared", "private": tmp_path / "private"}
+    root = tmp_path_factory.mktemp("turns")
+    dirs = {"shared": root / "shared", "private": root / "private"}
     for d in dirs.values():
         d.mkdir()
     for t, out in enumerate(_conversation(shared, tok, "What does the drafter train on?", 3, "export")):
@@ -113,13 +114,44 @@ def test_a_specforge_export_of_shared_files_equals_one_of_private_captures(share
         prompt = sglang_capture.load(ref["path"], tensors=("input_ids",))["input_ids"].tolist()
         alone = capture(private, prompt, f"export-alone-{t}", max_new_tokens=len(out["output_ids"]))
         shutil.copy(alone["meta_info"]["capture"]["path"], dirs["private"] / f"turn-{t}.capture.msgpack")
-    for name, d in dirs.items():
+    return dirs
+
+
+def test_a_specforge_export_of_shared_files_equals_one_of_private_captures(turn_dirs, tmp_path):
+    """What a drafter trains on is the same whether the files share rows or not: the SpecForge export of
+    a conversation's shared-prefix files against that of private captures of the same tokens."""
+    from sglang_capture.tools.export_specforge import export_specforge
+
+    for name, d in turn_dirs.items():
         export_specforge(str(d), str(tmp_path / f"{name}-out"), all_tokens=True, progress=False)
     for t in range(3):
-        a, b = (torch.load(tmp_path / f"{name}-out" / f"turn-{t}.ckpt", weights_only=False) for name in dirs)
+        a, b = (torch.load(tmp_path / f"{name}-out" / f"turn-{t}.ckpt", weights_only=False) for name in turn_dirs)
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         for key in ("hidden_state", "aux_hidden_state"):  # bf16 there: rounding may move one value by an ulp
             torch.testing.assert_close(a[key].float(), b[key].float(), atol=SAME, rtol=2 ** -7)
+
+
+def test_the_drafter_chains_count_sees_each_shared_row_once_and_every_private_row_again(turn_dirs):
+    """bench/drafter_run.py's sharecap figures on real files: rows stored against the turns' unique rows
+    (1 shared; each turn's history again when private), and the rows read through blocks against the
+    private captures', per column."""
+    from drafter_run import _compare_rows, stored_rows  # bench/ is on sys.path (tests/conftest.py)
+
+    shared, private = (stored_rows(str(turn_dirs[k])) for k in ("shared", "private"))
+    assert shared["unique_rows"] == private["unique_rows"] > 0
+    # the blocks hold each row once; the first may also hold rows of another conversation opening alike
+    # (SYSTEM), of which this one references only the shared part
+    assert shared["rows_in_files"] == 0 and shared["unique_rows"] <= shared["rows_in_blocks"]
+    assert shared["stored_per_unique"] <= 1.1
+    metas = [sglang_capture.load(str(turn_dirs["private"] / f"turn-{t}.capture.msgpack"), tensors=())["meta"]
+             for t in range(3)]
+    turns = [row_count(int(m["num_prompt_tokens"]), int(m["num_output_tokens"])) for m in metas]
+    assert private["rows_in_blocks"] == 0 and private["rows_in_files"] == sum(turns)
+    assert turns[-1] == private["unique_rows"] and private["stored_per_unique"] > 1.5
+    rows = _compare_rows(str(turn_dirs["shared"]), str(turn_dirs["private"]), [f"turn-{t}" for t in range(3)],
+                         "shared", "private")
+    assert rows["pass"] and rows["files"] == 3 and rows["rows"] == sum(turns)
+    assert all(c["p0.1"] > 0.99999 for c in rows["columns"].values())
 
 
 def test_the_writer_stats_count_each_block_once(shared, tok):
