@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import requests
 import torch
 from transformers import AutoTokenizer
 
@@ -160,6 +161,23 @@ def test_the_writer_stats_count_each_block_once(shared, tok):
     assert stats["blocks_written"] > 0 and stats["rows_shared"] > 0 and stats["missing_blocks"] == 0
     on_disk = sum(os.path.getsize(p) for p in glob.glob(os.path.join(shared.capture_dir, BLOCKS_DIR, "*", "*.msgpack")))
     assert on_disk == stats["block_bytes"]  # each block's bytes counted by the one writer that stored it
+
+
+def test_a_turn_whose_history_left_the_radix_cache_stores_only_its_new_rows(shared, tok, tiny_models):
+    """Dedup on write does not depend on radix hits: a history computed again (the cache emptied, as
+    eviction or a restart leaves it) is referenced from the stored blocks, not stored a second time."""
+    first = capture(shared, tok(SYSTEM + "Evicted history.")["input_ids"], "evicted-1")
+    ref1 = first["meta_info"]["capture"]
+    r = requests.post(shared.url + "/flush_cache", params={"timeout": 30}, timeout=60)
+    assert r.status_code == 200, r.text
+    data1 = sglang_capture.load(ref1["path"])
+    history = data1["input_ids"].tolist() + data1["output_ids"].tolist()
+    ref2 = capture(shared, history + tok(" And then?")["input_ids"], "evicted-2")["meta_info"]["capture"]
+    assert ref2["status"] == "ok" and ref2["rows_shared"] == ref1["rows"]
+    assert ref2["rows_stored"] == ref2["rows"] - ref1["rows"]
+    data2 = sglang_capture.load(ref2["path"])
+    _exact(tiny_models["tiny-dsv3"], data2)
+    assert torch.equal(data2["aux_hidden_states"][:ref1["rows"]], data1["aux_hidden_states"])
 
 
 def test_sharing_off_captures_as_before_every_file_whole(private, tok, tiny_models):

@@ -280,18 +280,21 @@ def test_an_indexed_block_holds_the_tokens_of_its_slot_up_to_its_end():
 H = 2  # hidden size of the jobs below: aux [N, 2], last [N, 2]
 
 
-def _job(tmp_path, ids_in, ids_out, rows, start, refs=(), name="req", sizes=None):
+def _job(tmp_path, ids_in, ids_out, rows, start, refs=(), name="req", sizes=None, computed=None):
+    """A job whose rows from ``computed`` on (``start``: the first not in ``refs``) are ``rows``'."""
     from sglang_capture.server.request_capture import RequestCapture
     from sglang_capture.server.writer_pool import CaptureJob
 
     ledger = HostMemoryLedger(1 << 30)
     cap = RequestCapture(rid=name, name=name, ledger=ledger)
     n_rows = len(ids_in) + len(ids_out) - 1
-    cap.add(start, rows[start:n_rows])
+    computed = start if computed is None else computed
+    cap.add(computed, rows[computed:n_rows])
     meta = {"rid": name, "layers": [1], "layer_convention": "c", "hidden_size": H, "model": "m", "final": "post-norm",
             "sglang_version": "0.5.17", "schema": "sglang_capture/v1", "dtype": "float32",
             "num_prompt_tokens": len(ids_in), "num_output_tokens": len(ids_out)}
-    share = {"root": ROOT.hex(), "start": start, "refs": [r.as_list() for r in refs], "sizes": sizes or {}}
+    share = {"root": ROOT.hex(), "start": start, "computed": computed, "refs": [r.as_list() for r in refs],
+             "sizes": sizes or {}}
     return CaptureJob(cap, n_rows, {"aux_hidden_states": (0, H), "last_hidden_states": (H, 2 * H)},
                       list(map(int, ids_in)), list(map(int, ids_out)), meta, share=share)
 
@@ -344,6 +347,34 @@ def test_a_conversation_stores_each_row_once_and_every_turn_reads_whole(tmp_path
     assert o3["status"] == "ok" and o3["block_bytes"] == 0 and o3["rows_stored"] == 0
     again.pool.close()
     assert torch.equal(load(os.path.join(tmp_path, "t1-again.capture.msgpack"))["aux_hidden_states"], rows[:302, :H])
+
+
+@pytest.mark.parametrize("block", ["kept", "deleted"])
+def test_rows_computed_again_are_read_from_their_stored_blocks_or_stored_again_where_a_block_is_gone(tmp_path, block):
+    """A turn whose history left the radix cache computes it again; its file references the rows already
+    stored (never a second copy of them), and stores those whose block went missing meanwhile."""
+    server = _Server(tmp_path)
+    turn1_in, out1 = _ids(300), [7, 8, 9]
+    rows = _rows(600)
+    assert server.write(_job(tmp_path, turn1_in, out1, rows, 0, name="t1"))["status"] == "ok"
+    turn2_in = numpy.concatenate([turn1_in, out1, _ids(40, 5)])
+    cov = server.shared.index.cover(turn2_in, len(turn2_in) - 1, [ROOT])
+    assert cov.reach == 302 and [(r.first, r.last) for r in cov.refs] == [(0, B), (B, 302)]
+    if block == "deleted":
+        os.unlink(os.path.join(tmp_path, BLOCKS_DIR, block_relpath(cov.refs[1].name)))
+    again = rows + 1000  # what computing the history again gave (here told apart from what was stored)
+    o2 = server.write(_job(tmp_path, turn2_in, [1, 2], again, 302, cov.refs, "t2",
+                           dict(zip([r.name for r in cov.refs], cov.sizes)), computed=0))
+    assert o2["status"] == "ok"
+    d = load(os.path.join(tmp_path, "t2.capture.msgpack"))
+    reused = 302 if block == "kept" else B
+    assert o2["rows_stored"] == 344 - reused and o2["rows_shared"] == reused
+    assert o2["missing_blocks"] == ([] if block == "kept" else [cov.refs[1].name])
+    expected = torch.cat([rows[:reused], again[reused:344]])
+    assert torch.equal(d["aux_hidden_states"], expected[:, :H]) and torch.equal(d["last_hidden_states"], expected[:, H:])
+    seq = numpy.concatenate([turn2_in, [1, 2]])
+    assert server.shared.index.cover(seq, 344, [ROOT]).reach == 344  # the index knows every row of the file
+    server.pool.close()
 
 
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])

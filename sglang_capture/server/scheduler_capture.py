@@ -284,7 +284,7 @@ class SchedulerCapture:
         reason = req.finished_reason.to_json() if req.finished_reason is not None else {}
         share = None
         if self.shared is not None and reason.get("type") != "abort" and capture.failure is None:
-            share, why = self.shared.share_of(req, capture.first_position())
+            share, why = self.shared.share_of(req, capture.first_position(), n_rows)
             if why is not None:
                 capture.fail(why)
         if reason.get("type") == "abort" or capture.failure is not None:

@@ -20,7 +20,8 @@ What each part does:
   (server/block_index.py), and not taken below ``MIN_REUSE_ROWS``. A prefix cached by a plain
   request, or by a capture whose blocks are not stored, is therefore computed again, never referenced.
 - ``share_of`` (finish, the writer rank): the job's references for the rows before the first row
-  the request computed, and the layout its new blocks are keyed under.
+  the request computed, and for any it computed again although they are stored (its prefix left the
+  radix cache), and the layout its new blocks are keyed under.
 - ``stored`` (the writer link's reply thread): the blocks a writer stored or found missing become a
   ``BlockEvent``; ``take_events`` (the writer rank's scheduler thread) puts the events into
   SGLang's request broadcast, with one dropping the blocks no capture used for ``BLOCK_LEASE_S``
@@ -205,9 +206,12 @@ class SharedRows:
         reach = share.cap(self.index, tokens, limit)
         return min(limit, reach) if reach >= MIN_REUSE_ROWS else 0
 
-    def share_of(self, req: Any, first_row: int) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
-        """The job's shared-rows part for a finished request whose rows start at ``first_row``, or
-        why its rows cannot be put together (positions before ``first_row`` neither computed nor stored)."""
+    def share_of(self, req: Any, first_row: int, n_rows: int) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+        """The job's shared-rows part for a finished request whose computed rows start at ``first_row``
+        (of ``n_rows``), or why its rows cannot be put together (positions before ``first_row`` neither
+        computed nor stored). Rows it computed again although stored (the radix cache had evicted them,
+        or held too few to take) are referenced too, from ``computed`` on, not stored twice: the writer
+        stores them only where their block is gone by then (writer/blocks.py ``BlockStore.still_stored``)."""
         share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
         if share is None:
             return None, None
@@ -215,8 +219,9 @@ class SharedRows:
         if coverage is None:
             return None, (f"rows {share.widest.reach}-{first_row - 1} were neither computed nor found stored "
                           "(the radix cache reused more than the stored blocks cover)")
-        refs = coverage.upto(first_row)
-        return {"root": share.root.hex(), "start": first_row, "refs": [r.as_list() for r in refs],
+        start = min(coverage.reach, n_rows)
+        refs = coverage.upto(start)
+        return {"root": share.root.hex(), "start": start, "computed": first_row, "refs": [r.as_list() for r in refs],
                 "sizes": {r.name: size for r, size in zip(refs, coverage.sizes)}}, None
 
     def stored(self, job: Any, stored: List[list], missing: List[str], ok: bool = True) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy
 
@@ -158,6 +158,24 @@ class BlockStore:
             out.append(StoredBlock(block, written, size))
             progress()
         return out
+
+    def still_stored(self, share: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+        """``share`` (server/shared_rows.py ``share_of``) with its references to rows the capture computed
+        itself (from ``computed`` on) cut at the first block gone, or of another size, since the
+        scheduler's index saw it: the capture stores those rows itself instead. Returns it and the
+        names of the blocks it no longer references (for the index to forget)."""
+        computed = share.get("computed", share["start"])
+        for i, value in enumerate(share["refs"]):
+            ref = BlockRef.from_list(value)
+            if ref.last <= computed:
+                continue
+            size = self._size(ref.name)
+            if size is not None and share["sizes"].get(ref.name, size) == size:
+                continue
+            start = max(computed, ref.first)
+            kept = share["refs"][:i] + ([[ref.name, ref.start, ref.first, start]] if start > ref.first else [])
+            return {**share, "start": start, "refs": kept}, [ref.name]
+        return share, []
 
     def touch(self, refs: Sequence[BlockRef], sizes: Mapping[str, int]) -> List[str]:
         """Mark every referenced block as in use now (``gc`` keeps it); returns the names of those

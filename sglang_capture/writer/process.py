@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy
 
@@ -84,9 +84,12 @@ class WriterProcess:
         copied = False
         timings: Dict[str, float] = {}
         share = msg.get("share")
-        first = share["start"] if share else 0
+        cut: List[str] = []
         try:
             try:
+                if share is not None and self.blocks is not None:
+                    share, cut = self.blocks.still_stored(share)
+                first = share["start"] if share else 0
                 rows = assemble_rows(chunk_arrays(msg["chunks"], self.pool), msg["n_rows"],
                                      {k: tuple(v) for k, v in msg["stored"].items()}, first)
             finally:
@@ -121,9 +124,9 @@ class WriterProcess:
                 nbytes, checksum, stage, extra = self._publish_shared(msg, share, rows, tensors, publish, beat)
             timings.update(stage)
             result = {"status": "ok", "bytes": nbytes, "checksum": checksum,
-                      "raw_bytes": sum(int(t.nbytes) for t in tensors.values()), **extra}
+                      "raw_bytes": sum(int(t.nbytes) for t in tensors.values()), **extra, "missing_blocks": cut}
         except MissingBlocks as e:
-            result = {"status": "error", "error": error_text(e), "missing_blocks": e.names}
+            result = {"status": "error", "error": error_text(e), "missing_blocks": e.names + cut}
         except Exception as e:
             if not copied:
                 raise
