@@ -71,8 +71,8 @@ in_background() {
 case $PHASE in
   prep)
     join_smollm2_gguf $R/.carry-b
-    cp $R/.carry-b/prompts/prompts-train.jsonl $W/ && cp $R/.carry-b/prompts/chats-train.jsonl $W/ 2>/dev/null
-    head -n ${TEST_PROMPTS:-200} $R/.carry-b/prompts/prompts-test.jsonl > $W/prompts-test.jsonl
+    cp $R/.carry-b/prompts/chats-train.jsonl $W/ 2>/dev/null  # carried with CHATS=N only
+    cp $R/.carry-b/prompts/prompts-train.jsonl $W/ && head -n ${TEST_PROMPTS:-200} $R/.carry-b/prompts/prompts-test.jsonl > $W/prompts-test.jsonl
     PYTHONPATH=$PYTHONPATH:$GGUF_DIR python -m sglang_capture.testbed.real_model $M || exit 1
     read -ra stages <<< "${STAGES:-regen capture baseline}"
     for stage in "${stages[@]}"; do run $stage $W 2>&1 | tee -a $W/drafter.log | grep -v "it/s\]" | tail -4; done

@@ -205,7 +205,9 @@ def turns(a: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(a.model)
-    chats = _read_jsonl(a.chat_prompts)[:a.samples]
+    chats = _read_jsonl(a.chat_prompts)[:a.samples] if a.chat_prompts and os.path.exists(a.chat_prompts) else []
+    if not chats:
+        raise SystemExit(f"turns: no chats in --chat-prompts {a.chat_prompts!r} (bench/drafter.sh carry CHATS=N)")
     history: Dict[str, List[Dict[str, str]]] = {c["id"]: [] for c in chats}
     server = _server([sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, *shlex.split(a.server_args)],
                      a.work, "turns")

@@ -349,6 +349,32 @@ def test_a_conversation_stores_each_row_once_and_every_turn_reads_whole(tmp_path
     assert torch.equal(load(os.path.join(tmp_path, "t1-again.capture.msgpack"))["aux_hidden_states"], rows[:302, :H])
 
 
+def test_a_finished_request_references_the_stored_rows_it_computed_again_unless_they_are_a_header(tmp_path):
+    from types import SimpleNamespace
+
+    from sglang_capture.server.shared_rows import MIN_REUSE_ROWS, SHARE_ATTR, RequestShare
+
+    server = _Server(tmp_path)
+    turn1_in, out1 = _ids(300), [7, 8, 9]
+    server.write(_job(tmp_path, turn1_in, out1, _rows(600), 0, name="t1"))
+    server.pool.close()
+    tokens = numpy.concatenate([turn1_in, out1, _ids(40, 5)])
+    share = RequestShare(ROOT)
+    req = SimpleNamespace(**{SHARE_ATTR: share})
+    assert share.cap(server.shared.index, tokens, len(tokens) - 1) == 302
+    covered = lambda out: [tuple(r[1:]) for r in out["refs"]]
+    evicted, why = server.shared.share_of(req, 0, 344)  # the radix cache had let the history go: computed again
+    assert why is None and (evicted["computed"], evicted["start"]) == (0, 302)
+    assert covered(evicted) == [(0, 0, B), (B, B, 302)] and set(evicted["sizes"]) == {r[0] for r in evicted["refs"]}
+    hit, _ = server.shared.share_of(req, 302, 344)  # the radix cache held it: nothing computed again
+    assert (hit["computed"], hit["start"]) == (302, 302) and hit["refs"] == evicted["refs"]
+    near = 302 - MIN_REUSE_ROWS + 1  # fewer rows than a radix hit would be taken for: computed and stored again
+    header, _ = server.shared.share_of(req, near, 344)
+    assert (header["computed"], header["start"]) == (near, near) and covered(header) == [(0, 0, B), (B, B, near)]
+    short, _ = server.shared.share_of(req, 0, 100)  # never past the request's own rows
+    assert short["start"] == 100 and covered(short) == [(0, 0, 100)]
+
+
 @pytest.mark.parametrize("block", ["kept", "deleted"])
 def test_rows_computed_again_are_read_from_their_stored_blocks_or_stored_again_where_a_block_is_gone(tmp_path, block):
     """A turn whose history left the radix cache computes it again; its file references the rows already
@@ -369,11 +395,13 @@ def test_rows_computed_again_are_read_from_their_stored_blocks_or_stored_again_w
     d = load(os.path.join(tmp_path, "t2.capture.msgpack"))
     reused = 302 if block == "kept" else B
     assert o2["rows_stored"] == 344 - reused and o2["rows_shared"] == reused
-    assert o2["missing_blocks"] == ([] if block == "kept" else [cov.refs[1].name])
+    assert "missing_blocks" not in o2 and "blocks_cut" not in o2  # the index is told; the outcome record is not
     expected = torch.cat([rows[:reused], again[reused:344]])
     assert torch.equal(d["aux_hidden_states"], expected[:, :H]) and torch.equal(d["last_hidden_states"], expected[:, H:])
     seq = numpy.concatenate([turn2_in, [1, 2]])
-    assert server.shared.index.cover(seq, 344, [ROOT]).reach == 344  # the index knows every row of the file
+    now = server.shared.index.cover(seq, 344, [ROOT])
+    assert now.reach == 344  # the index knows every row of the file, and has forgotten the block gone
+    assert (cov.refs[1].name in {r.name for r in now.refs}) == (block == "kept")
     server.pool.close()
 
 

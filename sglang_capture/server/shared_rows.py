@@ -51,7 +51,7 @@ from sglang_capture.server.block_index import (
 logger = logging.getLogger(__name__)
 
 SHARE_ATTR = "_sglang_capture_share"  # the RequestShare of a capture request whose rows are shared
-# Stored rows covering fewer positions than this are computed again: a chat template's common header is
+# Stored rows covering fewer positions than this are computed again (and stored again): a chat template's common header is
 # not worth a radix hit, which on MLA models moves the whole prefill batch off SGLang's MHA path (a
 # 1-token hit in every request cost a Kimi-compute server a third of its prefill rate, bench/RESULTS.md r51).
 MIN_REUSE_ROWS = 32
@@ -209,9 +209,10 @@ class SharedRows:
     def share_of(self, req: Any, first_row: int, n_rows: int) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
         """The job's shared-rows part for a finished request whose computed rows start at ``first_row``
         (of ``n_rows``), or why its rows cannot be put together (positions before ``first_row`` neither
-        computed nor stored). Rows it computed again although stored (the radix cache had evicted them,
-        or held too few to take) are referenced too, from ``computed`` on, not stored twice: the writer
-        stores them only where their block is gone by then (writer/blocks.py ``BlockStore.still_stored``)."""
+        computed nor stored). Rows it computed again although stored (the radix cache had evicted them)
+        are referenced too, from ``computed`` on, where they are ``MIN_REUSE_ROWS`` or more, not stored
+        twice: the writer stores them only where their block is gone by then (writer/blocks.py
+        ``BlockStore.still_stored``)."""
         share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
         if share is None:
             return None, None
@@ -219,7 +220,9 @@ class SharedRows:
         if coverage is None:
             return None, (f"rows {share.widest.reach}-{first_row - 1} were neither computed nor found stored "
                           "(the radix cache reused more than the stored blocks cover)")
-        start = min(coverage.reach, n_rows)
+        start = first_row
+        if coverage.reach - first_row >= MIN_REUSE_ROWS:  # not a chat template's common header in another's block
+            start = min(coverage.reach, n_rows)
         refs = coverage.upto(start)
         return {"root": share.root.hex(), "start": start, "computed": first_row, "refs": [r.as_list() for r in refs],
                 "sizes": {r.name: size for r, size in zip(refs, coverage.sizes)}}, None

@@ -50,8 +50,9 @@ class CaptureJob:
     output_ids: List[int]
     meta: Dict[str, Any]
     dtypes: Dict[str, str] = field(default_factory=dict)  # stored dtype per tensor, where not the rows' (FP8)
-    # --capture-prefix-sharing on: the layout's root (hex), the first row computed (``start``) and the
-    # references of the rows before it (core/blocks.py); None for a self-contained file
+    # --capture-prefix-sharing on: the layout's root (hex), the first row computed (``computed``), the first
+    # row not found stored (``start``) and the references of the rows before it (core/blocks.py); None for a
+    # self-contained file
     share: Optional[Dict[str, Any]] = None
     enqueued: float = field(default_factory=time.monotonic)
     id: int = 0  # numbered by ``submit``

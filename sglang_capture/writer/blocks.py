@@ -1,17 +1,21 @@
 """Shared rows in a writer process: a capture's new rows into blocks, and its file of references.
 
-A capture on a server with ``--capture-prefix-sharing on`` computed rows ``[D, N)``; the blocks of
-its first D rows were already stored (the scheduler found them, server/block_index.py). Here its
-new rows become blocks (core/blocks.py) and its file lists all of them:
+A capture on a server with ``--capture-prefix-sharing on`` computed rows ``[C, N)``; the blocks of
+its first D >= C rows were already stored (the scheduler found them, server/block_index.py: rows
+``[C, D)`` it computed again because the radix cache had let them go). Here its new rows become
+blocks (core/blocks.py) and its file lists all of them, all under the shared lock of
+``.blocks/.gc.lock`` (``gc`` takes it exclusively):
 
+0. the blocks of rows ``[C, D)`` are looked up (``still_stored``): from the first one gone (or of
+   another size) on, the capture stores those rows itself, and the scheduler forgets the references
+   it no longer uses;
 1. each planned block is looked up by its key first: one that exists whole (another request, DP
    rank, server or an earlier run of this one stored the same rows) is not written again; one that
    exists damaged (truncated, a flipped byte: its seal says so) is replaced by these rows; the others
    are written like capture files, sealed with the checksum of their content, through a temp file,
    flushed per ``--capture-durability`` and linked into place, so a block is whole or absent and
    two writers racing on one key leave one block;
-2. under the shared lock of ``.blocks/.gc.lock`` (``gc`` takes it exclusively), every block the
-   file references is touched (its mtime: ``gc`` never takes a block touched after it began) and
+2. every block the file references is touched (its mtime: ``gc`` never takes a block touched after it began) and
    found present, then the file is published. A block of this capture that is gone already (``gc``
    with a short ``--min-age`` took it) is written again; an earlier one that is gone fails the
    capture (``MissingBlocks``), naming the blocks, and the scheduler forgets them: a retry
@@ -163,7 +167,8 @@ class BlockStore:
         """``share`` (server/shared_rows.py ``share_of``) with its references to rows the capture computed
         itself (from ``computed`` on) cut at the first block gone, or of another size, since the
         scheduler's index saw it: the capture stores those rows itself instead. Returns it and the
-        names of the blocks it no longer references (for the index to forget)."""
+        names of the blocks it no longer references, the gone one and those after it (for the index
+        to forget: their lease is renewed only where a file touched them). Call under ``gc_lock``."""
         computed = share.get("computed", share["start"])
         for i, value in enumerate(share["refs"]):
             ref = BlockRef.from_list(value)
@@ -174,7 +179,7 @@ class BlockStore:
                 continue
             start = max(computed, ref.first)
             kept = share["refs"][:i] + ([[ref.name, ref.start, ref.first, start]] if start > ref.first else [])
-            return {**share, "start": start, "refs": kept}, [ref.name]
+            return {**share, "start": start, "refs": kept}, [v[0] for v in share["refs"][i:]]
         return share, []
 
     def touch(self, refs: Sequence[BlockRef], sizes: Mapping[str, int]) -> List[str]:

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import numpy
 
@@ -84,12 +84,11 @@ class WriterProcess:
         copied = False
         timings: Dict[str, float] = {}
         share = msg.get("share")
-        cut: List[str] = []
+        # rows from the first one the capture computed: those it computed again although stored are
+        # stored once more only where their block is gone by the time the file is written
+        first = share.get("computed", share["start"]) if share else 0
         try:
             try:
-                if share is not None and self.blocks is not None:
-                    share, cut = self.blocks.still_stored(share)
-                first = share["start"] if share else 0
                 rows = assemble_rows(chunk_arrays(msg["chunks"], self.pool), msg["n_rows"],
                                      {k: tuple(v) for k, v in msg["stored"].items()}, first)
             finally:
@@ -124,9 +123,9 @@ class WriterProcess:
                 nbytes, checksum, stage, extra = self._publish_shared(msg, share, rows, tensors, publish, beat)
             timings.update(stage)
             result = {"status": "ok", "bytes": nbytes, "checksum": checksum,
-                      "raw_bytes": sum(int(t.nbytes) for t in tensors.values()), **extra, "missing_blocks": cut}
+                      "raw_bytes": sum(int(t.nbytes) for t in tensors.values()), **extra}
         except MissingBlocks as e:
-            result = {"status": "error", "error": error_text(e), "missing_blocks": e.names + cut}
+            result = {"status": "error", "error": error_text(e), "missing_blocks": e.names}
         except Exception as e:
             if not copied:
                 raise
@@ -135,39 +134,43 @@ class WriterProcess:
 
     def _publish_shared(self, msg: Dict[str, Any], share: Dict[str, Any], rows: Dict[str, HostTensor],
                         tensors: Dict[str, HostTensor], publish: Any, beat: Heartbeat) -> Any:
-        """Store the capture's new rows (positions ``share["start"]`` on) as blocks, then publish its
-        file of references (writer/blocks.py); returns the file's size, checksum and timings, and
-        what the outcome adds: the blocks stored (for the scheduler's index) and what they cost."""
+        """Store the capture's new rows (``rows`` hold positions ``share["computed"]`` on; those from
+        ``share["start"]``, or from a block gone since, are stored) as blocks, then publish its file of
+        references (writer/blocks.py), all under ``gc_lock``; returns the file's size, checksum and
+        timings, and what the outcome adds: the blocks stored (for the scheduler's index), those of
+        ``share`` the file does not reference (``blocks_cut``, for the index to forget) and what they cost."""
         t0 = time.monotonic()
-        n_rows, first = msg["n_rows"], share["start"]
+        n_rows, computed = msg["n_rows"], share.get("computed", share["start"])
         seq = numpy.concatenate([tensors["input_ids"], tensors["output_ids"]])[:n_rows]
-        plan = plan_blocks(seq, first, n_rows, bytes.fromhex(share["root"]))
         bmeta = block_meta(msg["meta"], share["root"])
-        stored = self.blocks.put(plan, rows, first, seq, bmeta, beat)
-        refs = [BlockRef.from_list(r) for r in share["refs"]] + refs_of(stored)
-        meta = {**msg["meta"], "schema": SCHEMA_REFS, BLOCKS_KEY: [r.as_list() for r in refs],
-                BLOCK_TENSORS_KEY: list(rows), "block_tokens": BLOCK_TOKENS, "block_layout": share["root"]}
-        blocks_s = time.monotonic() - t0
-        gap = check_coverage(refs, n_rows)
-        if gap is not None:  # never a file without its rows: what the scheduler handed over does not add up
-            raise RuntimeError(f"the capture's blocks do not cover its rows: {gap}")
         with gc_lock(self.dirs):
+            share, cut = self.blocks.still_stored(share)
+            first = share["start"]
+            plan = plan_blocks(seq, first, n_rows, bytes.fromhex(share["root"]))
+            stored = self.blocks.put(plan, rows, computed, seq, bmeta, beat)
+            refs = [BlockRef.from_list(r) for r in share["refs"]] + refs_of(stored)
+            meta = {**msg["meta"], "schema": SCHEMA_REFS, BLOCKS_KEY: [r.as_list() for r in refs],
+                    BLOCK_TENSORS_KEY: list(rows), "block_tokens": BLOCK_TOKENS, "block_layout": share["root"]}
+            blocks_s = time.monotonic() - t0
+            gap = check_coverage(refs, n_rows)
+            if gap is not None:  # never a file without its rows: what the scheduler handed over does not add up
+                raise RuntimeError(f"the capture's blocks do not cover its rows: {gap}")
             missing = self.blocks.touch(refs, {**share.get("sizes", {}), **{s.block.name: s.size for s in stored}})
             own = {s.block.name: s.block for s in stored}
             gone = [name for name in missing if name not in own]
             if gone:
-                raise MissingBlocks(gone)
+                raise MissingBlocks(gone + [name for name in cut if name not in gone])
             if missing:  # this capture's own blocks, removed since: its rows are still here
-                again = {s.block.name: s for s in self.blocks.put([own[name] for name in missing], rows, first, seq,
+                again = {s.block.name: s for s in self.blocks.put([own[name] for name in missing], rows, computed, seq,
                                                                   bmeta, beat)}
                 stored = [again.get(s.block.name, s) for s in stored]
             nbytes, checksum, stage = publish(meta, tensors, SCHEMA_REFS)
         written = [s for s in stored if s.written_bytes]
         rows_stored = sum(s.block.end - s.block.start for s in written)
-        row_bytes = sum(t.nbytes for t in rows.values()) // max(n_rows - first, 1)
+        row_bytes = sum(t.nbytes for t in rows.values()) // max(n_rows - computed, 1)
         extra = {"blocks": [s.as_list() for s in stored], "block_bytes": sum(s.written_bytes for s in written),
                  "blocks_written": len(written), "blocks_reused": len(stored) - len(written),
-                 "rows_stored": rows_stored, "rows_shared": n_rows - rows_stored,
+                 "rows_stored": rows_stored, "rows_shared": n_rows - rows_stored, "blocks_cut": cut,
                  "raw_bytes": sum(t.nbytes for t in tensors.values()) + row_bytes * rows_stored}
         return nbytes, checksum, {**stage, "blocks_s": blocks_s}, extra
 

@@ -314,9 +314,10 @@ class Supervisor:
                     self.stats["failed"] += 1
                 logger.error("sglang_capture: capture of request %s failed: %s", job.rid, outcome["error"])
             stored = outcome.pop("blocks", [])
+            cut = outcome.pop("blocks_cut", [])  # referenced by the scheduler's share, not by the file
             if job.share is not None:
                 try:
-                    self.blocks_outcome(job, stored, outcome.get("missing_blocks", []), outcome["status"] == "ok")
+                    self.blocks_outcome(job, stored, outcome.get("missing_blocks", []) + cut, outcome["status"] == "ok")
                 except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
                     logger.error("sglang_capture: the blocks of request %s were not indexed: %s", job.rid, e)
             self.record_outcome(job.rid, outcome)
