@@ -169,17 +169,14 @@ class BlockStore:
         scheduler's index saw it: the capture stores those rows itself instead. Returns it and the
         names of the blocks it no longer references, the gone one and those after it (for the index
         to forget: their lease is renewed only where a file touched them). Call under ``gc_lock``."""
-        computed = share.get("computed", share["start"])
-        for i, value in enumerate(share["refs"]):
-            ref = BlockRef.from_list(value)
-            if ref.last <= computed:
-                continue
-            size = self._size(ref.name)
-            if size is not None and share["sizes"].get(ref.name, size) == size:
-                continue
-            start = max(computed, ref.first)
-            kept = share["refs"][:i] + ([[ref.name, ref.start, ref.first, start]] if start > ref.first else [])
-            return {**share, "start": start, "refs": kept}, [v[0] for v in share["refs"][i:]]
+        computed = share["computed"]
+        refs = [BlockRef.from_list(v) for v in share["refs"]]
+        gone = set(self.touch([r for r in refs if r.last > computed], share["sizes"]))
+        for i, ref in enumerate(refs):
+            if ref.name in gone:
+                start = max(computed, ref.first)
+                kept = share["refs"][:i] + ([[ref.name, ref.start, ref.first, start]] if start > ref.first else [])
+                return {**share, "start": start, "refs": kept}, [r.name for r in refs[i:]]
         return share, []
 
     def touch(self, refs: Sequence[BlockRef], sizes: Mapping[str, int]) -> List[str]:

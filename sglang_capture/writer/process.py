@@ -86,7 +86,7 @@ class WriterProcess:
         share = msg.get("share")
         # rows from the first one the capture computed: those it computed again although stored are
         # stored once more only where their block is gone by the time the file is written
-        first = share.get("computed", share["start"]) if share else 0
+        first = share["computed"] if share else 0
         try:
             try:
                 rows = assemble_rows(chunk_arrays(msg["chunks"], self.pool), msg["n_rows"],
@@ -140,7 +140,7 @@ class WriterProcess:
         timings, and what the outcome adds: the blocks stored (for the scheduler's index), those of
         ``share`` the file does not reference (``blocks_cut``, for the index to forget) and what they cost."""
         t0 = time.monotonic()
-        n_rows, computed = msg["n_rows"], share.get("computed", share["start"])
+        n_rows, computed = msg["n_rows"], share["computed"]
         seq = numpy.concatenate([tensors["input_ids"], tensors["output_ids"]])[:n_rows]
         bmeta = block_meta(msg["meta"], share["root"])
         with gc_lock(self.dirs):
