@@ -161,6 +161,23 @@ def _cli(*args: str) -> str:
     return r.stdout
 
 
+def _extract(url: str, src: str, caps: str, concurrency: int, *flags: str) -> Dict:
+    """``sglang-capture extract`` of ``src`` into ``caps``: its summary line, time, tokens and bytes."""
+    t0 = time.monotonic()
+    out = _cli("extract", src, "--server", url, "--out", caps, "--concurrency", str(concurrency), "--no-progress", *flags)
+    seconds = time.monotonic() - t0
+    summary = out.strip().splitlines()[-1]
+    tokens = int(re.search(r"([\d,]+) tokens", summary).group(1).replace(",", ""))
+    return {"extract": summary, "seconds": round(seconds, 1), "tokens": tokens, "tok_per_s": round(tokens / seconds),
+            "bytes_on_disk": _du(caps)}
+
+
+def _verify_export(caps: str, ckpt: str) -> Dict[str, str]:
+    """``verify`` of a capture dir and its ``export --format specforge`` into ``ckpt``: their last lines."""
+    return {"verify": _cli("verify", caps, "--no-progress").strip().splitlines()[-1],
+            "export": _cli("export", "--format", "specforge", caps, ckpt, "--no-progress").strip()}
+
+
 def capture(a: argparse.Namespace) -> None:
     server_dir = os.path.join(a.work, "capture-server")
     os.makedirs(server_dir, exist_ok=True)
@@ -170,22 +187,14 @@ def capture(a: argparse.Namespace) -> None:
     info: Dict = {}
     try:
         for dtype in a.capture_dtypes:
-            caps = os.path.join(a.work, f"caps-{dtype}")
-            t0 = time.monotonic()
-            out = _cli("extract", conv, "--server", server.url, "--out", caps, "--concurrency", str(a.concurrency),
-                       "--no-progress", *(["--capture-dtype", "fp8"] if dtype == "fp8" else []))
-            seconds = time.monotonic() - t0
-            summary = out.strip().splitlines()[-1]
-            tokens = int(re.search(r"([\d,]+) tokens", summary).group(1).replace(",", ""))
-            info[dtype] = {"extract": summary, "seconds": round(seconds, 1), "tokens": tokens,
-                           "tok_per_s": round(tokens / seconds), "bytes_on_disk": _du(caps)}
-            log(f"capture {dtype}: {summary}")
+            info[dtype] = _extract(server.url, conv, os.path.join(a.work, f"caps-{dtype}"), a.concurrency,
+                                   *(["--capture-dtype", "fp8"] if dtype == "fp8" else []))
+            log(f"capture {dtype}: {info[dtype]['extract']}")
     finally:
         stop_server(server)
     for dtype in a.capture_dtypes:
         caps, ckpt = os.path.join(a.work, f"caps-{dtype}"), os.path.join(a.work, f"ckpt-{dtype}")
-        info[dtype]["verify"] = _cli("verify", caps, "--no-progress").strip().splitlines()[-1]
-        info[dtype]["export"] = _cli("export", "--format", "specforge", caps, ckpt, "--no-progress").strip()
+        info[dtype].update(_verify_export(caps, ckpt))
         log(f"{dtype}: {info[dtype]['verify']}")
     fragment = os.path.join(a.work, "ckpt-bf16", "eagle3_draft_config_fragment.json")
     info["eagle_config"] = json.load(open(fragment))["eagle_config"]
@@ -274,17 +283,11 @@ def sharecap(a: argparse.Namespace) -> None:
         server = _server([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", server_dir, *flags,
                           "--model-path", a.model, *shlex.split(a.server_args)], a.work, f"sharecap-{feature}", server_dir)
         try:
-            t0 = time.monotonic()
-            out = _cli("extract", samples, "--server", server.url, "--out", caps, "--concurrency", str(a.concurrency),
-                       "--no-progress")
-            seconds = time.monotonic() - t0
+            info[feature] = _extract(server.url, samples, caps, a.concurrency)
         finally:
             stop_server(server)
-        summary = out.strip().splitlines()[-1]
-        tokens = int(re.search(r"([\d,]+) tokens", summary).group(1).replace(",", ""))
-        info[feature] = {"extract": summary, "seconds": round(seconds, 1), "tokens": tokens,
-                         "tok_per_s": round(tokens / seconds), "bytes_on_disk": _du(caps), **stored_rows(caps)}
-        log(f"sharecap {feature}: {summary}; {json.dumps(info[feature])}")
+        info[feature].update(stored_rows(caps))
+        log(f"sharecap {feature}: {json.dumps(info[feature])}")
     shared, private = (os.path.join(a.work, f"caps-{f}") for f in ("shared", "private"))
     names = sorted(os.path.basename(p)[:-len(FILE_SUFFIX)] for p in glob.glob(os.path.join(private, "*" + FILE_SUFFIX)))
     info["bytes_shared_per_private"] = round(info["shared"]["bytes_on_disk"] / max(info["private"]["bytes_on_disk"], 1), 4)
@@ -292,9 +295,7 @@ def sharecap(a: argparse.Namespace) -> None:
     log(f"{'PASS' if info['rows']['pass'] else 'FAIL'} rows through shared blocks against private captures (bar "
         f"{info['rows']['bar']}): {json.dumps(info['rows'])}")
     for feature, caps in (("shared", shared), ("private", private)):
-        info[feature]["verify"] = _cli("verify", caps, "--no-progress").strip().splitlines()[-1]
-        info[feature]["export"] = _cli("export", "--format", "specforge", caps, os.path.join(a.work, f"ckpt-{feature}"),
-                                       "--no-progress").strip()
+        info[feature].update(_verify_export(caps, os.path.join(a.work, f"ckpt-{feature}")))
         log(f"{feature}: {info[feature]['verify']}")
     _mark(a.work, "sharecap", info)
 
@@ -589,8 +590,7 @@ def flywheel(a: argparse.Namespace) -> None:
         f"{info['rows']['bar']}): {json.dumps(info['rows'])}")
     for feature, caps in (("flywheel", fly_dir), ("prefill", pre_dir)):
         ckpt = os.path.join(a.work, f"ckpt-{feature}")
-        info[feature]["verify"] = _cli("verify", caps, "--no-progress").strip().splitlines()[-1]
-        info[feature]["export"] = _cli("export", "--format", "specforge", caps, ckpt, "--no-progress").strip()
+        info[feature].update(_verify_export(caps, ckpt))
         log(f"{feature}: {info[feature]['verify']}")
     _mark(a.work, "flywheel", info)
 
