@@ -161,8 +161,14 @@ def _cli(*args: str) -> str:
     return r.stdout
 
 
-def _extract(url: str, src: str, caps: str, concurrency: int, *flags: str) -> Dict:
-    """``sglang-capture extract`` of ``src`` into ``caps``: its summary line, time, tokens and bytes."""
+def _extract(url: str, model: str, src: str, caps: str, concurrency: int, *flags: str) -> Dict:
+    """``sglang-capture extract`` of ``src`` into ``caps``: its summary line, time, tokens and bytes.
+    ``model``'s tokenizer is cached first: the first extract on a machine builds extract's tokenizer
+    cache (6-15 s of transformers, tools/tokenizer_cache.py), which r83 and r86 counted against
+    whichever of the two compared extracts ran first."""
+    from sglang_capture.tools.templating import load_tokenizer
+
+    load_tokenizer(model)
     t0 = time.monotonic()
     out = _cli("extract", src, "--server", url, "--out", caps, "--concurrency", str(concurrency), "--no-progress", *flags)
     seconds = time.monotonic() - t0
@@ -187,7 +193,7 @@ def capture(a: argparse.Namespace) -> None:
     info: Dict = {}
     try:
         for dtype in a.capture_dtypes:
-            info[dtype] = _extract(server.url, conv, os.path.join(a.work, f"caps-{dtype}"), a.concurrency,
+            info[dtype] = _extract(server.url, a.model, conv, os.path.join(a.work, f"caps-{dtype}"), a.concurrency,
                                    *(["--capture-dtype", "fp8"] if dtype == "fp8" else []))
             log(f"capture {dtype}: {info[dtype]['extract']}")
     finally:
@@ -283,7 +289,7 @@ def sharecap(a: argparse.Namespace) -> None:
         server = _server([sys.executable, "-m", "sglang_capture.launch", "--capture-dir", server_dir, *flags,
                           "--model-path", a.model, *shlex.split(a.server_args)], a.work, f"sharecap-{feature}", server_dir)
         try:
-            info[feature] = _extract(server.url, samples, caps, a.concurrency)
+            info[feature] = _extract(server.url, a.model, samples, caps, a.concurrency)
         finally:
             stop_server(server)
         info[feature].update(stored_rows(caps))
