@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import time
@@ -79,8 +80,12 @@ def test_many_waiters_each_wake_for_their_own_record_only(capture_dir, monkeypat
 
     done = asyncio.run(run())
     # each wait reads its record once on arrival and once when woken (or when its time is up): were
-    # every rename to wake every waiter, the 10 records would mean about 10 reads per waiter
-    assert len(reads) == 40, len(reads)
+    # every rename to wake every waiter, the 10 records would mean about 10 reads per waiter. One
+    # more pass is allowed for a wait on a loaded machine (a watch not added at its first try polls
+    # once; a CI run read 42 times in all), not one per record.
+    per_wait = collections.Counter(os.path.basename(path) for path in reads)
+    assert len(per_wait) == 20 and max(per_wait.values()) <= 3, per_wait
+    assert len(reads) <= 45, len(reads)
     assert [d["status"] for d in done] == ["ok"] * 10 + ["pending"] * 10
     assert [d["bytes"] for d in done[:10]] == list(range(10))
     assert all("not written after 1.5 s" in d["error"] for d in done[10:])
