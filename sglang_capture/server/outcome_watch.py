@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import errno
 import json
+import logging
 import os
 import re
 import struct
@@ -26,6 +27,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from sglang_capture.core import protocol
 from sglang_capture.core.capture_dir import UNRECORDED_SUFFIX
+
+logger = logging.getLogger(__name__)
 
 # <sys/inotify.h>
 IN_CREATE, IN_MOVED_TO, IN_IGNORED, IN_Q_OVERFLOW = 0x100, 0x80, 0x8000, 0x4000
@@ -106,6 +109,7 @@ class OutcomeWatch:
         self._wd_dirs: Dict[int, bytes] = {}
         self._remote: Dict[str, bool] = {}  # dir -> on a network filesystem
         self._waiters: Dict[Tuple[int, str], Set[asyncio.Future]] = {}
+        self.watch_failures = 0  # dirs inotify would not watch (each such wait polls once, then asks again)
 
     @property
     def event_driven(self) -> bool:
@@ -120,8 +124,14 @@ class OutcomeWatch:
         wd = self._dirs.get(key)
         if wd is None:
             wd = self._libc.inotify_add_watch(self._fd, key, IN_MOVED_TO | IN_CREATE)
-            if wd < 0:
-                return None  # ENOSPC (watch limit), EACCES, ENOENT: the wait polls, and tries again next pass
+            if wd < 0:  # ENOSPC (watch limit), EACCES, ENOENT: the wait polls, and tries again next pass
+                self.watch_failures += 1
+                if self.watch_failures == 1:
+                    err = ctypes.get_errno()
+                    logger.warning("sglang_capture: cannot watch %s for capture outcomes (%s); responses waiting on it "
+                                   "poll instead%s", directory, os.strerror(err),
+                                   " (raise fs.inotify.max_user_watches)" if err == errno.ENOSPC else "")
+                return None
             self._dirs[key], self._wd_dirs[wd] = wd, key
         return wd
 
