@@ -61,7 +61,7 @@ from sglang_capture.testbed.server import Server, capture_cmd, start_server, sto
 
 TIMINGS = ("queue_wait_s", "assemble_s", "blocks_s", "encode_write_s", "fsync_publish_s")
 COUNTED = ("written", "bytes", "block_bytes", "blocks_written", "blocks_reused", "rows_stored", "rows_shared",
-           "raw_bytes", "failed", "missing_blocks", *TIMINGS)
+           "raw_bytes", "failed", "missing_blocks", "ahead_jobs", *TIMINGS)
 
 
 def log(msg: str) -> None:
@@ -90,7 +90,7 @@ class Chats:
 
 def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[str, Any]:
     a = chats.a
-    history, last, errors, latencies, file_rows = list(chats.system), None, [], [], 0
+    history, last, errors, latencies, file_rows, computed = list(chats.system), None, [], [], 0, 0
     session = requests.Session()
     for t in range(a.turns):
         if t and a.think:
@@ -104,6 +104,7 @@ def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[s
         latencies.append(time.monotonic() - t0)
         r.raise_for_status()
         out = r.json()
+        computed += len(history) - out["meta_info"].get("cached_tokens", 0)
         if capture:
             ref = out["meta_info"]["capture"]
             if ref["status"] != "ok":
@@ -113,7 +114,8 @@ def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[s
             last = ref
         history = history + out["output_ids"]
     session.close()
-    return {"rows": len(history) - 1, "last": last, "errors": errors, "latencies": latencies, "file_rows": file_rows}
+    return {"rows": len(history) - 1, "last": last, "errors": errors, "latencies": latencies, "file_rows": file_rows,
+            "prefill_tokens": computed}
 
 
 def window(server: Server, chats: Chats, capture: bool, name: str, count: Optional[bool] = None) -> Dict[str, Any]:
@@ -135,7 +137,10 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     out: Dict[str, Any] = {"seconds": round(seconds, 3), "requests": a.sessions * a.turns,
                            "requests_per_s": round(a.sessions * a.turns / seconds, 2),
                            "latency_p50_s": round(lat[len(lat) // 2], 4), "latency_p99_s": round(lat[int(len(lat) * 0.99)], 4),
-                           "gpu": gpu_busy}
+                           "gpu": gpu_busy,
+                           # prompt tokens the server computed (not from its radix cache): a capture's first turns
+                           # compute the system prompt until one of them has stored it
+                           "prefill_tokens": sum(r["prefill_tokens"] for r in results)}
     if count:
         docs = writer_stats(server.capture_dir, settled=True)
         after = counters(docs)
@@ -193,6 +198,8 @@ def summarize(windows: List[Dict[str, Any]]) -> Dict[str, Any]:
         if none and cap:
             out[name] = {"capture_over_none": round(sum(none) / sum(w["seconds"] for w in cap), 4),
                          "none_s": none, "capture_s": [w["seconds"] for w in cap],
+                         "none_prefill_tokens": [w.get("prefill_tokens") for w in ws if w["mode"] == "none"],
+                         "capture_prefill_tokens": [w.get("prefill_tokens") for w in cap],
                          "rows_stored_per_unique_row": round(cap[0]["delta"]["rows_stored"] / cap[0]["unique_rows"], 4)
                          if cap[0]["delta"]["rows_stored"] else None,
                          "file_rows_per_unique_row": round(cap[0]["file_rows"] / cap[0]["unique_rows"], 4),

@@ -289,3 +289,52 @@ def test_gc_beside_a_capturing_server_never_leaves_a_file_without_its_rows(share
         _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))
     final = collect(shared.capture_dir, min_age_s=0)
     assert final.problems == [] and final.referenced == final.blocks
+
+
+def _ahead_jobs(capture_dir):
+    try:
+        return read_stats(capture_dir).get("ahead_jobs", 0)
+    except OSError:  # the stats file being replaced
+        return -1
+
+
+def test_a_prompt_is_stored_once_its_prefill_is_done_and_a_capture_sharing_it_reuses_it_before_the_first_is_answered(
+        shared, tok, tiny_models):
+    """Chats that open together with one long system prompt (issue 50's first round): the whole slots
+    of a capture's prompt are stored as soon as its prefill is done, by a job ahead of its file, so a
+    capture sharing the prompt keeps its radix hit while the first is still decoding (before, a
+    capture could reuse only rows stored by a finished request: it computed the prompt again). The
+    first's file references those blocks, each is stored once, and both files read exact."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(50)
+    prompt = [rng.randrange(10, 1000) for _ in range(600)]  # two whole slots of 256 and a tail
+    whole = 512
+    before = read_stats(shared.capture_dir, settled=True)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(capture, shared, prompt, "ahead-first", 400)
+        deadline = time.monotonic() + 60
+        while _ahead_jobs(shared.capture_dir) <= before.get("ahead_jobs", 0):
+            assert not first.done() and time.monotonic() < deadline, "its prompt was not stored ahead of its answer"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the stats file may count the job a few ms before the scheduler has its blocks
+        second = capture(shared, prompt + [7], "ahead-second", max_new_tokens=2)
+        still_decoding = not first.done()
+        answer = first.result(timeout=300)
+    assert still_decoding  # else the test proves nothing: the first's answer too short for this machine
+    assert second["meta_info"]["cached_tokens"] == whole  # the stored whole slots, not the tail the first's KV holds
+    ref = second["meta_info"]["capture"]
+    assert ref["status"] == "ok" and ref["rows_shared"] == whole and ref["rows_stored"] == ref["rows"] - whole
+    _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))
+    mine = answer["meta_info"]["capture"]
+    # its prompt's slots were stored ahead of its file, by its own job: its rows, none shared
+    assert mine["status"] == "ok" and mine["rows_stored"] == mine["rows"] and mine["rows_shared"] == 0
+    _exact(tiny_models["tiny-dsv3"], sglang_capture.load(mine["path"]))
+    assert [r[0] for r in load_records(mine["path"])[0]["blocks"][:2]] == \
+        [r[0] for r in load_records(ref["path"])[0]["blocks"][:2]]  # the same two blocks in both files
+    after = read_stats(shared.capture_dir, settled=True)
+    assert after["ahead_jobs"] - before.get("ahead_jobs", 0) == 1  # the second's prompt slots were stored already
+    # the two whole slots stored once, by the ahead job; each request's rows after them by itself
+    assert after["rows_stored"] - before.get("rows_stored", 0) == whole + (mine["rows"] - whole) + (ref["rows"] - whole)
+    assert after["blocks_reused"] - before.get("blocks_reused", 0) == 0  # the first's file took them as stored ahead

@@ -68,6 +68,7 @@ WRITER_COUNTERS = {
     # by the writer that stored it), blocks found stored already, rows written and rows referenced
     "block_bytes": "sum", "blocks_written": "sum", "blocks_reused": "sum", "rows_stored": "sum",
     "rows_shared": "sum", "blocks_s": "sum", "missing_blocks": "sum",
+    "ahead_jobs": "sum",  # prompt blocks stored as soon as a capture's prefill was done, ahead of its file
 }
 LEDGER_COUNTERS = {"back_pressure_waits": "sum", "peak_held_bytes": "peak"}
 _SUMMED = tuple(k for k, how in {**WRITER_COUNTERS, **LEDGER_COUNTERS}.items() if how == "sum")

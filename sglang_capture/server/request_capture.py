@@ -205,6 +205,14 @@ class RequestCapture:
         """The first position this request computed rows for (those before it came from the radix cache)."""
         return min((chunk.start for chunk in self.chunks), default=0)
 
+    def rows_so_far(self) -> List[RowChunk]:
+        """The chunks of the rows in so far, the run being filled as far as it is (a job storing
+        them ahead of the request's file holds these; the request keeps its own)."""
+        run = self.run
+        if run is None or run.used == 0:
+            return [c for c in self.chunks if c is not (run.chunk if run else None)]
+        return [c if c is not run.chunk else RowChunk(c.start, run.buffer[:run.used], c.ready) for c in self.chunks]
+
     def seal(self) -> None:
         """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""
         if self.run is not None:

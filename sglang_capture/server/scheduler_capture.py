@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from sglang_capture import __version__
 from sglang_capture.core import protocol
+from sglang_capture.core.blocks import slot_start
 from sglang_capture.core.capture_dir import index_path
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.final_state import META_KEY as FINAL_META_KEY
@@ -37,7 +38,7 @@ from sglang_capture.server.pd_prefill import chunk_like_any_request, decode_rows
 from sglang_capture.server.pre_norm import PreNormCapture
 from sglang_capture.server.request_capture import CAPTURE_ATTR, RequestCapture
 from sglang_capture.server.seam_clock import SeamClock
-from sglang_capture.server.shared_rows import SharedRows, weights_identity
+from sglang_capture.server.shared_rows import SHARE_ATTR, SharedRows, weights_identity
 from sglang_capture.server.writer_pool import CaptureJob, WriterPool
 
 logger = logging.getLogger(__name__)
@@ -297,30 +298,53 @@ class SchedulerCapture:
             self.writer.submit_outcome(req.rid, {"rid": req.rid, "name": capture.name, "path": path,
                                                  "status": ref["status"], "error": ref["error"]})
             return ref
-        meta = {
-            "rid": req.rid,
-            "capture_name": capture.name,
-            "model": self.model.model_path,
-            "architecture": self.model.architecture,
-            "model_class": self.model.model_class,
-            "hidden_size": self.model.hidden_size,
-            "num_layers": self.model.num_layers,
-            "layers": list(self.model.layers),
-            "layer_convention": LAYER_CONVENTION,
-            FINAL_META_KEY: self.config.final if self.config.keep_last_hidden else None,
-            "dtype": self.model.dtype,
-            "num_prompt_tokens": len(input_ids),
-            "num_output_tokens": len(output_ids),
-            "finish_reason": reason,
-            "sglang_version": self._versions["sglang"],
-            "sglang_capture_version": self._versions["sglang_capture"],
-            "schema": SCHEMA_FP8 if fp8 else SCHEMA,
-            "created": time.time(),
-        }
+        meta = self._meta(req.rid, capture, len(input_ids), len(output_ids), reason)
         capture.seal()
-        if fp8:
-            meta.update(storage_dtype=FP8_DTYPE, scale_block=self.model.hidden_size)
         stored, dtypes = self.stored_layout(columns, fp8)
         self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, output_ids, meta, dtypes=dtypes, share=share))
         ref["status"] = "pending"
         return ref
+
+    def _meta(self, rid: str, capture: RequestCapture, n_prompt: int, n_output: int, reason: Dict[str, Any]
+              ) -> Dict[str, Any]:
+        """What a capture file records about its request and where its rows come from."""
+        m = self.model
+        meta = {
+            "rid": rid,
+            "capture_name": capture.name,
+            "model": m.model_path,
+            "architecture": m.architecture,
+            "model_class": m.model_class,
+            "hidden_size": m.hidden_size,
+            "num_layers": m.num_layers,
+            "layers": list(m.layers),
+            "layer_convention": LAYER_CONVENTION,
+            FINAL_META_KEY: self.config.final if self.config.keep_last_hidden else None,
+            "dtype": m.dtype,
+            "num_prompt_tokens": n_prompt,
+            "num_output_tokens": n_output,
+            "finish_reason": reason,
+            "sglang_version": self._versions["sglang"],
+            "sglang_capture_version": self._versions["sglang_capture"],
+            "schema": SCHEMA_FP8 if capture.is_fp8 else SCHEMA,
+            "created": time.time(),
+        }
+        if capture.is_fp8:
+            meta.update(storage_dtype=FP8_DTYPE, scale_block=m.hidden_size)
+        return meta
+
+    def store_ahead(self, req: Any, capture: RequestCapture, prompt_rows: int) -> None:
+        """A sharing capture's prefill is done (its ``prompt_rows`` rows are in): have a writer store
+        the blocks of its prompt's whole slots now, not when its answer is done, so that requests
+        sharing the prompt (a system prompt many chats open with at once) reuse them meanwhile. Its
+        rows stay its own: the job holds the chunks until a writer has read them."""
+        share = self.shared.ahead_share(req, capture.first_position(), prompt_rows)
+        if share is None or capture.failure is not None:
+            return
+        rows = capture.rows_so_far()
+        input_ids = list(req.origin_input_ids) + list(req.output_ids)
+        stored, dtypes = self.stored_layout(self.columns(), capture.is_fp8)
+        n_rows = slot_start(prompt_rows)  # whole slots: the blocks its file's job would cut there
+        meta = self._meta(req.rid, capture, len(input_ids), 0, {})
+        self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids[:n_rows], [], meta, dtypes=dtypes, share=share,
+                                      ahead_rows=rows, ahead_of=getattr(req, SHARE_ATTR)))

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from sglang_capture.core.blocks import BLOCK_LEASE_S, layout_root
+from sglang_capture.core.blocks import BLOCK_LEASE_S, BLOCK_TOKENS, layout_root, slot_start
 from sglang_capture.server.block_index import (
     NOTHING,
     BlockEvent,
@@ -65,7 +65,7 @@ class RequestShare:
     ``BlockIndex.still`` says it holds) and the widest one seen, which its finish may need when a
     later match (a prefill chunk's, after the prefix was taken) found less."""
 
-    __slots__ = ("root", "hashes", "coverage", "widest", "_limit", "_checked")
+    __slots__ = ("root", "hashes", "coverage", "widest", "_limit", "_checked", "ahead_asked", "ahead")
 
     def __init__(self, root: bytes) -> None:
         self.root = root
@@ -74,6 +74,10 @@ class RequestShare:
         self.widest: Coverage = NOTHING
         self._limit: Optional[int] = None
         self._checked = 0  # the index version at which ``coverage`` last held
+        self.ahead_asked = False  # its prefill ended: its prompt blocks were stored ahead, or need not be
+        # the blocks stored ahead of its file (``[name, slot_hash hex, start, end, size]`` each, in
+        # order), and the rows and bytes of them that job wrote, set by the writer link's reply thread
+        self.ahead: Optional[Tuple[List[list], List[int]]] = None
 
     def cap(self, index: BlockIndex, tokens: Any, limit: int) -> int:
         """How many of the first ``limit`` positions may come from the radix cache: those whose rows are stored."""
@@ -223,9 +227,32 @@ class SharedRows:
         start = first_row
         if coverage.reach - first_row >= MIN_REUSE_ROWS:  # not a chat template's common header in another's block
             start = min(coverage.reach, n_rows)
-        refs = coverage.upto(start)
-        return {"root": share.root.hex(), "start": start, "computed": first_row, "refs": [r.as_list() for r in refs],
-                "sizes": {r.name: size for r, size in zip(refs, coverage.sizes)}}, None
+        refs = [r.as_list() for r in coverage.upto(start)]
+        sizes = {r[0]: size for r, size in zip(refs, coverage.sizes)}
+        out = {"root": share.root.hex(), "start": start, "computed": first_row, "refs": refs, "sizes": sizes}
+        ahead = share.ahead
+        if ahead is not None and ahead[0][0][2] == start and ahead[0][-1][3] <= n_rows:  # its prompt's, stored meanwhile
+            for name, _, a, b, size in ahead[0]:
+                refs.append([name, a, a, b])
+                sizes[name] = size
+            out.update(start=ahead[0][-1][3], ahead=ahead[1])  # the rows and bytes its own job wrote ahead
+        return out, None
+
+    def ahead_share(self, req: Any, first_row: int, prompt_rows: int) -> Optional[Dict[str, Any]]:
+        """Once, when a sharing capture request's prefill is done (``prompt_rows`` rows, computed from
+        ``first_row``): the share of a job storing its prompt's whole slots ahead of its file, or None
+        when fewer than a slot's rows are new (the file's job stores them). The request's own file
+        then references these blocks (``share_of``), and requests that share its prompt reuse them
+        as soon as they are indexed, not only once its answer is done."""
+        share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
+        if share is None or share.ahead_asked:
+            return None
+        share.ahead_asked = True
+        whole = slot_start(prompt_rows)
+        out, why = self.share_of(req, first_row, whole)
+        if out is None or why is not None or whole - out["start"] < BLOCK_TOKENS:
+            return None
+        return out
 
     def stored(self, job: Any, stored: List[list], missing: List[str], ok: bool = True) -> None:
         """The writer link's reply thread (server/writer_pool.py): the blocks a writer stored or reused
@@ -241,6 +268,9 @@ class SharedRows:
         if stored or missing:
             tokens = as_tokens(list(job.input_ids) + list(job.output_ids))
             self._events.append(BlockEvent(added=blocks_of(stored, tokens), dropped=list(missing)))
+        ahead_of = getattr(job, "ahead_of", None)
+        if ahead_of is not None and stored:
+            ahead_of.ahead = (stored, job.written or [0, 0])
 
     def take_events(self) -> List[BlockEvent]:
         """The writer rank's scheduler thread: the events posted since the last call, and now and

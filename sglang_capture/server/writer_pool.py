@@ -31,7 +31,7 @@ from sglang_capture.core.durable import unlink_if_same
 from sglang_capture.core.handoff import SLOW_STATS, describe_chunks, ids_bytes, recv_many, send, send_many, take_queued
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.server.ledger import HostMemoryLedger
-from sglang_capture.server.request_capture import RequestCapture
+from sglang_capture.server.request_capture import RequestCapture, RowChunk
 
 if TYPE_CHECKING:
     from sglang_capture.server.host_pool import HostPool
@@ -58,18 +58,36 @@ class CaptureJob:
     id: int = 0  # numbered by ``submit``
     outcome: Optional[Dict[str, Any]] = None
     done: threading.Event = field(default_factory=threading.Event)
+    # A job that stores a sharing capture's prompt blocks ahead of its file, as soon as its prefill is done
+    # (``SchedulerCapture.store_ahead``): the chunks of those rows, held here (their pool blocks stay
+    # allocated) until a writer has read them, while the request goes on with its own; and its
+    # ``RequestShare``, told which blocks were stored. No file and no outcome come of it.
+    ahead_rows: Optional[List[RowChunk]] = None
+    ahead_of: Optional[Any] = None
+    written: Optional[List[int]] = None  # the rows and bytes a job ahead wrote (the rest were stored already)
+
+    @property
+    def chunks(self) -> List[RowChunk]:
+        return self.ahead_rows if self.ahead_rows is not None else self.capture.chunks
+
+    def free_rows(self) -> None:
+        """A writer has read the rows (or none will): their host memory may go."""
+        if self.ahead_rows is not None:
+            self.ahead_rows = []
+        else:
+            self.capture.release()
 
 
 def job_message(job: CaptureJob, pool: Optional[HostPool]) -> Dict[str, Any]:
     """``job`` as the supervisor takes it (writer/supervisor.JOB_FIELDS): its rows by where they lie
     in ``pool``. Waits for any device-to-host copy of them still in flight."""
-    chunks, inline = describe_chunks(job.capture.chunks, pool)
+    chunks, inline = describe_chunks(job.chunks, pool)
     spans = job.capture.loss_spans
     return {"op": "job", "id": job.id, "name": job.capture.name, "meta": job.meta, "chunks": chunks,
             "n_rows": job.n_rows, "stored": {k: list(v) for k, v in job.stored.items()}, "dtypes": job.dtypes,
             "input_ids": ids_bytes(job.input_ids), "output_ids": ids_bytes(job.output_ids),
             "loss_spans": [list(s) for s in spans] if spans is not None else None, "share": job.share,
-            "inline_bytes": inline, "enqueued": job.enqueued}
+            "inline_bytes": inline, "enqueued": job.enqueued, "ahead": job.ahead_rows is not None}
 
 
 class SweepJob:
@@ -444,6 +462,11 @@ class WriterPool:
             with self._lock:
                 self._open -= 1
                 self._changed = True
+        if job.ahead_rows is not None:  # its capture's own job stores the blocks with its file
+            job.free_rows()
+            job.outcome = {"status": "error", "error": why}
+            job.done.set()
+            return
         with self._lock:
             self.stats["failed_in_scheduler"] += 1
         job.capture.release()
@@ -568,19 +591,20 @@ class WriterPool:
             with self._lock:
                 entry = self._jobs.get(message["id"])
             if entry is not None:
-                entry[0].capture.release()
+                entry[0].free_rows()
         elif op == "blocks":
             with self._lock:
                 entry = self._jobs.get(message["id"])
             try:
                 if entry is not None:
+                    entry[0].written = message.get("written")
                     self.blocks_outcome(entry[0], message["stored"], message["missing"], message["ok"])
             finally:
                 self._send([{"op": "indexed", "id": message["id"]}])
         elif op == "done":
             job = self._take(message["id"], sup)
             if job is not None:
-                job.capture.release()
+                job.free_rows()
                 job.outcome = message["outcome"]
                 job.done.set()
         elif op == "recorded":

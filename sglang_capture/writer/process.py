@@ -115,6 +115,11 @@ class WriterProcess:
                                           lambda temp: send(out_fd, {"op": "temp", "name": temp}), schema,
                                           seal_payload=schema is not None)
 
+            if msg.get("ahead"):
+                timings_extra, extra = self._store_ahead(msg, share, rows, tensors, beat)
+                timings.update(timings_extra)
+                return {"op": "done", "result": {"status": "ok", "bytes": 0, "checksum": None, **extra},
+                        "timings": timings}
             if share is None:
                 tensors.update(rows)
                 nbytes, checksum, stage = publish(msg["meta"], tensors)
@@ -131,6 +136,33 @@ class WriterProcess:
                 raise
             result = {"status": "error", "error": error_text(e)}
         return {"op": "done", "result": result, "timings": timings}
+
+    def _store_ahead(self, msg: Dict[str, Any], share: Dict[str, Any], rows: Dict[str, HostTensor],
+                     tensors: Dict[str, HostTensor], beat: Heartbeat) -> Any:
+        """Store the blocks of a capture's prompt rows ``[share["start"], n_rows)`` (whole slots, as
+        its file's job would cut them) while the request still decodes, so that requests sharing the
+        prompt may reuse them before its file exists; returns timings and what the outcome adds (the
+        blocks, for the scheduler's index; what they cost)."""
+        t0 = time.monotonic()
+        n_rows, computed = msg["n_rows"], share["computed"]
+        seq = tensors["input_ids"][:n_rows]
+        bmeta = block_meta(msg["meta"], share["root"])
+        with gc_lock(self.dirs):
+            share, cut = self.blocks.still_stored(share)
+            plan = plan_blocks(seq, share["start"], n_rows, bytes.fromhex(share["root"]))
+            stored = self.blocks.put(plan, rows, computed, seq, bmeta, beat)
+            # blocks found stored already are touched too: the index keeps them as if just stored (gc goes by mtime)
+            gone = {s.block.name for s in stored} & set(self.blocks.touch(refs_of(stored), {s.block.name: s.size
+                                                                                           for s in stored}))
+            if gone:  # removed since (gc with a short --min-age): the rows are still here
+                again = {s.block.name: s for s in self.blocks.put([s.block for s in stored if s.block.name in gone],
+                                                                  rows, computed, seq, bmeta, beat)}
+                stored = [again.get(s.block.name, s) for s in stored]
+        written = [s for s in stored if s.written_bytes]
+        return {"blocks_s": time.monotonic() - t0}, {
+            "blocks": [s.as_list() for s in stored], "blocks_cut": cut,
+            "block_bytes": sum(s.written_bytes for s in written), "blocks_written": len(written),
+            "blocks_reused": len(stored) - len(written), "rows_stored": sum(s.block.end - s.block.start for s in written)}
 
     def _publish_shared(self, msg: Dict[str, Any], share: Dict[str, Any], rows: Dict[str, HostTensor],
                         tensors: Dict[str, HostTensor], publish: Any, beat: Heartbeat) -> Any:

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 # What a job's message carries, as the scheduler side sends it and the writer process takes it.
 JOB_FIELDS = ("id", "name", "meta", "chunks", "n_rows", "stored", "dtypes", "input_ids", "output_ids", "loss_spans", "share",
-              "inline_bytes", "enqueued")
+              "inline_bytes", "enqueued", "ahead")
 
 
 @dataclass
@@ -71,6 +71,10 @@ class WireJob:
     share: Optional[Dict[str, Any]] = None
     inline_bytes: int = 0  # of the chunks, travelling in the message rather than the pool
     enqueued: float = field(default_factory=time.monotonic)  # on the scheduler side (one clock per machine)
+    # a sharing capture's prompt blocks, stored ahead of its file (its own job comes at its finish):
+    # blocks only, no file, no outcome record; ``written``: the rows and bytes it wrote (the rest were stored)
+    ahead: bool = False
+    written: Optional[List[int]] = None
     release: Callable[[], None] = lambda: None  # the rows are out of the pool (may be called twice)
     publishing: Optional[Dict[str, Any]] = None  # the writer's last word before the file's name appears
     outcome: Optional[Dict[str, Any]] = None
@@ -309,18 +313,25 @@ class Supervisor:
                 job.release()
                 with self._lock:
                     self._busy -= 1
-            if outcome["status"] != "ok":
+            if outcome["status"] != "ok" and job.ahead:
+                logger.warning("sglang_capture: the prompt blocks of request %s were not stored ahead of its file (its "
+                               "file's job stores them): %s", job.rid, outcome["error"])
+            elif outcome["status"] != "ok":
                 with self._lock:
                     self.stats["failed"] += 1
                 logger.error("sglang_capture: capture of request %s failed: %s", job.rid, outcome["error"])
             stored = outcome.pop("blocks", [])
             cut = outcome.pop("blocks_cut", [])  # referenced by the scheduler's share, not by the file
+            if job.ahead:
+                job.written = [outcome.get("rows_stored", 0), outcome.get("block_bytes", 0)]
             if job.share is not None:
-                try:
-                    self.blocks_outcome(job, stored, outcome.get("missing_blocks", []) + cut, outcome["status"] == "ok")
+                try:  # ok: a file referencing the share's blocks was published (their lease is renewed)
+                    self.blocks_outcome(job, stored, outcome.get("missing_blocks", []) + cut,
+                                        outcome["status"] == "ok" and not job.ahead)
                 except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
                     logger.error("sglang_capture: the blocks of request %s were not indexed: %s", job.rid, e)
-            self.record_outcome(job.rid, outcome)
+            if not job.ahead:
+                self.record_outcome(job.rid, outcome)
             job.outcome = outcome
             job.done.set()
             try:
@@ -380,7 +391,7 @@ class Supervisor:
         """Have ``child`` write ``job``; returns its outcome (raises WriterProcessDied)."""
         child.send({"op": "write", "name": job.name, "meta": job.meta, "chunks": job.chunks, "n_rows": job.n_rows,
                     "stored": job.stored, "dtypes": job.dtypes, "input_ids": job.input_ids,
-                    "output_ids": job.output_ids, "loss_spans": job.loss_spans, "share": job.share})
+                    "output_ids": job.output_ids, "loss_spans": job.loss_spans, "share": job.share, "ahead": job.ahead})
         child.temp = None
         child.recv()  # "copied": the process holds the rows now
         job.release()
@@ -400,7 +411,11 @@ class Supervisor:
             for k, v in timings.items():  # seconds per stage, summed over processes: which stage bounds throughput
                 self.stats[k] += v
             self.stats["missing_blocks"] += len(outcome.get("missing_blocks", ()))
-            if outcome["status"] == "ok":
+            if outcome["status"] == "ok" and job.ahead:
+                self.stats["ahead_jobs"] += 1
+                for k in SHARED_COUNTERS:
+                    self.stats[k] += outcome.get(k, 0)
+            elif outcome["status"] == "ok":
                 self.stats["written"] += 1
                 self.stats["bytes"] += outcome["bytes"]
                 self.stats["raw_bytes"] += raw
@@ -408,6 +423,10 @@ class Supervisor:
                     self.stats[k] += outcome.get(k, 0)
         if outcome["status"] == "ok":
             outcome["write_s"] = round(time.monotonic() - job.enqueued, 6)
+            ahead = (job.share or {}).get("ahead")
+            if ahead and not job.ahead:  # the request's own rows, stored by its job ahead of this file
+                outcome.update(rows_stored=outcome["rows_stored"] + ahead[0], rows_shared=outcome["rows_shared"] - ahead[0],
+                               block_bytes=outcome["block_bytes"] + ahead[1])
         return outcome
 
     def _outcome_after_failure(self, job: WireJob, e: WriterProcessDied, child: WriterChild) -> Dict[str, Any]:
@@ -616,7 +635,10 @@ class SchedulerLink:
             if self.closed:
                 return
             self._indexed[job.id] = event
-        self.send({"op": "blocks", "id": job.id, "stored": stored, "missing": missing, "ok": ok})
+        message = {"op": "blocks", "id": job.id, "stored": stored, "missing": missing, "ok": ok}
+        if job.ahead:
+            message["written"] = job.written
+        self.send(message)
         if not event.wait(INDEXED_WAIT_S):
             logger.warning("sglang_capture: the scheduler did not index the blocks of request %s within %g s", job.rid,
                            INDEXED_WAIT_S)

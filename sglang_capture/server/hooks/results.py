@@ -13,6 +13,7 @@ from sglang_capture.core.final_state import POST_NORM
 from sglang_capture.server.aux_capture import batch_captures
 from sglang_capture.server.batch_rows import ResultRows, RowsMismatch
 from sglang_capture.server.scheduler_capture import CAPTURE_ATTR, SchedulerCapture
+from sglang_capture.server.shared_rows import SHARE_ATTR
 
 
 def batch_result_context(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -80,7 +81,20 @@ def take_prefill_rows(state: SchedulerCapture, wrapped: Any, instance: Any, args
         raise RuntimeError("sglang_capture needs full hidden-state capture; start the server through sglang_capture.launch")
     if not req.finished() and not req.is_retracted:
         _store_chunk(state, req, capture, kwargs["logits_output"].hidden_states, start, n)
+        if state.shared is not None and getattr(req, SHARE_ATTR, None) is not None:
+            _prefill_done(state, req, capture, n)
     return start + n
+
+
+def _prefill_done(state: SchedulerCapture, req: Any, capture: Any, n: int) -> None:
+    """After a sharing capture request's chunk: when it was the prefill's last (every prompt row is
+    in; output_ids gets this step's token only later), its prompt blocks are stored ahead of its file."""
+    processing = state.processing
+    if processing is None or capture.failure is not None or state.pd_prefill:
+        return
+    end = processing.chunk_start(req) + n
+    if end == len(req.origin_input_ids) + len(req.output_ids):
+        state.store_ahead(req, capture, end)
 
 
 def _store_chunk(state: SchedulerCapture, req: Any, capture: Any, hidden: Any, offset: int, n: int) -> None:
