@@ -375,6 +375,38 @@ def test_a_finished_request_references_the_stored_rows_it_computed_again_unless_
     assert short["start"] == 100 and covered(short) == [(0, 0, 100)]
 
 
+def test_a_prompt_is_stored_ahead_once_when_a_whole_slot_of_it_is_new_and_its_answer_may_run_long():
+    """What ``store_ahead`` asks for when a capture's prefill is done, and how its file then references those blocks."""
+    from types import SimpleNamespace
+
+    from sglang_capture.server.shared_rows import AHEAD_MIN_TOKENS, SHARE_ATTR, RequestShare, SharedRows
+
+    shared = SharedRows()
+
+    def req(most, answered=0):
+        return SimpleNamespace(**{SHARE_ATTR: RequestShare(ROOT)}, sampling_params=SimpleNamespace(max_new_tokens=most),
+                               output_ids=[0] * answered)
+
+    chat = req(64)
+    ahead = shared.ahead_share(chat, 0, 600)
+    assert (ahead["start"], ahead["computed"], ahead["refs"]) == (0, 0, []) and "ahead" not in ahead
+    assert shared.ahead_share(chat, 0, 600) is None  # once a request
+    assert shared.ahead_share(req(AHEAD_MIN_TOKENS), 0, 600) is None  # done before it could help (extract asks 1)
+    assert shared.ahead_share(req(64, answered=64 - AHEAD_MIN_TOKENS), 0, 600) is None  # a retracted one's rest
+    assert shared.ahead_share(req(None), 0, 600) is not None
+    assert shared.ahead_share(req(64), 0, B + 100)["start"] == 0
+    assert shared.ahead_share(req(64), 100, B + 100) is None  # computed from 100: less than a whole slot is new
+    # the blocks stored ahead, as the writer link's reply thread records them: the file references them
+    getattr(chat, SHARE_ATTR).ahead = ([["a" * 32, "00", 0, B, 10], ["b" * 32, "00", B, 2 * B, 11]], [2 * B, 21])
+    out, why = shared.share_of(chat, 0, 700)
+    assert why is None and (out["computed"], out["start"], out["ahead"]) == (0, 2 * B, [2 * B, 21])
+    assert out["refs"] == [["a" * 32, 0, 0, B], ["b" * 32, B, B, 2 * B]] and out["sizes"] == {"a" * 32: 10, "b" * 32: 11}
+    other = req(64)  # blocks that do not begin where its file's own rows do are not taken (its writer finds them)
+    getattr(other, SHARE_ATTR).ahead = ([["a" * 32, "00", B, 2 * B, 10]], [B, 10])
+    out, _ = shared.share_of(other, 0, 700)
+    assert out["start"] == 0 and out["refs"] == [] and "ahead" not in out
+
+
 @pytest.mark.parametrize("block", ["kept", "deleted"])
 def test_rows_computed_again_are_read_from_their_stored_blocks_or_stored_again_where_a_block_is_gone(tmp_path, block):
     """A turn whose history left the radix cache computes it again; its file references the rows already

@@ -57,6 +57,10 @@ SHARE_ATTR = "_sglang_capture_share"  # the RequestShare of a capture request wh
 MIN_REUSE_ROWS = 32
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".py")
 LEASE_CHECK_S = 60.0  # how often the writer rank looks for blocks whose lease ran out
+# A capture whose answer may take more tokens than this has its prompt's blocks stored ahead of its file
+# (``ahead_share``); one that answers sooner (``extract``'s prefill-only requests: 1 token) is done
+# before such a job could help anyone, which would only add a second job and a second read of its rows.
+AHEAD_MIN_TOKENS = 16
 
 
 class RequestShare:
@@ -241,13 +245,17 @@ class SharedRows:
     def ahead_share(self, req: Any, first_row: int, prompt_rows: int) -> Optional[Dict[str, Any]]:
         """Once, when a sharing capture request's prefill is done (``prompt_rows`` rows, computed from
         ``first_row``): the share of a job storing its prompt's whole slots ahead of its file, or None
-        when fewer than a slot's rows are new (the file's job stores them). The request's own file
+        when fewer than a slot's rows are new or its answer may take at most ``AHEAD_MIN_TOKENS``
+        tokens (its file's job stores them). The request's own file
         then references these blocks (``share_of``), and requests that share its prompt reuse them
         as soon as they are indexed, not only once its answer is done."""
         share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
         if share is None or share.ahead_asked:
             return None
         share.ahead_asked = True
+        most = getattr(req.sampling_params, "max_new_tokens", None)
+        if most is not None and most - len(req.output_ids) <= AHEAD_MIN_TOKENS:
+            return None
         whole = slot_start(prompt_rows)
         out, why = self.share_of(req, first_row, whole)
         if out is None or why is not None or whole - out["start"] < BLOCK_TOKENS:
