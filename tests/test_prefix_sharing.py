@@ -319,7 +319,7 @@ def test_a_prompt_is_stored_once_its_prefill_is_done_and_a_capture_sharing_it_re
             assert not first.done() and time.monotonic() < deadline, "its prompt was not stored ahead of its answer"
             time.sleep(0.1)
         time.sleep(1.0)  # the stats file may count the job a few ms before the scheduler has its blocks
-        second = capture(shared, prompt + [7], "ahead-second", max_new_tokens=2)
+        second = capture(shared, prompt + [7], "ahead-second", max_new_tokens=20)  # long enough to store ahead
         still_decoding = not first.done()
         answer = first.result(timeout=300)
     assert still_decoding  # else the test proves nothing: the first's answer too short for this machine
@@ -334,7 +334,7 @@ def test_a_prompt_is_stored_once_its_prefill_is_done_and_a_capture_sharing_it_re
     assert [r[0] for r in load_records(mine["path"])[0]["blocks"][:2]] == \
         [r[0] for r in load_records(ref["path"])[0]["blocks"][:2]]  # the same two blocks in both files
     after = read_stats(shared.capture_dir, settled=True)
-    assert after["ahead_jobs"] - before.get("ahead_jobs", 0) == 1  # the second's prompt slots were stored already
+    assert after["ahead_jobs"] - before.get("ahead_jobs", 0) == 1  # the second's whole slots were stored: none ahead
     # the two whole slots stored once, by the ahead job; each request's rows after them by itself
     assert after["rows_stored"] - before.get("rows_stored", 0) == whole + (mine["rows"] - whole) + (ref["rows"] - whole)
     assert after["blocks_reused"] - before.get("blocks_reused", 0) == 0  # the first's file took them as stored ahead

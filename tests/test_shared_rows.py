@@ -22,7 +22,7 @@ from sglang_capture.core.capture_dir import index_path
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.format import SCHEMA_REFS, CaptureFileError
 from sglang_capture.core.reader import load
-from sglang_capture.server.block_index import BlockEvent, BlockIndex, IndexedBlock, blocks_of
+from sglang_capture.server.block_index import BlockEvent, BlockIndex, Coverage, IndexedBlock, blocks_of
 from sglang_capture.server.ledger import HostMemoryLedger
 
 B = BLOCK_TOKENS
@@ -395,7 +395,13 @@ def test_a_prompt_is_stored_ahead_once_when_a_whole_slot_of_it_is_new_and_its_an
     assert shared.ahead_share(req(64, answered=64 - AHEAD_MIN_TOKENS), 0, 600) is None  # a retracted one's rest
     assert shared.ahead_share(req(None), 0, 600) is not None
     assert shared.ahead_share(req(64), 0, B + 100)["start"] == 0
-    assert shared.ahead_share(req(64), 100, B + 100) is None  # computed from 100: less than a whole slot is new
+    hit = req(64)  # its radix hit took its first 100 rows, stored: less than a whole slot of its prompt is new
+    getattr(hit, SHARE_ATTR).coverage = Coverage(100, (BlockRef("c" * 32, 0, 0, 100),), (5,))
+    assert shared.ahead_share(hit, 100, B + 100) is None
+    longer = req(64)
+    getattr(longer, SHARE_ATTR).coverage = Coverage(100, (BlockRef("c" * 32, 0, 0, 100),), (5,))
+    ahead = shared.ahead_share(longer, 100, 3 * B + 100)
+    assert (ahead["start"], ahead["computed"], ahead["refs"]) == (100, 100, [["c" * 32, 0, 0, 100]])
     # the blocks stored ahead, as the writer link's reply thread records them: the file references them
     getattr(chat, SHARE_ATTR).ahead = ([["a" * 32, "00", 0, B, 10], ["b" * 32, "00", B, 2 * B, 11]], [2 * B, 21])
     out, why = shared.share_of(chat, 0, 700)
@@ -405,6 +411,48 @@ def test_a_prompt_is_stored_ahead_once_when_a_whole_slot_of_it_is_new_and_its_an
     getattr(other, SHARE_ATTR).ahead = ([["a" * 32, "00", B, 2 * B, 10]], [B, 10])
     out, _ = shared.share_of(other, 0, 700)
     assert out["start"] == 0 and out["refs"] == [] and "ahead" not in out
+    out, _ = shared.share_of(chat, 0, 2 * B - 1)  # nor blocks past the file's rows
+    assert out["start"] == 0 and out["refs"] == [] and "ahead" not in out
+
+
+@pytest.mark.parametrize("gone", [False, True])
+def test_a_file_counts_the_rows_its_job_ahead_stored_as_its_own_and_never_twice(tmp_path, gone):
+    """A job ahead of a file stores its prompt's whole slots (no file, no outcome record); the file's job
+    then references them, and its outcome counts their rows as stored by it (its reference's
+    ``rows_stored``), the stats once; where a block of them is gone by then it stores those rows again
+    itself, counted once (the rows before the gone block then count as shared)."""
+    from sglang_capture.server.shared_rows import RequestShare
+
+    server = _Server(tmp_path)
+    ids, out, rows = _ids(600), [7, 8], _rows(700)
+    ahead = _job(tmp_path, ids[:2 * B + 1], [], rows, 0, name="prompt")  # rows [0, 2B): two whole slots
+    ahead.ahead_rows, ahead.ahead_of = list(ahead.capture.chunks), RequestShare(ROOT)
+    for chunk in ahead.ahead_rows:  # as store_ahead holds them
+        ahead.capture.ledger.hold(chunk.rows)
+    o1 = server.write(ahead)
+    stored, written = ahead.ahead_of.ahead
+    assert o1["status"] == "ok" and [(b[2], b[3]) for b in stored] == [(0, B), (B, 2 * B)] and written[0] == 2 * B
+    assert not os.path.exists(index_path(str(tmp_path), "prompt")) and not os.listdir(os.path.join(tmp_path, ".tmp"))
+    ahead.capture.release()  # the request's own hold: with the job's given back, nothing is held
+    assert ahead.capture.ledger.held_bytes == 0
+    if gone:
+        os.unlink(os.path.join(tmp_path, BLOCKS_DIR, block_relpath(stored[1][0])))
+    refs = [BlockRef(b[0], b[2], b[2], b[3]) for b in stored]
+    final = _job(tmp_path, ids, out, rows, 2 * B, refs, "prompt", {b[0]: b[4] for b in stored}, computed=0)
+    final.share["ahead"] = written
+    o2 = server.write(final)
+    n = 601
+    stats = server.pool.counters()
+    assert o2["status"] == "ok" and stats["ahead_jobs"] == 1
+    if gone:  # its second slot stored again by the file's job; the first, stored ahead, counts as shared
+        assert (o2["rows_stored"], o2["rows_shared"]) == (n - B, B)
+        assert (stats["rows_stored"], stats["rows_shared"]) == (n + B, B)  # the deleted slot's rows written twice
+    else:
+        assert (o2["rows_stored"], o2["rows_shared"]) == (n, 0) and o2["block_bytes"] > written[1]
+        assert (stats["rows_stored"], stats["rows_shared"]) == (n, 0)
+    d = load(os.path.join(tmp_path, "prompt.capture.msgpack"))
+    assert torch.equal(d["aux_hidden_states"], rows[:n, :H]) and torch.equal(d["last_hidden_states"], rows[:n, H:])
+    server.pool.close()
 
 
 @pytest.mark.parametrize("block", ["kept", "deleted"])

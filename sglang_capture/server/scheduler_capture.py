@@ -342,9 +342,12 @@ class SchedulerCapture:
         if share is None or capture.failure is not None:
             return
         rows = capture.rows_so_far()
-        input_ids = list(req.origin_input_ids) + list(req.output_ids)
-        stored, dtypes = self.stored_layout(self.columns(), capture.is_fp8)
+        for chunk in rows:  # storages the request holds already: counted once more, never waited for
+            self.ledger.hold(chunk.rows)
         n_rows = slot_start(prompt_rows)  # whole slots: the blocks its file's job would cut there
-        meta = self._meta(req.rid, capture, len(input_ids), 0, {})
-        self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids[:n_rows], [], meta, dtypes=dtypes, share=share,
+        ids = req.origin_input_ids
+        input_ids = list(ids[:n_rows]) if n_rows <= len(ids) else list(ids) + list(req.output_ids[:n_rows - len(ids)])
+        stored, dtypes = self.stored_layout(self.columns(), capture.is_fp8)
+        meta = self._meta(req.rid, capture, len(ids), 0, {})
+        self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, [], meta, dtypes=dtypes, share=share,
                                       ahead_rows=rows, ahead_of=getattr(req, SHARE_ATTR)))

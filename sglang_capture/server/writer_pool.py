@@ -72,10 +72,12 @@ class CaptureJob:
 
     def free_rows(self) -> None:
         """A writer has read the rows (or none will): their host memory may go."""
-        if self.ahead_rows is not None:
-            self.ahead_rows = []
-        else:
+        if self.ahead_rows is None:
             self.capture.release()
+            return
+        rows, self.ahead_rows = self.ahead_rows, []
+        for chunk in rows:  # held for this job too (``SchedulerCapture.store_ahead``): counted until here
+            self.capture.ledger.release(chunk.rows)
 
 
 def job_message(job: CaptureJob, pool: Optional[HostPool]) -> Dict[str, Any]:

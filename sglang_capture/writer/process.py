@@ -203,6 +203,9 @@ class WriterProcess:
         extra = {"blocks": [s.as_list() for s in stored], "block_bytes": sum(s.written_bytes for s in written),
                  "blocks_written": len(written), "blocks_reused": len(stored) - len(written),
                  "rows_stored": rows_stored, "rows_shared": n_rows - rows_stored, "blocks_cut": cut,
+                 # the rows and bytes its own job ahead stored, referenced here (none when a block of them
+                 # was gone: then the references after it were cut and this job stored those rows itself)
+                 "own_ahead": share["ahead"] if share.get("ahead") and not cut else None,
                  "raw_bytes": sum(t.nbytes for t in tensors.values()) + row_bytes * rows_stored}
         return nbytes, checksum, {**stage, "blocks_s": blocks_s}, extra
 

@@ -406,6 +406,10 @@ class Supervisor:
         result, timings = reply["result"], reply["timings"]
         outcome = {"rid": job.rid, "name": job.name, "path": self._path(job), **result}
         raw = outcome.pop("raw_bytes", 0)
+        # rows its own job ahead stored: that job counted them stored, so they are not shared here
+        own_ahead = outcome.pop("own_ahead", None) or [0, 0]
+        if own_ahead[0]:
+            outcome["rows_shared"] -= own_ahead[0]
         with self._lock:
             self.stats["inline_bytes"] += job.inline_bytes
             for k, v in timings.items():  # seconds per stage, summed over processes: which stage bounds throughput
@@ -423,10 +427,8 @@ class Supervisor:
                     self.stats[k] += outcome.get(k, 0)
         if outcome["status"] == "ok":
             outcome["write_s"] = round(time.monotonic() - job.enqueued, 6)
-            ahead = (job.share or {}).get("ahead")
-            if ahead and not job.ahead:  # the request's own rows, stored by its job ahead of this file
-                outcome.update(rows_stored=outcome["rows_stored"] + ahead[0], rows_shared=outcome["rows_shared"] - ahead[0],
-                               block_bytes=outcome["block_bytes"] + ahead[1])
+        if own_ahead[0]:  # the request's own rows as its reference tells them (the stats counted them with that job)
+            outcome.update(rows_stored=outcome["rows_stored"] + own_ahead[0], block_bytes=outcome["block_bytes"] + own_ahead[1])
         return outcome
 
     def _outcome_after_failure(self, job: WireJob, e: WriterProcessDied, child: WriterChild) -> Dict[str, Any]:
