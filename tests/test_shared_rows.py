@@ -810,3 +810,38 @@ def test_a_block_whose_tensor_header_was_damaged_is_refused_by_its_seal(tmp_path
     open(blocks[0], "wb").write(bytes(data))
     with pytest.raises(CaptureFileError, match="seal|checksum"):
         load(path)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_block_removed_between_its_store_and_the_touch_before_publishing_is_stored_again(tmp_path, monkeypatch, ahead):
+    """A job's own block taken by ``gc`` (a short ``--min-age``) after the job stored it and before its
+    touch: the rows are still in hand, so it is stored again, for a file's job and a job ahead alike."""
+    from sglang_capture.server.writer_pool import job_message
+    from sglang_capture.writer import blocks as writer_blocks
+    from sglang_capture.writer.process import WriterProcess
+
+    job = _job(tmp_path, _ids(600), [7, 8], _rows(700), 0, name="again")
+    message = {**job_message(job, None), "ahead": ahead}
+    if ahead:
+        message["n_rows"] = 2 * B
+    touch, removed = writer_blocks.BlockStore.touch, []
+
+    def touch_after_gc(store, refs, sizes):
+        if refs and not removed:
+            removed.append(refs[0].name)
+            os.unlink(os.path.join(tmp_path, BLOCKS_DIR, block_relpath(refs[0].name)))
+        return touch(store, refs, sizes)
+
+    monkeypatch.setattr(writer_blocks.BlockStore, "touch", touch_after_gc)
+    read_end, write_end = os.pipe()
+    try:
+        result = WriterProcess(CaptureConfig(capture_dir=str(tmp_path)), None, 0).write(message, write_end)["result"]
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert result["status"] == "ok" and removed, result
+    assert os.path.exists(os.path.join(tmp_path, BLOCKS_DIR, block_relpath(removed[0])))
+    assert result["blocks_written"] == (2 if ahead else 3) and result["rows_stored"] == (2 * B if ahead else 601)
+    if not ahead:
+        d = load(os.path.join(tmp_path, "again.capture.msgpack"))
+        assert torch.equal(d["aux_hidden_states"], _rows(700)[:601, :H])

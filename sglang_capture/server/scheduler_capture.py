@@ -339,7 +339,7 @@ class SchedulerCapture:
         sharing the prompt (a system prompt many chats open with at once) reuse them meanwhile. Its
         rows stay its own: the job holds the chunks until a writer has read them."""
         share = self.shared.ahead_share(req, capture.first_position(), prompt_rows)
-        if share is None or capture.failure is not None:
+        if share is None:
             return
         rows = capture.rows_so_far()
         for chunk in rows:  # storages the request holds already: counted once more, never waited for

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy
 
@@ -34,7 +34,7 @@ from sglang_capture.core.format import SCHEMA_REFS, HostTensor
 from sglang_capture.core.handoff import Heartbeat, chunk_arrays, ids_array, recv, send
 from sglang_capture.core.loss_mask import mask_from_spans
 from sglang_capture.writer.assemble import assemble_rows, relabel
-from sglang_capture.writer.blocks import BlockStore, MissingBlocks, block_meta, gc_lock, refs_of
+from sglang_capture.writer.blocks import BlockStore, MissingBlocks, StoredBlock, block_meta, gc_lock, refs_of
 from sglang_capture.writer.capture_file import write_capture_file
 from sglang_capture.writer.durability import durability_for
 
@@ -144,25 +144,34 @@ class WriterProcess:
         prompt may reuse them before its file exists; returns timings and what the outcome adds (the
         blocks, for the scheduler's index; what they cost)."""
         t0 = time.monotonic()
-        n_rows, computed = msg["n_rows"], share["computed"]
+        n_rows = msg["n_rows"]
         seq = tensors["input_ids"][:n_rows]
-        bmeta = block_meta(msg["meta"], share["root"])
         with gc_lock(self.dirs):
-            share, cut = self.blocks.still_stored(share)
-            plan = plan_blocks(seq, share["start"], n_rows, bytes.fromhex(share["root"]))
-            stored = self.blocks.put(plan, rows, computed, seq, bmeta, beat)
+            share, cut, stored = self._put_new(msg, share, rows, seq, beat)
             # blocks found stored already are touched too: the index keeps them as if just stored (gc goes by mtime)
-            gone = {s.block.name for s in stored} & set(self.blocks.touch(refs_of(stored), {s.block.name: s.size
-                                                                                           for s in stored}))
-            if gone:  # removed since (gc with a short --min-age): the rows are still here
-                again = {s.block.name: s for s in self.blocks.put([s.block for s in stored if s.block.name in gone],
-                                                                  rows, computed, seq, bmeta, beat)}
-                stored = [again.get(s.block.name, s) for s in stored]
-        written = [s for s in stored if s.written_bytes]
-        return {"blocks_s": time.monotonic() - t0}, {
-            "blocks": [s.as_list() for s in stored], "blocks_cut": cut,
-            "block_bytes": sum(s.written_bytes for s in written), "blocks_written": len(written),
-            "blocks_reused": len(stored) - len(written), "rows_stored": sum(s.block.end - s.block.start for s in written)}
+            gone = self.blocks.touch(refs_of(stored), {s.block.name: s.size for s in stored})
+            stored = self._put_again(msg, share, stored, gone, rows, seq, beat)
+        return {"blocks_s": time.monotonic() - t0}, {**_stored_counts(stored), "blocks_cut": cut}
+
+    def _put_new(self, msg: Dict[str, Any], share: Dict[str, Any], rows: Dict[str, HostTensor], seq: numpy.ndarray,
+                 beat: Heartbeat) -> Any:
+        """Under ``gc_lock``: ``share`` as still stored (``BlockStore.still_stored``), the names it no
+        longer references, and the blocks of rows ``[its start, n_rows)``, each stored unless it is already."""
+        share, cut = self.blocks.still_stored(share)
+        plan = plan_blocks(seq, share["start"], msg["n_rows"], bytes.fromhex(share["root"]))
+        return share, cut, self.blocks.put(plan, rows, share["computed"], seq, block_meta(msg["meta"], share["root"]),
+                                           beat)
+
+    def _put_again(self, msg: Dict[str, Any], share: Dict[str, Any], stored: List[StoredBlock], names: List[str],
+                   rows: Dict[str, HostTensor], seq: numpy.ndarray, beat: Heartbeat) -> List[StoredBlock]:
+        """Under ``gc_lock``: ``stored`` with its blocks ``names``, removed since they were stored (``gc``
+        with a short ``--min-age``), stored again from the rows still here."""
+        if not names:
+            return stored
+        own = {s.block.name: s.block for s in stored}
+        again = {s.block.name: s for s in self.blocks.put([own[name] for name in names], rows, share["computed"], seq,
+                                                          block_meta(msg["meta"], share["root"]), beat)}
+        return [again.get(s.block.name, s) for s in stored]
 
     def _publish_shared(self, msg: Dict[str, Any], share: Dict[str, Any], rows: Dict[str, HostTensor],
                         tensors: Dict[str, HostTensor], publish: Any, beat: Heartbeat) -> Any:
@@ -174,12 +183,8 @@ class WriterProcess:
         t0 = time.monotonic()
         n_rows, computed = msg["n_rows"], share["computed"]
         seq = numpy.concatenate([tensors["input_ids"], tensors["output_ids"]])[:n_rows]
-        bmeta = block_meta(msg["meta"], share["root"])
         with gc_lock(self.dirs):
-            share, cut = self.blocks.still_stored(share)
-            first = share["start"]
-            plan = plan_blocks(seq, first, n_rows, bytes.fromhex(share["root"]))
-            stored = self.blocks.put(plan, rows, computed, seq, bmeta, beat)
+            share, cut, stored = self._put_new(msg, share, rows, seq, beat)
             refs = [BlockRef.from_list(r) for r in share["refs"]] + refs_of(stored)
             meta = {**msg["meta"], "schema": SCHEMA_REFS, BLOCKS_KEY: [r.as_list() for r in refs],
                     BLOCK_TENSORS_KEY: list(rows), "block_tokens": BLOCK_TOKENS, "block_layout": share["root"]}
@@ -188,26 +193,30 @@ class WriterProcess:
             if gap is not None:  # never a file without its rows: what the scheduler handed over does not add up
                 raise RuntimeError(f"the capture's blocks do not cover its rows: {gap}")
             missing = self.blocks.touch(refs, {**share.get("sizes", {}), **{s.block.name: s.size for s in stored}})
-            own = {s.block.name: s.block for s in stored}
+            own = {s.block.name for s in stored}
             gone = [name for name in missing if name not in own]
             if gone:
                 raise MissingBlocks(gone + [name for name in cut if name not in gone])
-            if missing:  # this capture's own blocks, removed since: its rows are still here
-                again = {s.block.name: s for s in self.blocks.put([own[name] for name in missing], rows, computed, seq,
-                                                                  bmeta, beat)}
-                stored = [again.get(s.block.name, s) for s in stored]
+            stored = self._put_again(msg, share, stored, missing, rows, seq, beat)  # its own blocks, removed since
             nbytes, checksum, stage = publish(meta, tensors, SCHEMA_REFS)
-        written = [s for s in stored if s.written_bytes]
-        rows_stored = sum(s.block.end - s.block.start for s in written)
+        counts = _stored_counts(stored)
+        rows_stored = counts["rows_stored"]
         row_bytes = sum(t.nbytes for t in rows.values()) // max(n_rows - computed, 1)
-        extra = {"blocks": [s.as_list() for s in stored], "block_bytes": sum(s.written_bytes for s in written),
-                 "blocks_written": len(written), "blocks_reused": len(stored) - len(written),
-                 "rows_stored": rows_stored, "rows_shared": n_rows - rows_stored, "blocks_cut": cut,
+        extra = {**counts, "rows_shared": n_rows - rows_stored, "blocks_cut": cut,
                  # the rows and bytes its own job ahead stored, referenced here (none when a block of them
                  # was gone: then the references after it were cut and this job stored those rows itself)
                  "own_ahead": share["ahead"] if share.get("ahead") and not cut else None,
                  "raw_bytes": sum(t.nbytes for t in tensors.values()) + row_bytes * rows_stored}
         return nbytes, checksum, {**stage, "blocks_s": blocks_s}, extra
+
+
+def _stored_counts(stored: List[StoredBlock]) -> Dict[str, Any]:
+    """What a job's blocks add to its outcome: the blocks (for the scheduler's index), and what this
+    writer wrote of them (a block found stored already costs nothing)."""
+    written = [s for s in stored if s.written_bytes]
+    return {"blocks": [s.as_list() for s in stored], "block_bytes": sum(s.written_bytes for s in written),
+            "blocks_written": len(written), "blocks_reused": len(stored) - len(written),
+            "rows_stored": sum(s.block.end - s.block.start for s in written)}
 
 
 def _die_with_parent() -> bool:
