@@ -118,13 +118,18 @@ def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[s
             "prefill_tokens": computed}
 
 
+def prompt_holds(docs: Dict[str, Dict[str, Any]]) -> Dict[str, int]:
+    """The scheduler processes' prompt-hold counters (server/prompt_holds.py), summed over ranks."""
+    return {k: sum((d.get("prompt_holds") or {}).get(k, 0) for d in docs.values()) for k in ("owners", "held", "timed_out")}
+
+
 def window(server: Server, chats: Chats, capture: bool, name: str, count: Optional[bool] = None) -> Dict[str, Any]:
     """One pass; ``capture``: every request asks for capture; ``count``: the writer counters' deltas
     (by default when ``capture``; a ``fraction`` server captures plain requests)."""
     a = chats.a
     count = capture if count is None else count
     docs = writer_stats(server.capture_dir, settled=True) if count else {}
-    before, clock_before = counters(docs), e2e_probes.scheduler_clock(docs)
+    before, clock_before, holds_before = counters(docs), e2e_probes.scheduler_clock(docs), prompt_holds(docs)
     gpu = e2e_probes.GpuSampler()
     t0 = time.monotonic()
     try:
@@ -145,6 +150,9 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
         docs = writer_stats(server.capture_dir, settled=True)
         after = counters(docs)
         delta = {k: after[k] - before[k] for k in COUNTED}
+        # captures that waited at admission for another's prompt blocks, their owners, and holds that timed out
+        holds = prompt_holds(docs)
+        delta["prompt_holds"] = {k: holds[k] - holds_before[k] for k in holds}
         # per seam account: the window's calls and microseconds a call (decode steps, sealing steps, ...);
         # not for a server's first capturing window, which has no stats file before it to count from
         out["seams"] = e2e_probes.clock_deltas(clock_before, e2e_probes.scheduler_clock(docs)) if clock_before else None

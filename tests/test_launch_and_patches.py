@@ -196,7 +196,7 @@ def test_doctor_reports_version_fingerprints_plugin_and_configuration():
     assert "supported SGLang: 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23" in r.stdout
     version = gate.installed_sglang_version()
     assert f"seam table: {table_path(version)}" in r.stdout and table_path(version).endswith(f"sglang_{version.replace('.', '_')}.json")
-    assert r.stdout.count("matches its fingerprint") == len(load_table(version)) == 23 and "FAIL" not in r.stdout
+    assert r.stdout.count("matches its fingerprint") == len(load_table(version)) == 24 and "FAIL" not in r.stdout
     assert "plugin entry point sglang.srt.plugins: sglang_capture" in r.stdout
     assert f"writers = auto ({CaptureConfig(capture_dir='.').writer_processes()} here)" in r.stdout and "max_pending_mb = 8192" in r.stdout
 

@@ -338,3 +338,34 @@ def test_a_prompt_is_stored_once_its_prefill_is_done_and_a_capture_sharing_it_re
     # the two whole slots stored once, by the ahead job; each request's rows after them by itself
     assert after["rows_stored"] - before.get("rows_stored", 0) == whole + (mine["rows"] - whole) + (ref["rows"] - whole)
     assert after["blocks_reused"] - before.get("blocks_reused", 0) == 0  # the first's file took them as stored ahead
+
+
+def test_captures_opening_together_with_one_new_prompt_wait_until_the_first_has_stored_it_and_compute_it_once(
+        shared, tiny_models):
+    """Chats opening together with one new system prompt (issue 50's first round, r87): the first
+    capture admitted computes the prompt and owns its whole slots; captures sharing them wait in
+    SGLang's queue until its job ahead has stored them, then reuse them. Before, each was admitted
+    as soon as SGLang could fit it and, the blocks not stored yet, computed the prompt again. One
+    batch request makes them arrive together; every file reads exact."""
+    import random
+
+    rng = random.Random(51)
+    prompt = [rng.randrange(10, 1000) for _ in range(600)]  # two whole slots of 256 and a tail
+    whole = 512
+    before = read_stats(shared.capture_dir, settled=True)
+    params = [{"max_new_tokens": 24, "temperature": 0, "ignore_eos": True,  # > 16: stored ahead
+               "custom_params": {"capture": True, "capture_name": f"together-{i}"}} for i in range(3)]
+    r = shared.generate({"input_ids": [prompt + [11 + i] for i in range(3)], "sampling_params": params})
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert sorted(o["meta_info"]["cached_tokens"] for o in outs) == [0, whole, whole]  # computed once
+    for o in outs:
+        ref = o["meta_info"]["capture"]
+        assert ref["status"] == "ok", ref
+        _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))
+    after = read_stats(shared.capture_dir, settled=True)
+    assert after["ahead_jobs"] - before.get("ahead_jobs", 0) == 1
+    assert after["rows_stored"] - before.get("rows_stored", 0) == sum(o["meta_info"]["capture"]["rows"] for o in outs) \
+        - 2 * whole  # the prompt's whole slots stored once
+    held, was = after["prompt_holds"], before.get("prompt_holds") or {"owners": 0, "held": 0, "timed_out": 0}
+    assert held["held"] - was["held"] == 2 and held["timed_out"] == was["timed_out"]

@@ -415,6 +415,80 @@ def test_a_prompt_is_stored_ahead_once_when_a_whole_slot_of_it_is_new_and_its_an
     assert out["start"] == 0 and out["refs"] == [] and "ahead" not in out
 
 
+def test_a_capture_admitted_with_prompt_slots_to_store_ahead_holds_those_sharing_them_until_the_writer_rank_releases_it():
+    """Who waits at admission (server/prompt_holds.py): a capture whose next slot an owner admitted
+    before it computes; not the owner itself, not a capture whose tokens differ within that slot,
+    not once the owner is released. Owners are taken at admission on every rank, and released on
+    every rank only by the writer rank's event, posted after the blocks' own once its job ahead is
+    answered, it was not asked for, the owner ended, or it held others ``HOLD_MAX_S``."""
+    import threading
+    from types import SimpleNamespace
+
+    from sglang_capture.server.prompt_holds import HOLD_MAX_S
+    from sglang_capture.server.shared_rows import SHARE_ATTR, RequestShare, SharedRows
+
+    writer, other = SharedRows(), SharedRows()  # the writer rank and another rank of its group
+
+    def req(rid, ids, most=64, finished=False):
+        return SimpleNamespace(**{SHARE_ATTR: RequestShare(ROOT)}, rid=rid, sampling_params=SimpleNamespace(
+            max_new_tokens=most), output_ids=[], origin_input_ids=list(ids), full_untruncated_fill_ids=list(ids),
+            finished=lambda: finished)
+
+    system = list(_ids(2 * B + 50))
+
+    def requests():  # each rank has its own Req objects for the same requests
+        return (req("first", system + [1]), req("same", system + [2]), req("twin", system + [2]),
+                req("near", system[:B + 10] + [7] * (B + 40)),  # shares slot 0 only
+                req("differs", [5] + system[1:]),  # another token in slot 0
+                req("short", system + [3], most=16))  # answers too soon to store ahead: owns nothing
+
+    on_writer = requests()
+    for rank, (first, same, twin, ends_at_slot_one, differs, short) in ((writer, on_writer), (other, requests())):
+        assert not rank.held(first)
+        rank.admitted(short)
+        assert not rank.holds
+        rank.admitted(first)
+        rank.admitted(first)  # once a request
+        assert rank.holds.counts["owners"] == 1
+        assert rank.held(same) and rank.held(twin) and rank.held(ends_at_slot_one)
+        assert not rank.held(first) and not rank.held(differs)
+        assert rank.holds.counts["held"] == 3
+    # the writer rank: nothing to release while the owner's prefill runs; once its job ahead is answered, it is
+    first, same, twin, ends_at_slot_one, differs, short = on_writer
+    share = getattr(first, SHARE_ATTR)
+    assert writer.take_events() == []
+    share.ahead_asked, share.ahead_job = True, SimpleNamespace(done=threading.Event())
+    assert writer.take_events() == []
+    share.ahead_job.done.set()
+    events = writer.take_events()
+    assert [e.released for e in events] == [["first"]]
+    assert writer.held(same)  # the other ranks and it stay alike until the event is applied
+    for rank in (writer, other):
+        rank.apply(events)
+        assert not rank.holds
+    assert not writer.held(same)
+    # released without a job ahead: none was asked for (declined), the owner ended, or too long
+    writer.admitted(same)
+    writer.admitted(ends_at_slot_one)
+    getattr(same, SHARE_ATTR).ahead_asked = True
+    events = writer.take_events()
+    assert [e.released for e in events] == [["same"]]
+    writer.apply(events)
+    assert writer.holds.due(lambda r: False, now=0.0) == []
+    ended = req("ended", system + [9])
+    ended.finished = lambda: True
+    writer.admitted(ended)
+    assert writer.holds.due(lambda r: False, now=0.0) == ["ended"]
+    import time
+
+    late = time.monotonic() + HOLD_MAX_S + 1
+    assert writer.holds.due(lambda r: False, now=late) == ["near", "ended"]
+    assert writer.holds.counts["timed_out"] == 1
+    off = SharedRows(may_hold=False)  # under HiCache
+    off.admitted(req("x", system))
+    assert not off.holds
+
+
 @pytest.mark.parametrize("gone", [False, True])
 def test_a_file_counts_the_rows_its_job_ahead_stored_as_its_own_and_never_twice(tmp_path, gone):
     """A job ahead of a file stores its prompt's whole slots (no file, no outcome record); the file's job

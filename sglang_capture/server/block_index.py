@@ -60,13 +60,15 @@ class IndexedBlock:
 @dataclass
 class BlockEvent:
     """What the writer rank tells every rank of its group, through SGLang's request broadcast
-    (picklable: plain values and numpy arrays): blocks stored, blocks to forget, and once, first,
+    (picklable: plain values and numpy arrays): blocks stored, blocks to forget, requests that hold
+    others no more, and once, first,
     the capture layout every rank names blocks by (server/shared_rows.py), or why there is none."""
 
     added: List[IndexedBlock] = field(default_factory=list)
     dropped: List[str] = field(default_factory=list)
     layout: Optional[Dict[str, Any]] = None
     off: Optional[str] = None
+    released: List[str] = field(default_factory=list)  # owners of pending prompt slots (server/prompt_holds.py)
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class SchedulerCapture:
                     layers, arch, type(model).__name__,
                     self.config.final if self.config.keep_last_hidden else "dropped")
         if self.config.sharing and self.shared is None:
-            self.shared = SharedRows()
+            self.shared = SharedRows(may_hold=not getattr(runner.server_args, "enable_hierarchical_cache", False))
             if self.is_writer:  # the group's other ranks take its layout from its first block event
                 layout, why_not = self._layout(runner.server_args)
                 self.shared.configure(layout, why_not)
@@ -212,7 +212,8 @@ class SchedulerCapture:
         """This process's counters for the writer's stats file (core/capture_dir.py: StatsFile)."""
         return {"host_pool": self.pool.stats() if self.pool else None, "result_copy": self.copies.as_dict(),
                 "aux_capture": self.aux.stats() if self.aux else None, "scheduler_thread": self.clock.stats(),
-                "gc_pauses": self.gc_pauses.stats()}
+                "gc_pauses": self.gc_pauses.stats(),
+                "prompt_holds": dict(self.shared.holds.counts) if self.shared is not None else None}
 
     def begin(self, req: Any) -> None:
         """Mark a new request for capture when its custom_params ask for it (all ranks alike)."""
@@ -349,5 +350,7 @@ class SchedulerCapture:
         input_ids = list(ids[:n_rows]) if n_rows <= len(ids) else list(ids) + list(req.output_ids[:n_rows - len(ids)])
         stored, dtypes = self.stored_layout(self.columns(), capture.is_fp8)
         meta = self._meta(req.rid, capture, len(ids), 0, {})
-        self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, [], meta, dtypes=dtypes, share=share,
-                                      ahead_rows=rows, ahead_of=getattr(req, SHARE_ATTR)))
+        job = CaptureJob(capture, n_rows, stored, input_ids, [], meta, dtypes=dtypes, share=share, ahead_rows=rows,
+                         ahead_of=getattr(req, SHARE_ATTR))
+        job.ahead_of.ahead_job = job  # before it is queued: its answer releases the requests it holds
+        self.writer.submit(job)

@@ -22,6 +22,9 @@ What each part does:
 - ``share_of`` (finish, the writer rank): the job's references for the rows before the first row
   the request computed, and for any it computed again although they are stored (its prefix left the
   radix cache), and the layout its new blocks are keyed under.
+- ``held`` and ``admitted`` (SGLang's admission, every rank): a capture admitted with prompt slots
+  to store ahead owns them, and a sharing capture whose next slot one owns waits in the queue until
+  the writer rank releases the owner (server/prompt_holds.py).
 - ``stored`` (the writer link's reply thread): the blocks a writer stored or found missing become a
   ``BlockEvent``; ``take_events`` (the writer rank's scheduler thread) puts the events into
   SGLang's request broadcast, with one dropping the blocks no capture used for ``BLOCK_LEASE_S``
@@ -38,7 +41,7 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from sglang_capture.core.blocks import BLOCK_LEASE_S, BLOCK_TOKENS, layout_root, slot_start
+from sglang_capture.core.blocks import BLOCK_LEASE_S, BLOCK_TOKENS, layout_root, slot_hash, slot_start
 from sglang_capture.server.block_index import (
     NOTHING,
     BlockEvent,
@@ -47,6 +50,7 @@ from sglang_capture.server.block_index import (
     as_tokens,
     blocks_of,
 )
+from sglang_capture.server.prompt_holds import PromptHolds
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +73,8 @@ class RequestShare:
     ``BlockIndex.still`` says it holds) and the widest one seen, which its finish may need when a
     later match (a prefill chunk's, after the prefix was taken) found less."""
 
-    __slots__ = ("root", "hashes", "coverage", "widest", "_limit", "_checked", "ahead_asked", "ahead")
+    __slots__ = ("root", "hashes", "coverage", "widest", "_limit", "_checked", "ahead_asked", "ahead", "ahead_job",
+                 "admitted", "was_held")
 
     def __init__(self, root: bytes) -> None:
         self.root = root
@@ -82,6 +87,9 @@ class RequestShare:
         # the blocks stored ahead of its file (``[name, slot_hash hex, start, end, size]`` each, in
         # order), and the rows and bytes of them that job wrote, set by the writer link's reply thread
         self.ahead: Optional[Tuple[List[list], List[int]]] = None
+        self.ahead_job: Optional[Any] = None  # the writer rank: the CaptureJob storing them, once queued
+        self.admitted = False  # taken into a prefill batch once (server/prompt_holds.py: whether it owns slots)
+        self.was_held = False  # held back at least once (counted once)
 
     def cap(self, index: BlockIndex, tokens: Any, limit: int) -> int:
         """How many of the first ``limit`` positions may come from the radix cache: those whose rows are stored."""
@@ -93,6 +101,15 @@ class RequestShare:
                 self.widest = self.coverage
         self._checked = index.version
         return self.coverage.reach
+
+    def through(self, k: int, tokens: Any) -> bytes:
+        """The hash through slot ``k`` of ``tokens`` (``h_{k+1}``; they must cover the slot), kept in
+        ``hashes`` as ``BlockIndex.cover`` keeps them."""
+        hashes = self.hashes
+        while len(hashes) <= k + 1:
+            j = len(hashes) - 1
+            hashes.append(slot_hash(hashes[j], as_tokens(tokens[j * BLOCK_TOKENS:(j + 1) * BLOCK_TOKENS])))
+        return hashes[k + 1]
 
     def covering(self, first_row: int) -> Optional[Coverage]:
         """A coverage of the rows before ``first_row``: the latest match's, else the widest seen."""
@@ -140,6 +157,21 @@ def weights_identity(server_args: Any) -> Tuple[Optional[Dict[str, Any]], str]:
     return {**out, "path": os.path.realpath(path), "files": _files_identity(path)}, ""
 
 
+def _answers_long(req: Any) -> bool:
+    """Whether ``req``'s answer may run past ``AHEAD_MIN_TOKENS``: worth storing its prompt ahead."""
+    most = getattr(req.sampling_params, "max_new_tokens", None)
+    return most is None or most - len(req.output_ids) > AHEAD_MIN_TOKENS
+
+
+def _ahead_answered(req: Any) -> bool:
+    """The writer rank: whether ``req``'s job ahead was answered (the writer link posts the blocks'
+    event before the job is done) or will not come."""
+    share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
+    if share is None:  # it turned private
+        return True
+    return share.ahead_asked and (share.ahead_job is None or share.ahead_job.done.is_set())
+
+
 def private_reason(req: Any) -> Optional[str]:
     """Why a capture request's rows cannot be shared: they depend on more than its token ids and the layout."""
     if getattr(req, "lora_id", None) is not None:
@@ -158,8 +190,9 @@ def private_reason(req: Any) -> Optional[str]:
 class SharedRows:
     """One scheduler process's side of prefix sharing (see the module docstring)."""
 
-    def __init__(self, capacity_tokens: Optional[int] = None) -> None:
+    def __init__(self, capacity_tokens: Optional[int] = None, may_hold: bool = True) -> None:
         self.index = BlockIndex(capacity_tokens) if capacity_tokens else BlockIndex()
+        self.may_hold = may_hold  # off under HiCache: its staging before admission expects SGLang's own verdicts
         self.layout: Optional[Dict[str, Any]] = None  # the writer rank's, from the first block event
         self.off: Optional[str] = None  # why this group shares nothing after all (every rank alike)
         self._roots: Dict[str, bytes] = {}
@@ -168,6 +201,7 @@ class SharedRows:
         self._lock = threading.Lock()
         self._used: Dict[str, float] = {}  # the writer rank: when a capture last stored or reused each block
         self._next_lease_check = time.monotonic() + LEASE_CHECK_S
+        self.holds = PromptHolds()
 
     def configure(self, layout: Optional[Dict[str, Any]], why_not: str = "") -> None:
         """The writer rank, at model load: its layout (None: sharing off, ``why_not``), for every rank."""
@@ -253,14 +287,47 @@ class SharedRows:
         if share is None or share.ahead_asked:
             return None
         share.ahead_asked = True
-        most = getattr(req.sampling_params, "max_new_tokens", None)
-        if most is not None and most - len(req.output_ids) <= AHEAD_MIN_TOKENS:
+        if not _answers_long(req):
             return None
         whole = slot_start(prompt_rows)
         out, why = self.share_of(req, first_row, whole)
         if out is None or why is not None or whole - out["start"] < BLOCK_TOKENS:
             return None
         return out
+
+    def held(self, req: Any) -> bool:
+        """SGLang's admission (``PrefillAdder.add_one_req``), every rank: whether the sharing capture
+        ``req`` waits, because another capture now computes the slot its stored rows stop at
+        (server/prompt_holds.py). Its coverage is that of the prefix match just made."""
+        share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
+        if share is None or not self.holds:
+            return False
+        tokens = req.full_untruncated_fill_ids
+        k = share.coverage.reach // BLOCK_TOKENS
+        if (k + 1) * BLOCK_TOKENS > len(tokens) or not self.holds.held(req.rid, share.through(k, tokens)):
+            return False
+        if not share.was_held:
+            share.was_held = True
+            self.holds.counts["held"] += 1
+        return True
+
+    def admitted(self, req: Any) -> None:
+        """After SGLang admitted ``req`` to a prefill batch, every rank: a sharing capture whose
+        prompt's whole slots past its stored rows will be stored ahead of its file (``ahead_share``'s
+        rules) owns them until they are (server/prompt_holds.py)."""
+        share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
+        if share is None or share.admitted or not self.may_hold:
+            return
+        share.admitted = True
+        if not _answers_long(req):
+            return
+        tokens = req.full_untruncated_fill_ids
+        reach = share.coverage.reach if share.coverage.reach >= MIN_REUSE_ROWS else 0
+        whole = slot_start(len(req.origin_input_ids) + len(req.output_ids))
+        if whole - reach < BLOCK_TOKENS:
+            return
+        self.holds.own(req.rid, [share.through(k, tokens) for k in range(reach // BLOCK_TOKENS, whole // BLOCK_TOKENS)],
+                       req)
 
     def stored(self, job: Any, stored: List[list], missing: List[str], ok: bool = True) -> None:
         """The writer link's reply thread (server/writer_pool.py): the blocks a writer stored or reused
@@ -284,6 +351,10 @@ class SharedRows:
         """The writer rank's scheduler thread: the events posted since the last call, and now and
         then one dropping the blocks whose lease ran out."""
         now = time.monotonic()
+        if self.holds:
+            released = self.holds.due(_ahead_answered, now)
+            if released:  # after the blocks' own events: the held requests' matches find them
+                self._events.append(BlockEvent(released=released))
         if now >= self._next_lease_check:
             self._next_lease_check = now + LEASE_CHECK_S
             with self._lock:
@@ -306,3 +377,5 @@ class SharedRows:
                     logger.warning("sglang_capture: prefix sharing is off on this server: %s; every capture is "
                                    "private (its whole sequence computed and stored in its own file)", event.off)
             self.index.apply(event)
+            if event.released:
+                self.holds.release(event.released)

@@ -4,6 +4,10 @@ where its stored rows end, and the index that says so changes alike on every ran
 - ``cap_shared_prefix`` (``Req._compute_max_prefix_len``): SGLang matches a request's prefix in
   the radix cache up to the limit this returns; for a capture request whose rows are shared it is
   also capped at what the stored blocks cover (server/shared_rows.py). Every rank computes it.
+- ``hold_shared_prompt`` (``PrefillAdder.add_one_req``): a sharing capture request whose next
+  prompt slot another capture admitted earlier computes now waits in SGLang's queue until that
+  capture's blocks are stored; a capture admitted becomes such an owner (server/prompt_holds.py).
+  Every rank decides alike.
 - ``post_block_events`` (``SchedulerRequestReceiver._pull_raw_reqs``): on the rank that receives
   the requests (the writer rank), the index's events join them, first, and SGLang's own broadcast
   carries them to the group's other ranks.
@@ -31,6 +35,30 @@ def cap_shared_prefix(state: SchedulerCapture, wrapped: Any, instance: Any, args
         instance.extra_key = (instance.extra_key or "") + EXTRA_KEY_TAG + instance.rid
         return limit
     return capped
+
+
+def _holds_mamba_slot(req: Any) -> bool:
+    """Whether the prefix match gave ``req`` a Mamba slot, which SGLang frees only for a request it refused itself."""
+    kv = getattr(req, "kv", None)  # 0.5.19 on
+    return getattr(req, "mamba_pool_idx", None) is not None or bool(getattr(kv, "holds_mamba", False))
+
+
+def hold_shared_prompt(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Around ``PrefillAdder.add_one_req(req, has_chunked_req, truncation_align_size)``: a held request
+    is passed over as SGLang passes over one it cannot schedule yet (``CONTINUE``, not added: it stays
+    in the waiting queue and the scheduler tries the next); one admitted is in ``can_run_list``."""
+    shared = state.shared
+    if shared is None:
+        return wrapped(*args, **kwargs)
+    req = args[0] if args else kwargs["req"]
+    if not _holds_mamba_slot(req) and shared.held(req):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.CONTINUE
+    out = wrapped(*args, **kwargs)
+    if not state.pd_prefill and instance.can_run_list and instance.can_run_list[-1] is req:
+        shared.admitted(req)
+    return out
 
 
 def post_block_events(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
