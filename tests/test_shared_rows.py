@@ -415,78 +415,122 @@ def test_a_prompt_is_stored_ahead_once_when_a_whole_slot_of_it_is_new_and_its_an
     assert out["start"] == 0 and out["refs"] == [] and "ahead" not in out
 
 
+def _hold_req(rid, ids, most=64):
+    """A stand-in for SGLang's Req as the admission seams read it (each rank has its own)."""
+    from types import SimpleNamespace
+
+    from sglang_capture.server.shared_rows import SHARE_ATTR, RequestShare
+
+    return SimpleNamespace(**{SHARE_ATTR: RequestShare(ROOT)}, rid=rid, sampling_params=SimpleNamespace(
+        max_new_tokens=most), output_ids=[], origin_input_ids=list(ids), full_untruncated_fill_ids=list(ids),
+        finished=lambda: False, is_retracted=False)
+
+
 def test_a_capture_admitted_with_prompt_slots_to_store_ahead_holds_those_sharing_them_until_the_writer_rank_releases_it():
     """Who waits at admission (server/prompt_holds.py): a capture whose next slot an owner admitted
     before it computes; not the owner itself, not a capture whose tokens differ within that slot,
     not once the owner is released. Owners are taken at admission on every rank, and released on
-    every rank only by the writer rank's event, posted after the blocks' own once its job ahead is
-    answered, it was not asked for, the owner ended, or it held others ``HOLD_MAX_S``."""
+    every rank only by the writer rank's event, posted once, after the blocks' own, when its job
+    ahead is answered."""
     import threading
-    from types import SimpleNamespace
 
-    from sglang_capture.server.prompt_holds import HOLD_MAX_S
-    from sglang_capture.server.shared_rows import SHARE_ATTR, RequestShare, SharedRows
+    from sglang_capture.server.shared_rows import SHARE_ATTR, SharedRows
 
     writer, other = SharedRows(), SharedRows()  # the writer rank and another rank of its group
-
-    def req(rid, ids, most=64, finished=False):
-        return SimpleNamespace(**{SHARE_ATTR: RequestShare(ROOT)}, rid=rid, sampling_params=SimpleNamespace(
-            max_new_tokens=most), output_ids=[], origin_input_ids=list(ids), full_untruncated_fill_ids=list(ids),
-            finished=lambda: finished)
-
     system = list(_ids(2 * B + 50))
 
     def requests():  # each rank has its own Req objects for the same requests
-        return (req("first", system + [1]), req("same", system + [2]), req("twin", system + [2]),
-                req("near", system[:B + 10] + [7] * (B + 40)),  # shares slot 0 only
-                req("differs", [5] + system[1:]),  # another token in slot 0
-                req("short", system + [3], most=16))  # answers too soon to store ahead: owns nothing
+        return (_hold_req("first", system + [1]), _hold_req("same", system + [2]), _hold_req("twin", system + [2]),
+                _hold_req("near", system[:B + 10] + [7] * (B + 40)),  # shares slot 0 only
+                _hold_req("differs", [5] + system[1:]),  # another token in slot 0
+                _hold_req("short", system + [3], most=16))  # answers too soon to store ahead: owns nothing
 
     on_writer = requests()
-    for rank, (first, same, twin, ends_at_slot_one, differs, short) in ((writer, on_writer), (other, requests())):
+    for rank, (first, same, twin, near, differs, short) in ((writer, on_writer), (other, requests())):
         assert not rank.held(first)
         rank.admitted(short)
         assert not rank.holds
         rank.admitted(first)
         rank.admitted(first)  # once a request
         assert rank.holds.counts["owners"] == 1
-        assert rank.held(same) and rank.held(twin) and rank.held(ends_at_slot_one)
+        assert rank.held(same) and rank.held(twin) and rank.held(near)
         assert not rank.held(first) and not rank.held(differs)
         assert rank.holds.counts["held"] == 3
-    # the writer rank: nothing to release while the owner's prefill runs; once its job ahead is answered, it is
-    first, same, twin, ends_at_slot_one, differs, short = on_writer
+    first, same, twin, near, differs, short = on_writer
     share = getattr(first, SHARE_ATTR)
-    assert writer.take_events() == []
-    share.ahead_asked, share.ahead_job = True, SimpleNamespace(done=threading.Event())
-    assert writer.take_events() == []
-    share.ahead_job.done.set()
+    assert writer.take_events() == []  # its prefill runs
+    share.ahead_asked, share.ahead_done, share.ahead_queued = True, threading.Event(), __import__("time").monotonic()
+    assert writer.take_events() == []  # its job ahead is queued
+    # the writer link's reply thread: the blocks' event, then the job is done
+    job = type("Job", (), {"input_ids": system[:2 * B], "output_ids": [], "share": {"refs": []}, "written": [2 * B, 9],
+                           "ahead_of": share})()
+    writer.stored(job, [["a" * 32, ROOT.hex(), 0, B, 5], ["b" * 32, share.hashes[1].hex(), B, 2 * B, 4]], [])
+    share.ahead_done.set()
     events = writer.take_events()
-    assert [e.released for e in events] == [["first"]]
-    assert writer.held(same)  # the other ranks and it stay alike until the event is applied
+    assert [(len(e.added), e.released) for e in events] == [(2, []), (0, ["first"])]  # the blocks first
+    assert writer.take_events() == []  # posted once, though not applied yet
     for rank in (writer, other):
         rank.apply(events)
-        assert not rank.holds
+        assert not rank.holds and not rank.holds.owners()
     assert not writer.held(same)
-    # released without a job ahead: none was asked for (declined), the owner ended, or too long
-    writer.admitted(same)
-    writer.admitted(ends_at_slot_one)
-    getattr(same, SHARE_ATTR).ahead_asked = True
-    events = writer.take_events()
-    assert [e.released for e in events] == [["same"]]
-    writer.apply(events)
-    assert writer.holds.due(lambda r: False, now=0.0) == []
-    ended = req("ended", system + [9])
-    ended.finished = lambda: True
-    writer.admitted(ended)
-    assert writer.holds.due(lambda r: False, now=0.0) == ["ended"]
+    cover = getattr(same, SHARE_ATTR)
+    assert cover.cap(writer.index, same.full_untruncated_fill_ids, 2 * B + 50) == 2 * B  # the blocks cover it now
+    assert writer.holds.counts["timed_out"] == 0
+
+
+def test_an_owner_released_without_its_blocks_gives_its_slots_up_and_those_it_held_go_in_together():
+    """Released without its blocks (none asked for, its capture ended first or was retracted, or it
+    held others too long) an owner's slots are given up: the request admitted next does not own them
+    again (which would let the held ones in one a second), and they hold nobody even where another
+    owner computes them too. Its slots here begin past a stored one: the hashes there agree with the
+    index's own (``BlockIndex.cover``)."""
     import time
 
-    late = time.monotonic() + HOLD_MAX_S + 1
-    assert writer.holds.due(lambda r: False, now=late) == ["near", "ended"]
+    from sglang_capture.server.prompt_holds import HOLD_MAX_S, HOLD_PREFILL_S, PENDING
+    from sglang_capture.server.shared_rows import SHARE_ATTR, SharedRows
+
+    system = list(_ids(3 * B + 50, seed=3))
+    writer = SharedRows()
+    stored = [IndexedBlock("s" * 32, ROOT, 0, B, numpy.asarray(system[:B]), 5)]
+    writer.apply([BlockEvent(added=stored)])  # slot 0 stored: the owner computes slots 1 and 2
+    a, b, c = (_hold_req(r, system + [i]) for i, r in enumerate("abc"))
+    for r in (a, b, c):
+        getattr(r, SHARE_ATTR).cap(writer.index, r.full_untruncated_fill_ids, len(system))
+    writer.admitted(a)
+    assert writer.held(b) and writer.held(c)
+    getattr(a, SHARE_ATTR).ahead_asked = True  # declined at the end of its prefill: no job ahead
+    events = writer.take_events()
+    assert [(e.released, e.given_up) for e in events] == [([], ["a"])]
+    writer.apply(events)
+    writer.admitted(b)  # the next admitted owns nothing of what was given up
+    assert not writer.holds.owners() and not writer.held(c)
+    # timed out: not while its prefill runs (HOLD_PREFILL_S), nor while its job ahead is queued (HOLD_MAX_S)
+    d, e, f = (_hold_req(r, [9] + system) for r in "def")
+    writer.admitted(d)
+    writer.admitted(e)  # its slots are d's already (admitted without a hold check): it owns them too
+    writer.holds.release(["d"])  # released with its blocks stored: e still computes them, f waits for it
+    assert writer.held(f)
+    now = time.monotonic()
+    assert writer.holds.due(lambda r: (PENDING, None), now + HOLD_PREFILL_S - 1) == ([], [])
+    assert writer.holds.due(lambda r: (PENDING, now), now + HOLD_MAX_S - 0.1) == ([], [])
+    assert writer.holds.due(lambda r: (PENDING, now), now + HOLD_MAX_S + 0.1) == ([], ["e"])
     assert writer.holds.counts["timed_out"] == 1
-    off = SharedRows(may_hold=False)  # under HiCache
-    off.admitted(req("x", system))
-    assert not off.holds
+    writer.holds.release(["e"], given_up=True)
+    assert not writer.holds.owners() and not writer.held(f)
+    # given up by one owner, a slot holds nobody, though another owner computes it too
+    h, i, j = (_hold_req(r, [7] + system) for r in "hij")
+    writer.admitted(h)
+    writer.admitted(i)
+    writer.holds.release(["h"], given_up=True)
+    assert writer.holds.owners() and not writer.held(j)
+    # an owner that ended, or was retracted, before its prefill was done holds nobody
+    g = _hold_req("g", [8] + system)
+    writer.admitted(g)
+    g.is_retracted = True
+    assert writer.take_events()[0].given_up == ["g"]
+    off = SharedRows(may_hold=False)  # HiCache, LMCache, FlexKV, priority scheduling, LoRA
+    off.admitted(_hold_req("x", system))
+    assert not off.holds.owners()
 
 
 @pytest.mark.parametrize("gone", [False, True])

@@ -68,7 +68,9 @@ class BlockEvent:
     dropped: List[str] = field(default_factory=list)
     layout: Optional[Dict[str, Any]] = None
     off: Optional[str] = None
-    released: List[str] = field(default_factory=list)  # owners of pending prompt slots (server/prompt_holds.py)
+    # owners of pending prompt slots (server/prompt_holds.py), released with their blocks stored or not
+    released: List[str] = field(default_factory=list)
+    given_up: List[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -11,19 +11,29 @@ waits in the queue (``held``) until the owner is released: then its radix hit co
 
 Every rank of the group must admit alike, so who is pending changes only at points every rank
 shares: owners are taken at admission (every rank, the same step) and released by the writer
-rank's ``BlockEvent.released`` (``due``: after the blocks' own event), once the owner's job ahead
-is answered or was not asked for, the owner has ended, or ``HOLD_MAX_S`` has passed. A hold costs
-the held request that wait, never a row: what it then reuses is what the index says is stored.
+rank's ``BlockEvent`` (``due``: after the blocks' own event). An owner is released once its job
+ahead is answered; without its blocks (the job failed or was not asked for, the owner ended or was
+retracted first, or it held others too long: ``HOLD_PREFILL_S`` before its job ahead was queued,
+``HOLD_MAX_S`` after) its slots are *given up*: no later capture owns them again, so the requests
+it held go in together and compute them, as without holds. A hold costs the held request that wait,
+never a row: what it then reuses is what the index says is stored.
 """
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-# The longest an owner holds others: its job ahead waits behind file jobs in the writers' queue
-# under load, and a held request must then compute the prompt itself rather than wait on.
+# The longest an owner holds others once its job ahead is queued: that job waits behind a writer
+# busy with another, and a held request must then compute the prompt itself rather than wait on.
 HOLD_MAX_S = 1.0
+HOLD_PREFILL_S = 10.0  # and before: its own prefill (chunked, in a loaded batch) comes first
+GIVEN_UP_KEPT = 4096  # slots given up that no capture owns again (least recently given up forgotten first)
+
+# What the writer rank's ``state_of(req)`` says of an owner: its job ahead's blocks are indexed
+# (STORED), no blocks will come (NONE), or they may still (PENDING); and when its job ahead was queued.
+STORED, NONE, PENDING = "stored", "none", "pending"
 
 
 @dataclass
@@ -31,50 +41,76 @@ class _Owner:
     hashes: List[bytes]  # the hash through each prompt slot it computes (core/blocks.slot_hash)
     since: float
     req: Any
+    posted: bool = False  # the writer rank: its release is on its way to every rank
 
 
 class PromptHolds:
     """Pending prompt slots and their owners, in one scheduler process (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._by_hash: Dict[bytes, str] = {}
+        self._by_hash: Dict[bytes, List[str]] = {}
         self._owners: Dict[str, _Owner] = {}
+        self._given_up: "OrderedDict[bytes, None]" = OrderedDict()
         self.counts = {"owners": 0, "held": 0, "timed_out": 0}  # "held": requests, each counted once (SharedRows)
 
     def __bool__(self) -> bool:
+        """Whether any slot is pending (SGLang asks ``held`` of every request it tries to admit)."""
         return bool(self._by_hash)
 
+    def owners(self) -> bool:
+        return bool(self._owners)
+
     def own(self, rid: str, hashes: List[bytes], req: Any) -> None:
-        """Every rank, at ``req``'s admission: the prompt slots through ``hashes`` are pending."""
+        """Every rank, at ``req``'s admission: the prompt slots through ``hashes`` are pending,
+        except those given up."""
+        hashes = [h for h in hashes if h not in self._given_up]
+        if not hashes:
+            return
         self._owners[rid] = _Owner(hashes, time.monotonic(), req)
         for h in hashes:
-            self._by_hash.setdefault(h, rid)
+            self._by_hash.setdefault(h, []).append(rid)
         self.counts["owners"] += 1
 
     def held(self, rid: str, through: bytes) -> bool:
         """Whether the request ``rid``, whose next slot hashes to ``through``, waits for another owner."""
-        owner = self._by_hash.get(through)
-        return owner is not None and owner != rid
+        owners = self._by_hash.get(through)
+        return owners is not None and any(o != rid for o in owners)
 
-    def due(self, answered: Callable[[Any], bool], now: Optional[float] = None) -> List[str]:
-        """The writer rank: the owners to release, ``answered(req)`` saying whether one's job ahead
-        was answered (its blocks' event is posted by then) or will not come."""
+    def due(self, state_of: Callable[[Any], Tuple[str, Optional[float]]],
+            now: Optional[float] = None) -> Tuple[List[str], List[str]]:
+        """The writer rank: the owners to release, as (with their blocks stored, given up)."""
         now = time.monotonic() if now is None else now
-        out = []
+        stored: List[str] = []
+        given_up: List[str] = []
         for rid, owner in self._owners.items():
-            if answered(owner.req) or owner.req.finished():
-                out.append(rid)
-            elif now - owner.since > HOLD_MAX_S:
-                out.append(rid)
+            if owner.posted:
+                continue
+            state, queued = state_of(owner.req)
+            if state == PENDING:
+                if queued is None and now - owner.since <= HOLD_PREFILL_S or \
+                        queued is not None and now - queued <= HOLD_MAX_S:
+                    continue
                 self.counts["timed_out"] += 1
-        return out
+            owner.posted = True
+            (stored if state == STORED else given_up).append(rid)
+        return stored, given_up
 
-    def release(self, rids: List[str]) -> None:
-        """Every rank, applying the writer rank's event: these owners hold nobody any more."""
+    def release(self, rids: List[str], given_up: bool = False) -> None:
+        """Every rank, applying the writer rank's event: these owners hold nobody any more; ``given_up``:
+        their slots were not stored, and no later capture owns them."""
         for rid in rids:
             owner = self._owners.pop(rid, None)
             if owner is None:
                 continue
             for h in owner.hashes:
-                if self._by_hash.get(h) == rid:
-                    del self._by_hash[h]
+                owners = self._by_hash.get(h)
+                if given_up:  # nobody holds anyone on it any more, another owner computing it neither
+                    self._by_hash.pop(h, None)
+                    self._given_up[h] = None
+                    self._given_up.move_to_end(h)
+                elif owners is not None and rid in owners:
+                    owners.remove(rid)
+                    if not owners:
+                        del self._by_hash[h]
+        while len(self._given_up) > GIVEN_UP_KEPT:
+            self._given_up.popitem(last=False)

@@ -38,7 +38,7 @@ from sglang_capture.server.pd_prefill import chunk_like_any_request, decode_rows
 from sglang_capture.server.pre_norm import PreNormCapture
 from sglang_capture.server.request_capture import CAPTURE_ATTR, RequestCapture
 from sglang_capture.server.seam_clock import SeamClock
-from sglang_capture.server.shared_rows import SHARE_ATTR, SharedRows, weights_identity
+from sglang_capture.server.shared_rows import SHARE_ATTR, SharedRows, holds_off, weights_identity
 from sglang_capture.server.writer_pool import CaptureJob, WriterPool
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,11 @@ class SchedulerCapture:
                     layers, arch, type(model).__name__,
                     self.config.final if self.config.keep_last_hidden else "dropped")
         if self.config.sharing and self.shared is None:
-            self.shared = SharedRows(may_hold=not getattr(runner.server_args, "enable_hierarchical_cache", False))
+            no_holds = holds_off(runner.server_args)
+            self.shared = SharedRows(may_hold=no_holds is None)
+            if no_holds is not None and self.is_writer:
+                logger.info("sglang_capture: with %s, captures sharing a new prompt do not wait for another capture to "
+                            "store it: each computes it until its blocks are stored", no_holds)
             if self.is_writer:  # the group's other ranks take its layout from its first block event
                 layout, why_not = self._layout(runner.server_args)
                 self.shared.configure(layout, why_not)
@@ -352,5 +356,5 @@ class SchedulerCapture:
         meta = self._meta(req.rid, capture, len(ids), 0, {})
         job = CaptureJob(capture, n_rows, stored, input_ids, [], meta, dtypes=dtypes, share=share, ahead_rows=rows,
                          ahead_of=getattr(req, SHARE_ATTR))
-        job.ahead_of.ahead_job = job  # before it is queued: its answer releases the requests it holds
+        job.ahead_of.ahead_done, job.ahead_of.ahead_queued = job.done, job.enqueued  # its answer releases whom it holds
         self.writer.submit(job)

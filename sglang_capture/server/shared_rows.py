@@ -50,7 +50,7 @@ from sglang_capture.server.block_index import (
     as_tokens,
     blocks_of,
 )
-from sglang_capture.server.prompt_holds import PromptHolds
+from sglang_capture.server.prompt_holds import NONE, PENDING, STORED, PromptHolds
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ class RequestShare:
     ``BlockIndex.still`` says it holds) and the widest one seen, which its finish may need when a
     later match (a prefill chunk's, after the prefix was taken) found less."""
 
-    __slots__ = ("root", "hashes", "coverage", "widest", "_limit", "_checked", "ahead_asked", "ahead", "ahead_job",
-                 "admitted", "was_held")
+    __slots__ = ("root", "hashes", "coverage", "widest", "_limit", "_checked", "ahead_asked", "ahead", "ahead_done",
+                 "ahead_queued", "admitted", "was_held")
 
     def __init__(self, root: bytes) -> None:
         self.root = root
@@ -87,7 +87,10 @@ class RequestShare:
         # the blocks stored ahead of its file (``[name, slot_hash hex, start, end, size]`` each, in
         # order), and the rows and bytes of them that job wrote, set by the writer link's reply thread
         self.ahead: Optional[Tuple[List[list], List[int]]] = None
-        self.ahead_job: Optional[Any] = None  # the writer rank: the CaptureJob storing them, once queued
+        # the writer rank: the done event of the job storing them and when it was queued (not the job: it
+        # refers to this share, and a cycle would outlive the request until a full collection)
+        self.ahead_done: Optional[threading.Event] = None
+        self.ahead_queued: Optional[float] = None
         self.admitted = False  # taken into a prefill batch once (server/prompt_holds.py: whether it owns slots)
         self.was_held = False  # held back at least once (counted once)
 
@@ -157,19 +160,37 @@ def weights_identity(server_args: Any) -> Tuple[Optional[Dict[str, Any]], str]:
     return {**out, "path": os.path.realpath(path), "files": _files_identity(path)}, ""
 
 
+# Server options under which no capture waits at admission (server/prompt_holds.py): caches that stage
+# KV from outside the radix cache before admission, priority preemption (it would preempt for a
+# request then held) and LoRA (SGLang counts a request passed over toward the batch's adapters).
+HOLDS_OFF = (("enable_hierarchical_cache", "HiCache"), ("enable_lmcache", "LMCache"), ("enable_flexkv", "FlexKV"),
+             ("enable_priority_scheduling", "priority scheduling"), ("enable_lora", "LoRA"))
+
+
+def holds_off(server_args: Any) -> Optional[str]:
+    """Why captures may not wait at admission for a prompt another capture is storing, or None."""
+    return next((what for attr, what in HOLDS_OFF if getattr(server_args, attr, False)), None)
+
+
 def _answers_long(req: Any) -> bool:
     """Whether ``req``'s answer may run past ``AHEAD_MIN_TOKENS``: worth storing its prompt ahead."""
     most = getattr(req.sampling_params, "max_new_tokens", None)
     return most is None or most - len(req.output_ids) > AHEAD_MIN_TOKENS
 
 
-def _ahead_answered(req: Any) -> bool:
-    """The writer rank: whether ``req``'s job ahead was answered (the writer link posts the blocks'
-    event before the job is done) or will not come."""
+def _ahead_state(req: Any) -> Tuple[str, Optional[float]]:
+    """The writer rank: what became of an owner's job ahead (server/prompt_holds.py), and when it was
+    queued. The writer link posts a job's blocks event before the job is done."""
     share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
     if share is None:  # it turned private
-        return True
-    return share.ahead_asked and (share.ahead_job is None or share.ahead_job.done.is_set())
+        return NONE, None
+    if share.ahead_done is not None:
+        if share.ahead_done.is_set():
+            return (STORED if share.ahead is not None else NONE), share.ahead_queued
+        return PENDING, share.ahead_queued
+    if share.ahead_asked or req.finished() or getattr(req, "is_retracted", False):
+        return NONE, None  # declined, failed, or no longer prefilling
+    return PENDING, None
 
 
 def private_reason(req: Any) -> Optional[str]:
@@ -192,7 +213,7 @@ class SharedRows:
 
     def __init__(self, capacity_tokens: Optional[int] = None, may_hold: bool = True) -> None:
         self.index = BlockIndex(capacity_tokens) if capacity_tokens else BlockIndex()
-        self.may_hold = may_hold  # off under HiCache: its staging before admission expects SGLang's own verdicts
+        self.may_hold = may_hold  # see ``holds_off``
         self.layout: Optional[Dict[str, Any]] = None  # the writer rank's, from the first block event
         self.off: Optional[str] = None  # why this group shares nothing after all (every rank alike)
         self._roots: Dict[str, bytes] = {}
@@ -351,10 +372,10 @@ class SharedRows:
         """The writer rank's scheduler thread: the events posted since the last call, and now and
         then one dropping the blocks whose lease ran out."""
         now = time.monotonic()
-        if self.holds:
-            released = self.holds.due(_ahead_answered, now)
-            if released:  # after the blocks' own events: the held requests' matches find them
-                self._events.append(BlockEvent(released=released))
+        if self.holds.owners():
+            released, given_up = self.holds.due(_ahead_state, now)
+            if released or given_up:  # after the blocks' own events: the held requests' matches find them
+                self._events.append(BlockEvent(released=released, given_up=given_up))
         if now >= self._next_lease_check:
             self._next_lease_check = now + LEASE_CHECK_S
             with self._lock:
@@ -377,5 +398,6 @@ class SharedRows:
                     logger.warning("sglang_capture: prefix sharing is off on this server: %s; every capture is "
                                    "private (its whole sequence computed and stored in its own file)", event.off)
             self.index.apply(event)
-            if event.released:
+            if event.released or event.given_up:
                 self.holds.release(event.released)
+                self.holds.release(event.given_up, given_up=True)

@@ -16,6 +16,7 @@ the scheduler side means it is stopping (or gone): queued jobs are finished, the
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -102,6 +103,26 @@ class SweepJob:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+class AheadFirst(queue.Queue):
+    """The hand-off threads' queue, first in first out except that a job storing a prompt's blocks
+    ahead of its file goes before the queued file jobs: captures sharing that prompt wait at
+    admission until it is stored (server/prompt_holds.py), while a file job's request is answered
+    already (or waits for its own file only)."""
+
+    def _init(self, maxsize: int) -> None:
+        super()._init(maxsize)
+        self._ahead: collections.deque = collections.deque()
+
+    def _qsize(self) -> int:
+        return len(self.queue) + len(self._ahead)
+
+    def _put(self, item: Any) -> None:
+        (self._ahead if getattr(item, "ahead", False) else self.queue).append(item)
+
+    def _get(self) -> Any:
+        return self._ahead.popleft() if self._ahead else self.queue.popleft()
+
+
 # what a shared-rows outcome adds to the writer's counters (core/capture_dir.WRITER_COUNTERS)
 SHARED_COUNTERS = ("block_bytes", "blocks_written", "blocks_reused", "rows_stored", "rows_shared")
 
@@ -153,7 +174,7 @@ class Supervisor:
         self.predecessors = tuple(predecessors)  # supervisors of this scheduler that died: their stats files go
         self.pool_fd, self.pool_size = pool_fd, pool_size  # the host pool's memfd: rows in it travel by offset
         self.processes = config.writer_processes()
-        self._queue: queue.Queue[Union[WireJob, OutcomeOnly, SweepJob, None]] = queue.Queue()
+        self._queue: queue.Queue[Union[WireJob, OutcomeOnly, SweepJob, None]] = AheadFirst()
         self._threads: List[threading.Thread] = []
         self._children: Dict[int, WriterChild] = {}
         self._lock = threading.Lock()

@@ -90,11 +90,14 @@ def _prefill_done(state: SchedulerCapture, req: Any, capture: Any, n: int) -> No
     """After a sharing capture request's chunk: when it was the prefill's last (every prompt row is
     in; output_ids gets this step's token only later), its prompt blocks are stored ahead of its file."""
     processing = state.processing
-    if processing is None or capture.failure is not None or state.pd_prefill:
+    if processing is None or state.pd_prefill:
         return
     end = processing.chunk_start(req) + n
     if end == len(req.origin_input_ids) + len(req.output_ids):
-        state.store_ahead(req, capture, end)
+        if capture.failure is None:
+            state.store_ahead(req, capture, end)
+        else:
+            getattr(req, SHARE_ATTR).ahead_asked = True  # no job ahead: the captures it holds go on
 
 
 def _store_chunk(state: SchedulerCapture, req: Any, capture: Any, hidden: Any, offset: int, n: int) -> None:
