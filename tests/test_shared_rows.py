@@ -486,7 +486,7 @@ def test_an_owner_released_without_its_blocks_gives_its_slots_up_and_those_it_he
     index's own (``BlockIndex.cover``)."""
     import time
 
-    from sglang_capture.server.prompt_holds import HOLD_MAX_S, HOLD_PREFILL_S, PENDING
+    from sglang_capture.server.prompt_holds import HOLD_MAX_S, HOLD_PREFILL_S, PENDING, REPOST_S
     from sglang_capture.server.shared_rows import SHARE_ATTR, SharedRows
 
     system = list(_ids(3 * B + 50, seed=3))
@@ -527,10 +527,36 @@ def test_an_owner_released_without_its_blocks_gives_its_slots_up_and_those_it_he
     g = _hold_req("g", [8] + system)
     writer.admitted(g)
     g.is_retracted = True
-    assert writer.take_events()[0].given_up == ["g"]
-    off = SharedRows(may_hold=False)  # HiCache, LMCache, FlexKV, priority scheduling, LoRA
+    events = writer.take_events()
+    assert events[0].given_up == ["g"]
+    writer.apply(events)
+    # a release lost on its way is posted again; applying one twice is harmless
+    k = _hold_req("k", [6] + system)
+    writer.admitted(k)
+    getattr(k, SHARE_ATTR).ahead_asked = True
+    state = lambda r: ("none", None) if r is k else ("pending", None)  # noqa: E731 - i still prefills
+    assert writer.holds.due(state, now) == ([], ["k"])
+    assert writer.holds.due(state, now + 1) == ([], [])
+    assert writer.holds.due(state, now + REPOST_S + 1) == ([], ["k"])
+    writer.holds.release(["k"], given_up=True)
+    writer.holds.release(["k"], given_up=True)
+    # a slot given up is owned again once its blocks are stored (and later gone)
+    slot1 = getattr(a, SHARE_ATTR).through(1, a.full_untruncated_fill_ids)
+    assert slot1 in writer.holds._given_up
+    writer.apply([BlockEvent(added=[IndexedBlock("t" * 32, getattr(a, SHARE_ATTR).hashes[1], B, 2 * B,
+                                                 numpy.asarray(system[B:2 * B]), 5)])])
+    assert slot1 not in writer.holds._given_up
+    off = SharedRows(may_hold=False)
     off.admitted(_hold_req("x", system))
     assert not off.holds.owners()
+    from types import SimpleNamespace
+
+    from sglang_capture.server.shared_rows import holds_off
+
+    assert holds_off(SimpleNamespace(enable_lora=False)) is None
+    for option in ("enable_hierarchical_cache", "enable_lmcache", "enable_flexkv", "radix_cache_backend",
+                   "enable_priority_scheduling", "enable_lora"):
+        assert holds_off(SimpleNamespace(**{option: "x"}))
 
 
 @pytest.mark.parametrize("gone", [False, True])

@@ -367,16 +367,21 @@ def test_the_stats_file_keeps_the_cuda_stats_sent_less_often_and_nothing_else_of
 def test_a_job_storing_a_prompt_ahead_of_its_file_is_handed_to_a_writer_before_the_file_jobs_queued_before_it():
     """Captures sharing a new prompt wait at admission until its job ahead is done (server/prompt_holds.py):
     behind a turn's worth of file jobs it would keep them waiting. The supervisor's queue hands it out
-    first; everything else stays first in first out, stop markers included."""
+    first while they may still wait for it (``AHEAD_HOLD_S``); an older one joins the end, so jobs
+    ahead never starve the rest. Everything else stays first in first out, stop markers included."""
     from types import SimpleNamespace
 
+    from sglang_capture.core.handoff import AHEAD_HOLD_S
     from sglang_capture.writer.supervisor import Supervisor
 
     q = Supervisor(CaptureConfig(capture_dir="/nonexistent", writers=1))._queue
-    files = [SimpleNamespace(name=f"file-{i}", ahead=False) for i in range(3)]
-    ahead = [SimpleNamespace(name=f"ahead-{i}", ahead=True) for i in range(2)]
-    for item in (files[0], files[1], ahead[0], None, files[2], ahead[1]):
+    now = time.monotonic()
+    files = [SimpleNamespace(name=f"file-{i}", ahead=False, enqueued=now) for i in range(3)]
+    ahead = [SimpleNamespace(name=f"ahead-{i}", ahead=True, enqueued=now) for i in range(2)]
+    old = SimpleNamespace(name="ahead-old", ahead=True, enqueued=now - AHEAD_HOLD_S - 1)
+    for item in (files[0], old, files[1], ahead[0], None, files[2], ahead[1]):
         q.put(item)
-    assert q.qsize() == 6
-    order = [q.get_nowait() for _ in range(6)]
-    assert [getattr(x, "name", None) for x in order] == ["ahead-0", "ahead-1", "file-0", "file-1", None, "file-2"]
+    assert q.qsize() == 7
+    order = [q.get_nowait() for _ in range(7)]
+    assert [getattr(x, "name", None) for x in order] == ["ahead-0", "ahead-1", "file-0", "file-1", None, "file-2",
+                                                         "ahead-old"]

@@ -25,10 +25,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-# The longest an owner holds others once its job ahead is queued: that job waits behind a writer
-# busy with another, and a held request must then compute the prompt itself rather than wait on.
-HOLD_MAX_S = 1.0
+from sglang_capture.core.handoff import AHEAD_HOLD_S
+
+# The longest an owner holds others once its job ahead is queued (core/handoff.py: the writer supervisor
+# hands such a job out first while it is younger); a held request then computes the prompt itself.
+HOLD_MAX_S = AHEAD_HOLD_S
 HOLD_PREFILL_S = 10.0  # and before: its own prefill (chunked, in a loaded batch) comes first
+REPOST_S = 5.0  # a release not applied this long after it was posted is posted again (applying one twice is harmless)
 GIVEN_UP_KEPT = 4096  # slots given up that no capture owns again (least recently given up forgotten first)
 
 # What the writer rank's ``state_of(req)`` says of an owner: its job ahead's blocks are indexed
@@ -41,7 +44,7 @@ class _Owner:
     hashes: List[bytes]  # the hash through each prompt slot it computes (core/blocks.slot_hash)
     since: float
     req: Any
-    posted: bool = False  # the writer rank: its release is on its way to every rank
+    posted: Optional[float] = None  # the writer rank: when its release was posted to every rank
 
 
 class PromptHolds:
@@ -51,6 +54,7 @@ class PromptHolds:
         self._by_hash: Dict[bytes, List[str]] = {}
         self._owners: Dict[str, _Owner] = {}
         self._given_up: "OrderedDict[bytes, None]" = OrderedDict()
+        self._posted_given_up: set = set()  # the writer rank: owners posted as given up, until released
         self.counts = {"owners": 0, "held": 0, "timed_out": 0}  # "held": requests, each counted once (SharedRows)
 
     def __bool__(self) -> bool:
@@ -83,7 +87,10 @@ class PromptHolds:
         stored: List[str] = []
         given_up: List[str] = []
         for rid, owner in self._owners.items():
-            if owner.posted:
+            if owner.posted is not None:
+                if now - owner.posted > REPOST_S:  # lost on its way: never leave those it holds waiting
+                    owner.posted = now
+                    (given_up if rid in self._posted_given_up else stored).append(rid)
                 continue
             state, queued = state_of(owner.req)
             if state == PENDING:
@@ -91,7 +98,9 @@ class PromptHolds:
                         queued is not None and now - queued <= HOLD_MAX_S:
                     continue
                 self.counts["timed_out"] += 1
-            owner.posted = True
+            owner.posted = now
+            if state != STORED:
+                self._posted_given_up.add(rid)
             (stored if state == STORED else given_up).append(rid)
         return stored, given_up
 
@@ -100,6 +109,7 @@ class PromptHolds:
         their slots were not stored, and no later capture owns them."""
         for rid in rids:
             owner = self._owners.pop(rid, None)
+            self._posted_given_up.discard(rid)
             if owner is None:
                 continue
             for h in owner.hashes:
@@ -114,3 +124,11 @@ class PromptHolds:
                         del self._by_hash[h]
         while len(self._given_up) > GIVEN_UP_KEPT:
             self._given_up.popitem(last=False)
+
+    def gives_up_any(self) -> bool:
+        return bool(self._given_up)
+
+    def stored_slot(self, through: bytes) -> None:
+        """Every rank, applying a block event: the slot through ``through`` is stored after all, so a
+        capture may own it again once its blocks are gone."""
+        self._given_up.pop(through, None)

@@ -164,6 +164,7 @@ def weights_identity(server_args: Any) -> Tuple[Optional[Dict[str, Any]], str]:
 # KV from outside the radix cache before admission, priority preemption (it would preempt for a
 # request then held) and LoRA (SGLang counts a request passed over toward the batch's adapters).
 HOLDS_OFF = (("enable_hierarchical_cache", "HiCache"), ("enable_lmcache", "LMCache"), ("enable_flexkv", "FlexKV"),
+             ("radix_cache_backend", "a registered radix-cache backend"),
              ("enable_priority_scheduling", "priority scheduling"), ("enable_lora", "LoRA"))
 
 
@@ -398,6 +399,10 @@ class SharedRows:
                     logger.warning("sglang_capture: prefix sharing is off on this server: %s; every capture is "
                                    "private (its whole sequence computed and stored in its own file)", event.off)
             self.index.apply(event)
+            if self.holds.gives_up_any():
+                for block in event.added:
+                    if len(block.tokens) == BLOCK_TOKENS:  # the block ends its slot: the hash through it
+                        self.holds.stored_slot(slot_hash(block.slot_hash, block.tokens))
             if event.released or event.given_up:
                 self.holds.release(event.released)
                 self.holds.release(event.given_up, given_up=True)

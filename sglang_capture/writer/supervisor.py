@@ -40,7 +40,7 @@ from sglang_capture.core.capture_dir import (
 )
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.durable import remove_unowned, unlink_if_same
-from sglang_capture.core.handoff import SLOW_STATS, recv, recv_many, send_many, take_queued
+from sglang_capture.core.handoff import AHEAD_HOLD_S, SLOW_STATS, recv, recv_many, send_many, take_queued
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.writer.child import NotTaken, WriterChild, WriterProcessDied, WriterStalled
 from sglang_capture.writer.durability import durability_for
@@ -105,9 +105,10 @@ class SweepJob:
 
 class AheadFirst(queue.Queue):
     """The hand-off threads' queue, first in first out except that a job storing a prompt's blocks
-    ahead of its file goes before the queued file jobs: captures sharing that prompt wait at
-    admission until it is stored (server/prompt_holds.py), while a file job's request is answered
-    already (or waits for its own file only)."""
+    ahead of its file goes before the queued file jobs while it is younger than ``AHEAD_HOLD_S``:
+    captures sharing that prompt wait at admission until it is stored (server/prompt_holds.py),
+    while a file job's request is answered already (or waits for its own file only). An older one
+    joins the end of the queue, so a stream of them never starves file jobs and outcome records."""
 
     def _init(self, maxsize: int) -> None:
         super()._init(maxsize)
@@ -120,6 +121,9 @@ class AheadFirst(queue.Queue):
         (self._ahead if getattr(item, "ahead", False) else self.queue).append(item)
 
     def _get(self) -> Any:
+        now = time.monotonic()  # the scheduler side's clock: one per machine
+        while self._ahead and now - self._ahead[0].enqueued > AHEAD_HOLD_S:  # held captures went on without it
+            self.queue.append(self._ahead.popleft())
         return self._ahead.popleft() if self._ahead else self.queue.popleft()
 
 
