@@ -61,7 +61,7 @@ from sglang_capture.testbed.server import Server, capture_cmd, start_server, sto
 
 TIMINGS = ("queue_wait_s", "assemble_s", "blocks_s", "encode_write_s", "fsync_publish_s")
 COUNTED = ("written", "bytes", "block_bytes", "blocks_written", "blocks_reused", "rows_stored", "rows_shared",
-           "raw_bytes", "failed", "missing_blocks", "ahead_jobs", *TIMINGS)
+           "raw_bytes", "failed", "missing_blocks", "ahead_jobs", "parked", *TIMINGS)
 
 
 def log(msg: str) -> None:
@@ -118,9 +118,15 @@ def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[s
             "prefill_tokens": computed}
 
 
-def prompt_holds(docs: Dict[str, Dict[str, Any]]) -> Dict[str, int]:
-    """The scheduler processes' prompt-hold counters (server/prompt_holds.py), summed over ranks."""
-    return {k: sum((d.get("prompt_holds") or {}).get(k, 0) for d in docs.values()) for k in ("owners", "held", "timed_out")}
+# The scheduler processes' counters of prefix sharing, summed over ranks: captures that waited at admission
+# for another's prompt blocks, their owners, holds that timed out (server/prompt_holds.py); jobs that put
+# blocks in flight, and files that reused rows in flight (server/shared_rows.py)
+SCHEDULER_COUNTED = {"prompt_holds": ("owners", "held", "timed_out"), "in_flight": ("jobs", "reused")}
+
+
+def scheduler_counters(docs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, int]]:
+    return {key: {k: sum((d.get(key) or {}).get(k, 0) for d in docs.values()) for k in names}
+            for key, names in SCHEDULER_COUNTED.items()}
 
 
 def window(server: Server, chats: Chats, capture: bool, name: str, count: Optional[bool] = None) -> Dict[str, Any]:
@@ -129,7 +135,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     a = chats.a
     count = capture if count is None else count
     docs = writer_stats(server.capture_dir, settled=True) if count else {}
-    before, clock_before, holds_before = counters(docs), e2e_probes.scheduler_clock(docs), prompt_holds(docs)
+    before, clock_before, sched_before = counters(docs), e2e_probes.scheduler_clock(docs), scheduler_counters(docs)
     gpu = e2e_probes.GpuSampler()
     t0 = time.monotonic()
     try:
@@ -150,9 +156,8 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
         docs = writer_stats(server.capture_dir, settled=True)
         after = counters(docs)
         delta = {k: after[k] - before[k] for k in COUNTED}
-        # captures that waited at admission for another's prompt blocks, their owners, and holds that timed out
-        holds = prompt_holds(docs)
-        delta["prompt_holds"] = {k: holds[k] - holds_before[k] for k in holds}
+        for key, now in scheduler_counters(docs).items():
+            delta[key] = {k: now[k] - sched_before[key][k] for k in now}
         # per seam account: the window's calls and microseconds a call (decode steps, sealing steps, ...);
         # not for a server's first capturing window, which has no stats file before it to count from
         out["seams"] = e2e_probes.clock_deltas(clock_before, e2e_probes.scheduler_clock(docs)) if clock_before else None

@@ -369,3 +369,116 @@ def test_captures_opening_together_with_one_new_prompt_wait_until_the_first_has_
         - 2 * whole  # the prompt's whole slots stored once
     held, was = after["prompt_holds"], before.get("prompt_holds") or {"owners": 0, "held": 0, "timed_out": 0}
     assert held["held"] - was["held"] == 2 and held["timed_out"] == was["timed_out"]
+
+
+class _WritersWait:
+    """Hold ``.blocks/.gc.lock`` exclusively, as ``gc`` does while it judges blocks: every writer
+    waits before it stores a block or publishes a file of references, so nothing is stored meanwhile."""
+
+    def __init__(self, capture_dir):
+        import fcntl
+
+        self.fd = os.open(os.path.join(capture_dir, BLOCKS_DIR, ".gc.lock"), os.O_RDWR | os.O_CREAT, 0o640)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _stats_reach(capture_dir, what, timeout=60):
+    """Wait until the stats file's counters satisfy ``what`` (the scheduler's counters travel ahead
+    of each batch of jobs; an idle hand-off thread rewrites the file within a second or two)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            stats = read_stats(capture_dir)
+        except OSError:
+            stats = {}
+        if stats and what(stats):
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+
+
+def _flight(stats, key):
+    return (stats.get("in_flight") or {}).get(key, 0)
+
+
+def _next_turn_before_the_last_file(shared, seed, kill_writers=False):
+    """A chat's first turn captured while every writer waits (``_WritersWait``), its next turn sent
+    as soon as the first is done: the second reuses the first's rows while they are still in flight.
+    ``kill_writers``: the writer processes are killed while the first's job is in one of them."""
+    import random
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(10, 1000) for _ in range(600)]
+    # the first's answer, computed by a plain request (greedy, the same batch shapes): its tokens are in
+    # the next turn, which is sent before the first's capture is answered (its file is not written yet)
+    plain = shared.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                                      "ignore_eos": True}}).json()
+    nxt = prompt + plain["output_ids"] + [rng.randrange(10, 1000) for _ in range(40)]
+    before = read_stats(shared.capture_dir, settled=True)
+    wait = _WritersWait(shared.capture_dir)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(capture, shared, prompt, f"flight-{seed}-1", 12)  # <= 16 tokens: no job ahead
+            _stats_reach(shared.capture_dir, lambda s: _flight(s, "jobs") > _flight(before, "jobs"))
+            second = pool.submit(capture, shared, nxt, f"flight-{seed}-2", 8)
+            # its job queued (after the first's), parked behind the first's, which a writer holds
+            stats = _stats_reach(shared.capture_dir, lambda s: s.get("parked", 0) > before.get("parked", 0))
+            assert not first.done() and not second.done()  # nothing was stored
+            if kill_writers:
+                for pid in stats["writer_pids"]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(1.0)  # the first's writer is gone; the second's job now waits for the lock
+            wait.release()
+            answers = first.result(timeout=120), second.result(timeout=120)
+    finally:
+        wait.release()
+    assert answers[0]["output_ids"] == plain["output_ids"]
+    return prompt, nxt, before, answers
+
+
+def test_a_chats_next_turn_sent_before_the_last_answers_file_is_written_reuses_its_rows_in_flight(shared, tiny_models):
+    """Closed-loop chat traffic (issue 50's load with no think time): the next turn arrives while the
+    last turn's file is still queued. The rows its job will store are in flight: the next turn's radix
+    hit is capped at their end, not at what is stored (before, it computed them again, r90), its file
+    references them and is written only after that job (the supervisor parks it), and both read exact."""
+    prompt, nxt, before, (one, two) = _next_turn_before_the_last_file(shared, 53)
+    rows1 = len(prompt) + 12 - 1
+    assert two["meta_info"]["cached_tokens"] == rows1  # the first turn's prompt and answer rows, in flight
+    ref1, ref2 = one["meta_info"]["capture"], two["meta_info"]["capture"]
+    assert ref1["status"] == "ok" and ref1["rows_stored"] == rows1, ref1
+    assert ref2["status"] == "ok" and ref2["rows_shared"] == rows1 and ref2["rows_stored"] == ref2["rows"] - rows1, ref2
+    for ref in (ref1, ref2):
+        _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))
+    assert [r[0] for r in load_records(ref1["path"])[0]["blocks"]] == \
+        [r[0] for r in load_records(ref2["path"])[0]["blocks"][:3]]  # the first's three blocks, in both files
+    after = read_stats(shared.capture_dir, settled=True)
+    assert _flight(after, "reused") - _flight(before, "reused") == 1
+    assert after["parked"] - before["parked"] == 1
+    assert after["rows_stored"] - before["rows_stored"] == ref2["rows"]  # every row once (the prompt: by the first)
+
+
+def test_a_turn_that_reused_rows_whose_store_then_failed_fails_naming_them_and_its_retry_computes_them(
+        shared, tiny_models):
+    """The writer storing the rows a next turn reused in flight dies (killed): that turn's file would
+    hold no rows for them, so it fails loudly, naming the blocks (never a wrong row); the index
+    forgets them on the failure, and the turn sent again computes them and reads exact."""
+    _, nxt, _, (one, two) = _next_turn_before_the_last_file(shared, 54, kill_writers=True)
+    ref1, ref2 = one["meta_info"]["capture"], two["meta_info"]["capture"]
+    assert ref1["status"] == "error", ref1
+    assert ref2["status"] == "error" and "the stored rows it reuses are gone" in ref2["error"], ref2
+    assert not os.path.exists(ref2["path"])
+    again = capture(shared, nxt, "flight-54-again", 8)
+    assert again["meta_info"]["cached_tokens"] == 0  # nothing of it is stored or in flight any more
+    ref = again["meta_info"]["capture"]
+    assert ref["status"] == "ok", ref
+    _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))

@@ -87,6 +87,83 @@ def test_the_index_covers_a_conversation_turn_by_turn_and_stops_where_tokens_dif
     assert index.version != version and index.cover(turn2, 349, [ROOT]).reach == 0
 
 
+def _in_flight(ids, start, end):
+    from sglang_capture.server.block_index import IN_FLIGHT
+
+    return [IndexedBlock(b.name, b.slot_hash, b.start, b.end, ids[b.slot_start:b.end].copy(), IN_FLIGHT)
+            for b in plan_blocks(ids, start, end, ROOT)]
+
+
+def test_blocks_in_flight_cover_like_stored_ones_until_their_job_is_done_without_them():
+    """A queued job's blocks are reused as if stored (a chat's next turn, sent as soon as the answer
+    came): the index names the jobs a match waits for; stored, a block keeps its place with its size;
+    once every job that would store a block is done without it, it is gone and matches stop before it."""
+    from sglang_capture.server.block_index import IN_FLIGHT
+
+    index = BlockIndex()
+    turn1 = _ids(300)
+    index.apply(BlockEvent(added=_indexed(turn1, 0, B)))  # its prompt's slot, stored ahead
+    index.apply(BlockEvent(in_flight=_in_flight(turn1, B, 299), in_flight_job=4))  # the rest: its file's job
+    turn2 = numpy.concatenate([turn1, _ids(50, seed=1)])
+    cov = index.cover(turn2, len(turn2) - 1, [ROOT])
+    assert cov.reach == 299 and cov.sizes == (100, IN_FLIGHT)
+    assert index.in_flight_jobs(r.name for r in cov.refs) == [4]
+    index.apply(BlockEvent(in_flight=_in_flight(turn1, B, 299), in_flight_job=5))  # the same rows, another job
+    index.apply(BlockEvent(in_flight=_in_flight(turn1, 0, B), in_flight_job=5))  # stored already: not in flight
+    assert index.in_flight_jobs(r.name for r in cov.refs) == [4, 5]
+    index.apply(BlockEvent(settled=[4]))  # done without it: job 5 still stores it
+    assert index.cover(turn2, len(turn2) - 1, [ROOT]).reach == 299
+    index.apply(BlockEvent(added=_indexed(turn1, B, 299), settled=[5]))  # stored, then settled: it stays
+    cov = index.cover(turn2, len(turn2) - 1, [ROOT])
+    assert cov.reach == 299 and cov.sizes == (100, 100) and index.in_flight_jobs(r.name for r in cov.refs) == []
+    # a job done without storing its blocks: they are gone, on every rank applying the same events
+    turn3 = numpy.concatenate([turn2, _ids(30, seed=2)])
+    index.apply(BlockEvent(in_flight=_in_flight(turn2, 299, 349), in_flight_job=6))
+    assert index.cover(turn3, len(turn3) - 1, [ROOT]).reach == 349
+    version = index.version
+    index.apply(BlockEvent(settled=[6]))
+    assert index.version != version and index.cover(turn3, len(turn3) - 1, [ROOT]).reach == 299
+    index.apply(BlockEvent(settled=[6]))  # twice: harmless
+    assert len(index) == 2
+
+
+def test_a_finished_capture_posts_the_blocks_its_job_will_store_under_the_names_its_writer_gives_them():
+    """``SharedRows.in_flight`` plans a job's blocks from the request's slot hashes so far (no slot
+    hashed twice): the names, rows and tokens the writer's own plan gives them. A file that reuses
+    them names that job (``after``) and carries no size for them (their files' sizes are not known)."""
+    from types import SimpleNamespace
+
+    from sglang_capture.server.shared_rows import SHARE_ATTR, RequestShare, SharedRows
+
+    writer = SharedRows()
+    writer.layout = {"model": "m"}
+    ids = _ids(3 * B + 40)
+    share = RequestShare(ROOT)
+    share.through(0, ids)  # its match hashed slot 0 (h_1) already
+    job = SimpleNamespace(id=3, share={"root": ROOT.hex(), "start": 100, "computed": 100, "refs": [], "sizes": {}},
+                          n_rows=3 * B + 39, input_ids=list(ids[:3 * B]), output_ids=list(ids[3 * B:]),
+                          hashes=share.hashes, ahead_rows=None)
+    writer.in_flight(job)
+    [event] = writer.take_events()
+    planned = plan_blocks(ids, 100, 3 * B + 39, ROOT)
+    assert [(b.name, b.slot_hash, b.start, b.end) for b in event.in_flight] == \
+        [(b.name, b.slot_hash, b.start, b.end) for b in planned] and event.in_flight_job == 3
+    assert all(numpy.array_equal(b.tokens, ids[b.start - b.start % B:b.end]) for b in event.in_flight)
+    writer.apply([event, BlockEvent(added=_indexed(ids, 0, 100))])
+    nxt = SimpleNamespace(**{SHARE_ATTR: RequestShare(ROOT)}, full_untruncated_fill_ids=list(ids) + [1, 2],
+                          origin_input_ids=list(ids) + [1, 2], output_ids=[], lora_id=None, input_embeds=None,
+                          positional_embed_overrides=None, multimodal_inputs=None, session=None)
+    assert writer.limit(nxt, len(ids) + 1) == 3 * B + 39
+    out, why = writer.share_of(nxt, 3 * B + 39, 3 * B + 45)
+    assert why is None and out["after"] == [3] and set(out["sizes"]) == {_indexed(ids, 0, 100)[0].name}
+    assert writer.in_flight_counts == {"jobs": 1, "reused": 0}  # counted as its own file's job is queued
+    writer.settled(job)  # done without its blocks' event (its supervisor died): forgotten on every rank
+    writer.apply(writer.take_events())
+    assert writer.limit(nxt, len(ids) + 1) == 100
+    writer.settled(job)
+    assert writer.take_events() == []  # once
+
+
 def test_the_index_forgets_its_least_recently_used_blocks_beyond_its_capacity():
     index = BlockIndex(capacity_tokens=2 * B)
     a, b = _ids(B + 1, 1), _ids(B + 1, 2)
@@ -430,9 +507,10 @@ def test_a_capture_admitted_with_prompt_slots_to_store_ahead_holds_those_sharing
     """Who waits at admission (server/prompt_holds.py): a capture whose next slot an owner admitted
     before it computes; not the owner itself, not a capture whose tokens differ within that slot,
     not once the owner is released. Owners are taken at admission on every rank, and released on
-    every rank only by the writer rank's event, posted once, after the blocks' own, when its job
-    ahead is answered."""
+    every rank only by the writer rank's event, posted once, when its job ahead is queued: after the
+    event that puts the blocks that job will store in flight, which the held captures then reuse."""
     import threading
+    from types import SimpleNamespace
 
     from sglang_capture.server.shared_rows import SHARE_ATTR, SharedRows
 
@@ -459,22 +537,30 @@ def test_a_capture_admitted_with_prompt_slots_to_store_ahead_holds_those_sharing
     first, same, twin, near, differs, short = on_writer
     share = getattr(first, SHARE_ATTR)
     assert writer.take_events() == []  # its prefill runs
-    share.ahead_asked, share.ahead_done, share.ahead_queued = True, threading.Event(), __import__("time").monotonic()
-    assert writer.take_events() == []  # its job ahead is queued
-    # the writer link's reply thread: the blocks' event, then the job is done
-    job = type("Job", (), {"input_ids": system[:2 * B], "output_ids": [], "share": {"refs": []}, "written": [2 * B, 9],
-                           "ahead_of": share})()
-    writer.stored(job, [["a" * 32, ROOT.hex(), 0, B, 5], ["b" * 32, share.hashes[1].hex(), B, 2 * B, 4]], [])
-    share.ahead_done.set()
+    # its job ahead is queued (SchedulerCapture.store_ahead): numbered, its blocks posted in flight
+    job = SimpleNamespace(id=7, share={"root": ROOT.hex(), "start": 0, "computed": 0, "refs": [], "sizes": {}},
+                          n_rows=2 * B, input_ids=system[:2 * B], output_ids=[], hashes=share.hashes, ahead_rows=[],
+                          written=[2 * B, 9], ahead_of=share)
+    share.ahead_asked, share.ahead_done = True, threading.Event()
+    writer.in_flight(job)
     events = writer.take_events()
-    assert [(len(e.added), e.released) for e in events] == [(2, []), (0, ["first"])]  # the blocks first
+    assert [(len(e.in_flight), e.released) for e in events] == [(2, []), (0, ["first"])]  # in flight first
     assert writer.take_events() == []  # posted once, though not applied yet
     for rank in (writer, other):
         rank.apply(events)
         assert not rank.holds and not rank.holds.owners()
     assert not writer.held(same)
     cover = getattr(same, SHARE_ATTR)
-    assert cover.cap(writer.index, same.full_untruncated_fill_ids, 2 * B + 50) == 2 * B  # the blocks cover it now
+    assert cover.cap(writer.index, same.full_untruncated_fill_ids, 2 * B + 50) == 2 * B  # in flight, reused
+    assert writer.index.in_flight_jobs(r.name for r in cover.coverage.refs) == [7]
+    # the writer link's reply thread: the blocks stored (with their sizes), the job settled in the same event
+    writer.stored(job, [[b.name, b.slot_hash.hex(), b.start, b.end, 5] for b in events[0].in_flight], [])
+    share.ahead_done.set()
+    [stored] = writer.take_events()
+    assert len(stored.added) == 2 and stored.settled == [7]
+    writer.apply([stored])
+    assert writer.index.in_flight_jobs(r.name for r in cover.coverage.refs) == []
+    assert cover.cap(writer.index, same.full_untruncated_fill_ids, 2 * B + 50) == 2 * B
     assert writer.holds.counts["timed_out"] == 0
 
 
@@ -486,7 +572,7 @@ def test_an_owner_released_without_its_blocks_gives_its_slots_up_and_those_it_he
     index's own (``BlockIndex.cover``)."""
     import time
 
-    from sglang_capture.server.prompt_holds import HOLD_MAX_S, HOLD_PREFILL_S, PENDING, REPOST_S
+    from sglang_capture.server.prompt_holds import HOLD_PREFILL_S, PENDING, REPOST_S
     from sglang_capture.server.shared_rows import SHARE_ATTR, SharedRows
 
     system = list(_ids(3 * B + 50, seed=3))
@@ -504,16 +590,15 @@ def test_an_owner_released_without_its_blocks_gives_its_slots_up_and_those_it_he
     writer.apply(events)
     writer.admitted(b)  # the next admitted owns nothing of what was given up
     assert not writer.holds.owners() and not writer.held(c)
-    # timed out: not while its prefill runs (HOLD_PREFILL_S), nor while its job ahead is queued (HOLD_MAX_S)
+    # timed out: not while its prefill runs (HOLD_PREFILL_S)
     d, e, f = (_hold_req(r, [9] + system) for r in "def")
     writer.admitted(d)
     writer.admitted(e)  # its slots are d's already (admitted without a hold check): it owns them too
     writer.holds.release(["d"])  # released with its blocks stored: e still computes them, f waits for it
     assert writer.held(f)
     now = time.monotonic()
-    assert writer.holds.due(lambda r: (PENDING, None), now + HOLD_PREFILL_S - 1) == ([], [])
-    assert writer.holds.due(lambda r: (PENDING, now), now + HOLD_MAX_S - 0.1) == ([], [])
-    assert writer.holds.due(lambda r: (PENDING, now), now + HOLD_MAX_S + 0.1) == ([], ["e"])
+    assert writer.holds.due(lambda r: PENDING, now + HOLD_PREFILL_S - 1) == ([], [])
+    assert writer.holds.due(lambda r: PENDING, now + HOLD_PREFILL_S + 1) == ([], ["e"])
     assert writer.holds.counts["timed_out"] == 1
     writer.holds.release(["e"], given_up=True)
     assert not writer.holds.owners() and not writer.held(f)
@@ -534,7 +619,7 @@ def test_an_owner_released_without_its_blocks_gives_its_slots_up_and_those_it_he
     k = _hold_req("k", [6] + system)
     writer.admitted(k)
     getattr(k, SHARE_ATTR).ahead_asked = True
-    state = lambda r: ("none", None) if r is k else ("pending", None)  # noqa: E731 - i still prefills
+    state = lambda r: "none" if r is k else "pending"  # noqa: E731 - i still prefills
     assert writer.holds.due(state, now) == ([], ["k"])
     assert writer.holds.due(state, now + 1) == ([], [])
     assert writer.holds.due(state, now + REPOST_S + 1) == ([], ["k"])
@@ -920,7 +1005,7 @@ def test_a_failed_capture_does_not_renew_the_lease_of_the_blocks_it_would_have_r
     from sglang_capture.server.shared_rows import SharedRows
 
     shared = SharedRows()
-    job = SimpleNamespace(share={"refs": [["prefix-block", 0, 0, 256]]}, input_ids=[1, 2], output_ids=[3])
+    job = SimpleNamespace(id=1, share={"refs": [["prefix-block", 0, 0, 256]]}, input_ids=[1, 2], output_ids=[3])
     shared.stored(job, [], [], ok=False)
     assert "prefix-block" not in shared._used
     shared.stored(job, [], [], ok=True)

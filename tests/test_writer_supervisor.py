@@ -364,24 +364,49 @@ def test_the_stats_file_keeps_the_cuda_stats_sent_less_often_and_nothing_else_of
     assert "extra_stats_error" not in stats
 
 
-def test_a_job_storing_a_prompt_ahead_of_its_file_is_handed_to_a_writer_before_the_file_jobs_queued_before_it():
-    """Captures sharing a new prompt wait at admission until its job ahead is done (server/prompt_holds.py):
-    behind a turn's worth of file jobs it would keep them waiting. The supervisor's queue hands it out
-    first while they may still wait for it (``AHEAD_HOLD_S``); an older one joins the end, so jobs
-    ahead never starve the rest. Everything else stays first in first out, stop markers included."""
-    from types import SimpleNamespace
-
-    from sglang_capture.core.handoff import AHEAD_HOLD_S
+def test_a_file_that_reuses_rows_in_flight_is_written_only_once_the_job_storing_them_is_done(tmp_path, monkeypatch):
+    """A capture may reuse rows whose blocks a queued job still stores (server/shared_rows.py): its
+    share names that job (``after``), and the supervisor parks the file until the job is done, so
+    that the file finds their blocks, or, when that job failed, fails naming them. A job ahead and a
+    file naming a job no longer in hand go at once; other writers go on meanwhile."""
     from sglang_capture.writer.supervisor import Supervisor
 
-    q = Supervisor(CaptureConfig(capture_dir="/nonexistent", writers=1))._queue
-    now = time.monotonic()
-    files = [SimpleNamespace(name=f"file-{i}", ahead=False, enqueued=now) for i in range(3)]
-    ahead = [SimpleNamespace(name=f"ahead-{i}", ahead=True, enqueued=now) for i in range(2)]
-    old = SimpleNamespace(name="ahead-old", ahead=True, enqueued=now - AHEAD_HOLD_S - 1)
-    for item in (files[0], old, files[1], ahead[0], None, files[2], ahead[1]):
-        q.put(item)
-    assert q.qsize() == 7
-    order = [q.get_nowait() for _ in range(7)]
-    assert [getattr(x, "name", None) for x in order] == ["ahead-0", "ahead-1", "file-0", "file-1", None, "file-2",
-                                                         "ahead-old"]
+    supervisor = Supervisor(CaptureConfig(capture_dir=str(tmp_path), writers=2))
+    release, written = threading.Event(), []
+
+    def write(slot, job):
+        written.append(job.id)
+        if job.id == 1:
+            assert release.wait(30)
+        return {"rid": job.rid, "name": job.name, "path": supervisor._path(job), "status": "ok"}
+
+    monkeypatch.setattr(supervisor, "_write", write)
+    jobs = {}
+    for i, after in ((1, None), (2, [1]), (3, [1]), (4, [99]), (5, [1])):
+        job, _ = make_wire_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name=f"job-{i}")
+        job.id, job.share = i, ({"after": after} if after else None)
+        jobs[i] = job
+    jobs[3].ahead = True
+    supervisor.start()
+    try:
+        supervisor.submit(jobs[1])
+        deadline = time.monotonic() + 30
+        while written != [1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for i in (2, 3, 4, 5):
+            supervisor.submit(jobs[i])
+        for i in (3, 4):  # a job ahead, and one whose job is done already: on the other writer at once
+            assert jobs[i].done.wait(30)
+        time.sleep(0.3)
+        assert not jobs[2].done.is_set() and not jobs[5].done.is_set() and 2 not in written and 5 not in written
+        assert supervisor.counters()["parked"] == 2 and supervisor.counters()["queue"] == 2
+        release.set()
+        for i in (1, 2, 5):
+            assert jobs[i].done.wait(30)
+            assert jobs[i].outcome["status"] == "ok"
+        assert written.index(2) > written.index(1) and written.index(5) > written.index(1)
+        assert supervisor.counters()["queue"] == 0
+    finally:
+        release.set()
+        supervisor.close()

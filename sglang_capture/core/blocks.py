@@ -87,11 +87,19 @@ def block_key(slot_h: bytes, start_in_slot: int, end_in_slot: int, slot_tokens: 
     return _h(slot_h, struct.pack("<II", start_in_slot, end_in_slot), token_bytes(slot_tokens[:end_in_slot]))
 
 
+def extend_hashes(hashes: List[bytes], tokens: Any, k: int) -> bytes:
+    """``h_k`` of ``tokens`` (which must cover the first ``k`` slots), appending to ``hashes`` (``[root,
+    h_1, ...]`` of the same tokens) the ones it lacks: a request's hashes are kept, never made twice."""
+    while len(hashes) <= k:
+        j = len(hashes) - 1
+        hashes.append(slot_hash(hashes[j], tokens[j * BLOCK_TOKENS:(j + 1) * BLOCK_TOKENS]))
+    return hashes[k]
+
+
 def slot_hashes(tokens: numpy.ndarray, root: bytes, slots: int) -> List[bytes]:
     """``h_0 .. h_{slots-1}`` of ``tokens`` (which must cover the first ``slots - 1`` slots)."""
     out = [root]
-    for k in range(1, slots):
-        out.append(slot_hash(out[-1], tokens[(k - 1) * BLOCK_TOKENS:k * BLOCK_TOKENS]))
+    extend_hashes(out, tokens, slots - 1)
     return out
 
 
@@ -113,15 +121,17 @@ class Block:
         return self.key.hex()
 
 
-def plan_blocks(tokens: numpy.ndarray, start: int, end: int, root: bytes) -> List[Block]:
+def plan_blocks(tokens: Any, start: int, end: int, root: bytes, hashes: Optional[List[bytes]] = None) -> List[Block]:
     """The blocks that hold rows ``[start, end)`` of the sequence ``tokens`` (its token ids, at
-    least ``end`` of them): cut at slot boundaries, in position order."""
+    least ``end`` of them): cut at slot boundaries, in position order. ``hashes``: the sequence's
+    slot hashes known already (``[root, h_1, ...]``, extended here), where the caller keeps them."""
     if not 0 <= start <= end <= len(tokens):
         raise ValueError(f"rows [{start}, {end}) do not lie within {len(tokens)} tokens")
     out: List[Block] = []
     if start == end:
         return out
-    hashes = slot_hashes(tokens, root, (end - 1) // BLOCK_TOKENS + 1)
+    hashes = [root] if hashes is None else hashes
+    extend_hashes(hashes, tokens, (end - 1) // BLOCK_TOKENS)
     a = start
     while a < end:
         k = a // BLOCK_TOKENS

@@ -69,6 +69,7 @@ WRITER_COUNTERS = {
     "block_bytes": "sum", "blocks_written": "sum", "blocks_reused": "sum", "rows_stored": "sum",
     "rows_shared": "sum", "blocks_s": "sum", "missing_blocks": "sum",
     "ahead_jobs": "sum",  # prompt blocks stored as soon as a capture's prefill was done, ahead of its file
+    "parked": "sum",  # files that waited for another job to store the rows in flight they reuse
 }
 LEDGER_COUNTERS = {"back_pressure_waits": "sum", "peak_held_bytes": "peak"}
 _SUMMED = tuple(k for k, how in {**WRITER_COUNTERS, **LEDGER_COUNTERS}.items() if how == "sum")

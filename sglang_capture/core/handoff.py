@@ -74,9 +74,6 @@ def _write_all(fd: int, data: memoryview) -> None:
 # The scheduler side's stats sent at most every few tenths of a second, not with every batch of jobs: the
 # supervisor keeps their last values between sends (torch builds each whole on every call).
 SLOW_STATS = ("pinned", "device_allocator")
-# The longest a capture that stores its prompt ahead holds others sharing it once that job is queued
-# (server/prompt_holds.py); the writer supervisor hands such a job out first only while it is younger.
-AHEAD_HOLD_S = 1.0
 
 # Messages queued while one was sent go together as one ``many`` message: under load the other side
 # wakes once per batch, not per message (between the scheduler process and the writer supervisor).

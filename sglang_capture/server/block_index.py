@@ -11,6 +11,11 @@ missing) and they travel SGLang's own request broadcast (``hooks/prefix.py``), e
 the same events at the same step, before the requests that arrived with them. The index is bounded
 (``capacity_tokens``, least recently used first): a block it forgot is recomputed, and its rows
 are then found already stored by the writer (the same key) and not written again.
+
+A block may also be *in flight*: a job of the writer rank that will store it is queued, so a chat's
+next turn, sent as soon as the last answer came, reuses that answer's rows before its file is
+written (server/shared_rows.py). Its size is ``IN_FLIGHT`` until the job's event says it is stored;
+once the job is done (``settle``), what it did not store is dropped.
 """
 from __future__ import annotations
 
@@ -21,12 +26,13 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy
 
-from sglang_capture.core.blocks import BLOCK_TOKENS, BlockRef, slot_hash, slot_start
+from sglang_capture.core.blocks import BLOCK_TOKENS, BlockRef, extend_hashes, slot_start
 
 # The index keeps up to this many slot tokens (16 bytes each: the ids and their sort key; and the keys of
 # each slot's latest ADDED_KEPT additions): far more than a radix cache holds, whose hits are the only ones worth covering.
 CAPACITY_TOKENS = 4 << 20
 ADDED_KEPT = 256  # the latest blocks added to a slot that a cached match is checked against
+IN_FLIGHT = -1  # the size of a block a queued job will store (its file's size is not known yet)
 
 
 def as_tokens(ids: Any) -> numpy.ndarray:
@@ -43,7 +49,8 @@ def as_tokens(ids: Any) -> numpy.ndarray:
 @dataclass(frozen=True)
 class IndexedBlock:
     """A stored block: rows ``[start, end)`` under prefix ``slot_hash``, the slot's first ``end -
-    slot start`` tokens (``tokens``), and its file's size (a writer checks it before referencing it)."""
+    slot start`` tokens (``tokens``), and its file's size (a writer checks it before referencing it;
+    ``IN_FLIGHT`` while a queued job is still to store it)."""
 
     name: str
     slot_hash: bytes
@@ -71,6 +78,11 @@ class BlockEvent:
     # owners of pending prompt slots (server/prompt_holds.py), released with their blocks stored or not
     released: List[str] = field(default_factory=list)
     given_up: List[str] = field(default_factory=list)
+    # the blocks the writer rank's job ``in_flight_job`` will store, queued just now; and jobs done (after
+    # their ``added``), whose blocks in flight that are not stored by then are forgotten
+    in_flight: List[IndexedBlock] = field(default_factory=list)
+    in_flight_job: int = 0
+    settled: List[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -124,11 +136,19 @@ class _Sorted:
         self.keys.insert(i, key)
         self.blocks.insert(i, block)
 
-    def remove(self, key: bytes, block: IndexedBlock) -> None:
+    def _at(self, key: bytes, block: IndexedBlock) -> int:
         i = bisect.bisect_left(self.keys, key)
         while self.blocks[i] is not block:
             i += 1
+        return i
+
+    def remove(self, key: bytes, block: IndexedBlock) -> None:
+        i = self._at(key, block)
         del self.keys[i], self.blocks[i]
+
+    def swap(self, key: bytes, old: IndexedBlock, new: IndexedBlock) -> None:
+        """Put ``new`` (the same tokens) where ``old`` is."""
+        self.blocks[self._at(key, old)] = new
 
     def best(self, query: numpy.ndarray, slot: int, at: int) -> Tuple[Optional[IndexedBlock], int]:
         """Of the blocks with rows at ``at``, the one whose tokens agree with ``query`` (the slot's
@@ -193,6 +213,13 @@ class _Slot:
         if block.start == slot_start(block.start):
             self.heads.remove(key, block)
 
+    def swap(self, old: IndexedBlock, new: IndexedBlock) -> None:
+        """``old``, in flight, stored as ``new`` (the same name and tokens): it stays where it is."""
+        key = _order_key(old.tokens)
+        self.every.swap(key, old, new)
+        if old.start == slot_start(old.start):
+            self.heads.swap(key, old, new)
+
     def grew_for(self, want: bytes, since: int) -> bool:
         """Whether a block beginning with ``want`` was added here after index version ``since``."""
         if self.grown <= since:
@@ -223,6 +250,8 @@ class BlockIndex:
         self._blocks: "OrderedDict[str, IndexedBlock]" = OrderedDict()  # least recently used first
         self._by_slot: Dict[bytes, _Slot] = {}
         self._tokens = 0
+        self._flight: Dict[str, List[int]] = {}  # blocks in flight: the queued jobs that will store each
+        self._flight_jobs: Dict[int, List[str]] = {}  # and the other way round
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -231,16 +260,62 @@ class BlockIndex:
         """Apply one event (every rank of the group applies the same ones in the same order)."""
         self.drop(event.dropped)
         self.add(event.added)
+        if event.in_flight:
+            self.add_in_flight(event.in_flight_job, event.in_flight)
+        self.settle(event.settled)
 
     def add(self, blocks: Iterable[IndexedBlock]) -> None:
+        """Stored blocks (one in flight until now keeps its place, with its size)."""
+        for block in blocks:
+            known = self._blocks.get(block.name)
+            if known is not None:
+                if self._flight.pop(block.name, None) is not None:
+                    self._by_slot[known.slot_hash].swap(known, block)
+                    self._blocks[block.name] = block
+                self._blocks.move_to_end(block.name)
+                continue
+            self._insert(block)
+        self._trim()
+
+    def add_in_flight(self, job: int, blocks: Iterable[IndexedBlock]) -> None:
+        """The blocks (of size ``IN_FLIGHT``) the queued job ``job`` will store, where not stored already."""
+        names = []
         for block in blocks:
             if block.name in self._blocks:
                 self._blocks.move_to_end(block.name)
-                continue
-            self._blocks[block.name] = block
-            self.version += 1
-            self._by_slot.setdefault(block.slot_hash, _Slot()).add(block, self.version)
-            self._tokens += len(block.tokens)
+                jobs = self._flight.get(block.name)
+                if jobs is None:
+                    continue  # stored
+                jobs.append(job)
+            else:
+                self._insert(block)
+                self._flight[block.name] = [job]
+            names.append(block.name)
+        if names:
+            self._flight_jobs[job] = names
+        self._trim()
+
+    def settle(self, jobs: Iterable[int]) -> None:
+        """These jobs are done: the blocks in flight that no queued job will store any more are gone."""
+        for job in jobs:
+            for name in self._flight_jobs.pop(job, ()):
+                waiting = self._flight.get(name)
+                if waiting is not None and job in waiting:
+                    waiting.remove(job)
+                    if not waiting:
+                        self._remove(name)
+
+    def in_flight_jobs(self, names: Iterable[str]) -> List[int]:
+        """The queued jobs that will store any of the blocks ``names`` (those in flight)."""
+        return sorted({job for name in names for job in self._flight.get(name, ())})
+
+    def _insert(self, block: IndexedBlock) -> None:
+        self._blocks[block.name] = block
+        self.version += 1
+        self._by_slot.setdefault(block.slot_hash, _Slot()).add(block, self.version)
+        self._tokens += len(block.tokens)
+
+    def _trim(self) -> None:
         while self._tokens > self.capacity_tokens and self._blocks:
             self._remove(next(iter(self._blocks)))
 
@@ -251,6 +326,7 @@ class BlockIndex:
 
     def _remove(self, name: str) -> None:
         block = self._blocks.pop(name)
+        self._flight.pop(name, None)
         same = self._by_slot[block.slot_hash]
         same.remove(block)
         if not same:
@@ -282,10 +358,7 @@ class BlockIndex:
             sizes.append(best.size)
             at = reach
             if at == slot + BLOCK_TOKENS:
-                k = at // BLOCK_TOKENS
-                if len(hashes) <= k:
-                    hashes.append(slot_hash(h, tokens[slot:at]))
-                h, slot = hashes[k], at
+                h, slot = extend_hashes(hashes, tokens, at // BLOCK_TOKENS), at
         return Coverage(at, tuple(refs), tuple(sizes), stop, want)
 
     def still(self, coverage: Coverage, since: int) -> bool:

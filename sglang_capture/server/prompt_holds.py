@@ -1,22 +1,22 @@
 """Sharing capture requests held back in SGLang's queue while another capture computes the prompt
 they share (``--capture-prefix-sharing on``).
 
-A sharing capture may reuse only stored rows (server/shared_rows.py). Chats that open together with
-one new system prompt would each compute it, since none of them has stored it yet, and a prompt's
-blocks are stored only once its prefill is done (the job ahead of the file). With SGLang's overlap
-schedule two more batches form before the first result is even processed (bench/RESULTS.md r87).
+A sharing capture may reuse only rows stored or queued to be (server/shared_rows.py). Chats that
+open together with one new system prompt would each compute it, since none of them has queued it yet:
+a prompt's blocks are queued only once its prefill's result is processed (the job ahead of the file),
+and with SGLang's overlap schedule two more batches form before that (bench/RESULTS.md r87).
 So when a sharing capture that will store its prompt ahead (an *owner*) is admitted to a prefill
 batch, the prompt slots it computes are pending. A sharing capture whose next slot is one of them
 waits in the queue (``held``) until the owner is released: then its radix hit covers those slots.
 
 Every rank of the group must admit alike, so who is pending changes only at points every rank
 shares: owners are taken at admission (every rank, the same step) and released by the writer
-rank's ``BlockEvent`` (``due``: after the blocks' own event). An owner is released once its job
-ahead is answered; without its blocks (the job failed or was not asked for, the owner ended or was
-retracted first, or it held others too long: ``HOLD_PREFILL_S`` before its job ahead was queued,
-``HOLD_MAX_S`` after) its slots are *given up*: no later capture owns them again, so the requests
-it held go in together and compute them, as without holds. A hold costs the held request that wait,
-never a row: what it then reuses is what the index says is stored.
+rank's ``BlockEvent`` (``due``: after the event putting its blocks in flight). An owner is released
+once its job ahead is queued; without its blocks (none was asked for, the owner ended or was
+retracted first, or its prefill held others longer than ``HOLD_PREFILL_S``) its slots are *given
+up*: no later capture owns them again, so the requests it held go in together and compute them, as
+without holds. A hold costs the held request that wait, never a row: what it then reuses is what the
+index says is stored or in flight.
 """
 from __future__ import annotations
 
@@ -25,17 +25,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sglang_capture.core.handoff import AHEAD_HOLD_S
-
-# The longest an owner holds others once its job ahead is queued (core/handoff.py: the writer supervisor
-# hands such a job out first while it is younger); a held request then computes the prompt itself.
-HOLD_MAX_S = AHEAD_HOLD_S
-HOLD_PREFILL_S = 10.0  # and before: its own prefill (chunked, in a loaded batch) comes first
+# The longest an owner holds others before its job ahead is queued: its own prefill (chunked, in a loaded
+# batch) comes first; a held request then computes the prompt itself.
+HOLD_PREFILL_S = 10.0
 REPOST_S = 5.0  # a release not applied this long after it was posted is posted again (applying one twice is harmless)
 GIVEN_UP_KEPT = 4096  # slots given up that no capture owns again (least recently given up forgotten first)
 
-# What the writer rank's ``state_of(req)`` says of an owner: its job ahead's blocks are indexed
-# (STORED), no blocks will come (NONE), or they may still (PENDING); and when its job ahead was queued.
+# What the writer rank's ``state_of(req)`` says of an owner: its job ahead is queued, its blocks in flight
+# (STORED), no blocks will come (NONE), or they may still (PENDING: its prefill runs).
 STORED, NONE, PENDING = "stored", "none", "pending"
 
 
@@ -80,8 +77,7 @@ class PromptHolds:
         owners = self._by_hash.get(through)
         return owners is not None and any(o != rid for o in owners)
 
-    def due(self, state_of: Callable[[Any], Tuple[str, Optional[float]]],
-            now: Optional[float] = None) -> Tuple[List[str], List[str]]:
+    def due(self, state_of: Callable[[Any], str], now: Optional[float] = None) -> Tuple[List[str], List[str]]:
         """The writer rank: the owners to release, as (with their blocks stored, given up)."""
         now = time.monotonic() if now is None else now
         stored: List[str] = []
@@ -92,10 +88,9 @@ class PromptHolds:
                     owner.posted = now
                     (given_up if rid in self._posted_given_up else stored).append(rid)
                 continue
-            state, queued = state_of(owner.req)
+            state = state_of(owner.req)
             if state == PENDING:
-                if queued is None and now - owner.since <= HOLD_PREFILL_S or \
-                        queued is not None and now - queued <= HOLD_MAX_S:
+                if now - owner.since <= HOLD_PREFILL_S:
                     continue
                 self.counts["timed_out"] += 1
             owner.posted = now

@@ -11,7 +11,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from sglang_capture import __version__
 from sglang_capture.core import protocol
@@ -152,6 +152,7 @@ class SchedulerCapture:
                 layout, why_not = self._layout(runner.server_args)
                 self.shared.configure(layout, why_not)
                 self.writer.blocks_outcome = self.shared.stored
+                self.writer.job_queued, self.writer.job_settled = self.shared.in_flight, self.shared.settled
                 if layout is not None:
                     logger.info("sglang_capture: prefix sharing on: capture requests reuse stored rows of cached "
                                 "prefixes, and files reference rows stored once under %s/.blocks", self.config.capture_dir)
@@ -217,7 +218,8 @@ class SchedulerCapture:
         return {"host_pool": self.pool.stats() if self.pool else None, "result_copy": self.copies.as_dict(),
                 "aux_capture": self.aux.stats() if self.aux else None, "scheduler_thread": self.clock.stats(),
                 "gc_pauses": self.gc_pauses.stats(),
-                "prompt_holds": dict(self.shared.holds.counts) if self.shared is not None else None}
+                "prompt_holds": dict(self.shared.holds.counts) if self.shared is not None else None,
+                "in_flight": dict(self.shared.in_flight_counts) if self.shared is not None else None}
 
     def begin(self, req: Any) -> None:
         """Mark a new request for capture when its custom_params ask for it (all ranks alike)."""
@@ -306,7 +308,8 @@ class SchedulerCapture:
         meta = self._meta(req.rid, capture, len(input_ids), len(output_ids), reason)
         capture.seal()
         stored, dtypes = self.stored_layout(columns, fp8)
-        self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, output_ids, meta, dtypes=dtypes, share=share))
+        self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, output_ids, meta, dtypes=dtypes, share=share,
+                                      hashes=_hashes(req)))
         ref["status"] = "pending"
         return ref
 
@@ -355,6 +358,12 @@ class SchedulerCapture:
         stored, dtypes = self.stored_layout(self.columns(), capture.is_fp8)
         meta = self._meta(req.rid, capture, len(ids), 0, {})
         job = CaptureJob(capture, n_rows, stored, input_ids, [], meta, dtypes=dtypes, share=share, ahead_rows=rows,
-                         ahead_of=getattr(req, SHARE_ATTR))
-        job.ahead_of.ahead_done, job.ahead_of.ahead_queued = job.done, job.enqueued  # its answer releases whom it holds
+                         ahead_of=getattr(req, SHARE_ATTR), hashes=_hashes(req))
+        job.ahead_of.ahead_done = job.done  # queued: it releases whom it holds (its blocks are in flight)
         self.writer.submit(job)
+
+
+def _hashes(req: Any) -> Optional[List[bytes]]:
+    """A sharing capture's slot hashes known so far (its blocks in flight are planned from them)."""
+    share = getattr(req, SHARE_ATTR, None)
+    return share.hashes if share is not None else None

@@ -16,9 +16,15 @@ What each part does:
   and the layout alone (a LoRA adapter, input embeddings, positional overrides, images, a streaming
   session) is captured privately instead, as with sharing off, and the log says so once per reason.
 - ``limit`` (SGLang's prefix limit, ``Req._compute_max_prefix_len``, every rank): the radix match
-  is capped where the stored blocks this index knows of stop covering the request's tokens
-  (server/block_index.py), and not taken below ``MIN_REUSE_ROWS``. A prefix cached by a plain
-  request, or by a capture whose blocks are not stored, is therefore computed again, never referenced.
+  is capped where the blocks this index knows of, stored or in flight, stop covering the request's
+  tokens (server/block_index.py), and not taken below ``MIN_REUSE_ROWS``. A prefix cached by a plain
+  request, or by a capture whose blocks are neither stored nor queued to be, is therefore computed
+  again, never referenced.
+- ``in_flight`` (the writer rank, as a job is queued) and ``settled`` (as it is done): the blocks a
+  queued job will store count as stored, so a chat's next turn, sent the moment its last answer came,
+  reuses that answer's rows before its file is written. ``share_of`` then names the jobs the file
+  waits for (``after``): the writer supervisor hands it to a writer only once they are done, and a
+  block one of them failed to store fails the file (``MissingBlocks``, naming it), never a wrong row.
 - ``share_of`` (finish, the writer rank): the job's references for the rows before the first row
   the request computed, and for any it computed again although they are stored (its prefix left the
   radix cache), and the layout its new blocks are keyed under.
@@ -41,12 +47,22 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from sglang_capture.core.blocks import BLOCK_LEASE_S, BLOCK_TOKENS, layout_root, slot_hash, slot_start
+from sglang_capture.core.blocks import (
+    BLOCK_LEASE_S,
+    BLOCK_TOKENS,
+    extend_hashes,
+    layout_root,
+    plan_blocks,
+    slot_hash,
+    slot_start,
+)
 from sglang_capture.server.block_index import (
+    IN_FLIGHT,
     NOTHING,
     BlockEvent,
     BlockIndex,
     Coverage,
+    IndexedBlock,
     as_tokens,
     blocks_of,
 )
@@ -74,7 +90,7 @@ class RequestShare:
     later match (a prefill chunk's, after the prefix was taken) found less."""
 
     __slots__ = ("root", "hashes", "coverage", "widest", "_limit", "_checked", "ahead_asked", "ahead", "ahead_done",
-                 "ahead_queued", "admitted", "was_held")
+                 "admitted", "was_held")
 
     def __init__(self, root: bytes) -> None:
         self.root = root
@@ -87,10 +103,9 @@ class RequestShare:
         # the blocks stored ahead of its file (``[name, slot_hash hex, start, end, size]`` each, in
         # order), and the rows and bytes of them that job wrote, set by the writer link's reply thread
         self.ahead: Optional[Tuple[List[list], List[int]]] = None
-        # the writer rank: the done event of the job storing them and when it was queued (not the job: it
-        # refers to this share, and a cycle would outlive the request until a full collection)
+        # the writer rank: the done event of the job storing them, once queued (not the job: it refers
+        # to this share, and a cycle would outlive the request until a full collection)
         self.ahead_done: Optional[threading.Event] = None
-        self.ahead_queued: Optional[float] = None
         self.admitted = False  # taken into a prefill batch once (server/prompt_holds.py: whether it owns slots)
         self.was_held = False  # held back at least once (counted once)
 
@@ -108,11 +123,7 @@ class RequestShare:
     def through(self, k: int, tokens: Any) -> bytes:
         """The hash through slot ``k`` of ``tokens`` (``h_{k+1}``; they must cover the slot), kept in
         ``hashes`` as ``BlockIndex.cover`` keeps them."""
-        hashes = self.hashes
-        while len(hashes) <= k + 1:
-            j = len(hashes) - 1
-            hashes.append(slot_hash(hashes[j], as_tokens(tokens[j * BLOCK_TOKENS:(j + 1) * BLOCK_TOKENS])))
-        return hashes[k + 1]
+        return extend_hashes(self.hashes, tokens, k + 1)
 
     def covering(self, first_row: int) -> Optional[Coverage]:
         """A coverage of the rows before ``first_row``: the latest match's, else the widest seen."""
@@ -179,19 +190,17 @@ def _answers_long(req: Any) -> bool:
     return most is None or most - len(req.output_ids) > AHEAD_MIN_TOKENS
 
 
-def _ahead_state(req: Any) -> Tuple[str, Optional[float]]:
-    """The writer rank: what became of an owner's job ahead (server/prompt_holds.py), and when it was
-    queued. The writer link posts a job's blocks event before the job is done."""
+def _ahead_state(req: Any) -> str:
+    """The writer rank: what became of an owner's job ahead (server/prompt_holds.py). Once it is
+    queued its blocks are in flight (``in_flight``, posted before this release), reused as if stored."""
     share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
     if share is None:  # it turned private
-        return NONE, None
+        return NONE
     if share.ahead_done is not None:
-        if share.ahead_done.is_set():
-            return (STORED if share.ahead is not None else NONE), share.ahead_queued
-        return PENDING, share.ahead_queued
+        return NONE if share.ahead_done.is_set() and share.ahead is None else STORED
     if share.ahead_asked or req.finished() or getattr(req, "is_retracted", False):
-        return NONE, None  # declined, failed, or no longer prefilling
-    return PENDING, None
+        return NONE  # declined, failed, or no longer prefilling
+    return PENDING
 
 
 def private_reason(req: Any) -> Optional[str]:
@@ -222,6 +231,9 @@ class SharedRows:
         self._told: set = set()
         self._lock = threading.Lock()
         self._used: Dict[str, float] = {}  # the writer rank: when a capture last stored or reused each block
+        self._unsettled: set = set()  # the writer rank: jobs whose blocks were posted in flight, not done yet
+        # the writer rank: jobs that put blocks in flight, and files that reused rows in flight (waiting for their jobs)
+        self.in_flight_counts = {"jobs": 0, "reused": 0}
         self._next_lease_check = time.monotonic() + LEASE_CHECK_S
         self.holds = PromptHolds()
 
@@ -288,8 +300,11 @@ class SharedRows:
         if coverage.reach - first_row >= MIN_REUSE_ROWS:  # not a chat template's common header in another's block
             start = min(coverage.reach, n_rows)
         refs = [r.as_list() for r in coverage.upto(start)]
-        sizes = {r[0]: size for r, size in zip(refs, coverage.sizes)}
+        sizes = {r[0]: size for r, size in zip(refs, coverage.sizes) if size != IN_FLIGHT}
         out = {"root": share.root.hex(), "start": start, "computed": first_row, "refs": refs, "sizes": sizes}
+        after = self.index.in_flight_jobs(r[0] for r in refs)
+        if after:  # the jobs storing the rows in flight it reuses: its file is written after them
+            out["after"] = after
         ahead = share.ahead
         if ahead is not None and ahead[0][0][2] == start and ahead[0][-1][3] <= n_rows:  # its prompt's, stored meanwhile
             for name, _, a, b, size in ahead[0]:
@@ -362,12 +377,43 @@ class SharedRows:
                 self._used[name] = now
             for name in missing:
                 self._used.pop(name, None)
-        if stored or missing:
+        with self._lock:
+            settled = [job.id] if job.id in self._unsettled else []
+            self._unsettled.discard(job.id)
+        if stored or missing or settled:
             tokens = as_tokens(list(job.input_ids) + list(job.output_ids))
-            self._events.append(BlockEvent(added=blocks_of(stored, tokens), dropped=list(missing)))
+            self._events.append(BlockEvent(added=blocks_of(stored, tokens), dropped=list(missing), settled=settled))
         ahead_of = getattr(job, "ahead_of", None)
         if ahead_of is not None and stored:
             ahead_of.ahead = (stored, job.written or [0, 0])
+
+    def in_flight(self, job: Any) -> None:
+        """The writer rank, as ``job`` (a capture's file or its job ahead, numbered) is queued, before
+        any writer can answer for it: the blocks it will store are posted to every rank as in flight,
+        so that a capture admitted meanwhile reuses their rows (its file waits for this job). Called on
+        the scheduler thread, which finished the request: a chat's next turn, sent once this answer is
+        out, finds them. Hashes only the slots its stored rows did not reach (``job.hashes``)."""
+        share = job.share
+        if share is None or share["start"] >= job.n_rows:
+            return
+        tokens = list(job.input_ids) + list(job.output_ids)
+        blocks = [IndexedBlock(b.name, b.slot_hash, b.start, b.end, as_tokens(tokens[b.slot_start:b.end]), IN_FLIGHT)
+                  for b in plan_blocks(tokens, share["start"], job.n_rows, bytes.fromhex(share["root"]), job.hashes)]
+        with self._lock:
+            self._unsettled.add(job.id)
+            self.in_flight_counts["jobs"] += 1
+            if share.get("after") and job.ahead_rows is None:
+                self.in_flight_counts["reused"] += 1
+        self._events.append(BlockEvent(in_flight=blocks, in_flight_job=job.id))
+
+    def settled(self, job: Any) -> None:
+        """Any thread, once ``job`` is done without its blocks' event (its supervisor died, or it was
+        never sent): its blocks in flight are forgotten on every rank."""
+        with self._lock:
+            if job.id not in self._unsettled:
+                return
+            self._unsettled.discard(job.id)
+        self._events.append(BlockEvent(settled=[job.id]))
 
     def take_events(self) -> List[BlockEvent]:
         """The writer rank's scheduler thread: the events posted since the last call, and now and
@@ -400,7 +446,7 @@ class SharedRows:
                                    "private (its whole sequence computed and stored in its own file)", event.off)
             self.index.apply(event)
             if self.holds.gives_up_any():
-                for block in event.added:
+                for block in event.added + event.in_flight:
                     if len(block.tokens) == BLOCK_TOKENS:  # the block ends its slot: the hash through it
                         self.holds.stored_slot(slot_hash(block.slot_hash, block.tokens))
             if event.released or event.given_up:

@@ -65,6 +65,7 @@ class CaptureJob:
     ahead_rows: Optional[List[RowChunk]] = None
     ahead_of: Optional[Any] = None
     written: Optional[List[int]] = None  # the rows and bytes a job ahead wrote (the rest were stored already)
+    hashes: Optional[List[bytes]] = None  # its request's slot hashes known so far (server/shared_rows.RequestShare)
 
     @property
     def chunks(self) -> List[RowChunk]:
@@ -178,6 +179,10 @@ class WriterPool:
         # (SchedulerCapture.blocks_outcome): they must be known before the response lets the next turn in
         self.blocks_outcome: Callable[[CaptureJob, List[list], List[str], bool], None] = \
             lambda job, stored, missing, ok: None
+        # told of each job once it is numbered, before any writer can answer for it, and of each job done
+        # without ``blocks_outcome`` (server/shared_rows.py: the blocks it will store are in flight until then)
+        self.job_queued: Callable[[CaptureJob], None] = lambda job: None
+        self.job_settled: Callable[[CaptureJob], None] = lambda job: None
         # this side's counters (the supervisor has the rest); each supervisor's stats file gets what
         # accrued since it started, so that the files' sums are the totals
         self.stats: Dict[str, Any] = {"supervisor_restarts": 0, "failed_in_scheduler": 0}
@@ -243,6 +248,11 @@ class WriterPool:
         if self._sender is None:
             self.start()
         job.id = next(self._ids)
+        try:
+            self.job_queued(job)
+        except Exception as e:  # noqa: BLE001 - its blocks are then not in flight: later captures compute them
+            logger.error("sglang_capture: the blocks of request %s were not posted in flight: %s", job.meta["rid"],
+                         error_text(e))
         with self._lock:
             self._open += 1
         with self._submit_lock:
@@ -464,6 +474,7 @@ class WriterPool:
             with self._lock:
                 self._open -= 1
                 self._changed = True
+        self.job_settled(job)
         if job.ahead_rows is not None:  # its capture's own job stores the blocks with its file
             job.free_rows()
             job.outcome = {"status": "error", "error": why}
@@ -609,6 +620,7 @@ class WriterPool:
                 job.free_rows()
                 job.outcome = message["outcome"]
                 job.done.set()
+                self.job_settled(job)
         elif op == "recorded":
             with self._lock:
                 sup.outcomes.pop(message["rid"], None)

@@ -16,7 +16,6 @@ the scheduler side means it is stopping (or gone): queued jobs are finished, the
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
@@ -40,7 +39,7 @@ from sglang_capture.core.capture_dir import (
 )
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.durable import remove_unowned, unlink_if_same
-from sglang_capture.core.handoff import AHEAD_HOLD_S, SLOW_STATS, recv, recv_many, send_many, take_queued
+from sglang_capture.core.handoff import SLOW_STATS, recv, recv_many, send_many, take_queued
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.writer.child import NotTaken, WriterChild, WriterProcessDied, WriterStalled
 from sglang_capture.writer.durability import durability_for
@@ -103,30 +102,6 @@ class SweepJob:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class AheadFirst(queue.Queue):
-    """The hand-off threads' queue, first in first out except that a job storing a prompt's blocks
-    ahead of its file goes before the queued file jobs while it is younger than ``AHEAD_HOLD_S``:
-    captures sharing that prompt wait at admission until it is stored (server/prompt_holds.py),
-    while a file job's request is answered already (or waits for its own file only). An older one
-    joins the end of the queue, so a stream of them never starves file jobs and outcome records."""
-
-    def _init(self, maxsize: int) -> None:
-        super()._init(maxsize)
-        self._ahead: collections.deque = collections.deque()
-
-    def _qsize(self) -> int:
-        return len(self.queue) + len(self._ahead)
-
-    def _put(self, item: Any) -> None:
-        (self._ahead if getattr(item, "ahead", False) else self.queue).append(item)
-
-    def _get(self) -> Any:
-        now = time.monotonic()  # the scheduler side's clock: one per machine
-        while self._ahead and now - self._ahead[0].enqueued > AHEAD_HOLD_S:  # held captures went on without it
-            self.queue.append(self._ahead.popleft())
-        return self._ahead.popleft() if self._ahead else self.queue.popleft()
-
-
 # what a shared-rows outcome adds to the writer's counters (core/capture_dir.WRITER_COUNTERS)
 SHARED_COUNTERS = ("block_bytes", "blocks_written", "blocks_reused", "rows_stored", "rows_shared")
 
@@ -178,7 +153,7 @@ class Supervisor:
         self.predecessors = tuple(predecessors)  # supervisors of this scheduler that died: their stats files go
         self.pool_fd, self.pool_size = pool_fd, pool_size  # the host pool's memfd: rows in it travel by offset
         self.processes = config.writer_processes()
-        self._queue: queue.Queue[Union[WireJob, OutcomeOnly, SweepJob, None]] = AheadFirst()
+        self._queue: queue.Queue[Union[WireJob, OutcomeOnly, SweepJob, None]] = queue.Queue()
         self._threads: List[threading.Thread] = []
         self._children: Dict[int, WriterChild] = {}
         self._lock = threading.Lock()
@@ -193,6 +168,9 @@ class Supervisor:
         self._next_sweep = 0.0  # of old outcome records: set by ``start``
         self._orphans_again: Optional[float] = None  # when to look for killed writers' temp files once more
         self._sweeping = False  # a sweep is queued or running: the next waits for it
+        self._open: set = set()  # ids of the jobs submitted and not done
+        # jobs whose file reuses rows another job still stores (its share's ``after``), by that job's id
+        self._parked: Dict[int, List[WireJob]] = {}
         # told of the blocks each shared-rows job stored or found missing, before its outcome is recorded
         # (SchedulerCapture.blocks_outcome, through the scheduler side): they must be known before the
         # response lets the next turn in
@@ -263,6 +241,7 @@ class Supervisor:
         with self._lock:
             self._queued += 1
             self.stats["max_queue"] = max(self.stats["max_queue"], self._queued)
+            self._open.add(job.id)
         self._queue.put(job)
 
     def submit_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
@@ -325,45 +304,75 @@ class Supervisor:
                 self.recorded(job.rid)
                 self._dump_stats()
                 continue
+            todo = [job]
+            while todo:  # a job, then those parked until it was done
+                job = todo.pop()
+                if not self._parked_behind_another(job):
+                    self._handle(slot, job)
+                    todo.extend(self._unpark(job.id))
+
+    def _parked_behind_another(self, job: WireJob) -> bool:
+        """Park a file job that reuses rows a job still in hand stores (``share["after"]``,
+        server/shared_rows.py): it is written once that job is done, so that it finds their blocks.
+        Jobs ahead reference nothing they need stored."""
+        after = (job.share or {}).get("after")
+        if not after or job.ahead:
+            return False
+        with self._lock:
+            first = next((dep for dep in after if dep in self._open), None)
+            if first is None:
+                return False
+            self._parked.setdefault(first, []).append(job)
+            self.stats["parked"] += 1
+        return True
+
+    def _unpark(self, job_id: int) -> List[WireJob]:
+        """Job ``job_id`` is done: the jobs parked behind it."""
+        with self._lock:
+            self._open.discard(job_id)
+            return self._parked.pop(job_id, [])
+
+    def _handle(self, slot: int, job: WireJob) -> None:
+        """Write one job on the slot's writer, then record and report its outcome."""
+        with self._lock:
+            self._queued -= 1
+            self._busy += 1
+            self.stats["queue_wait_s"] += time.monotonic() - job.enqueued
+        try:
+            outcome = self._write(slot, job)
+        except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
+            outcome = {"rid": job.rid, "name": job.name, "path": self._path(job),
+                       "status": "error", "error": error_text(e)}
+        finally:
+            job.release()
             with self._lock:
-                self._queued -= 1
-                self._busy += 1
-                self.stats["queue_wait_s"] += time.monotonic() - job.enqueued
-            try:
-                outcome = self._write(slot, job)
+                self._busy -= 1
+        if outcome["status"] != "ok" and job.ahead:
+            logger.warning("sglang_capture: the prompt blocks of request %s were not stored ahead of its file (its "
+                           "file's job stores them): %s", job.rid, outcome["error"])
+        elif outcome["status"] != "ok":
+            with self._lock:
+                self.stats["failed"] += 1
+            logger.error("sglang_capture: capture of request %s failed: %s", job.rid, outcome["error"])
+        stored = outcome.pop("blocks", [])
+        cut = outcome.pop("blocks_cut", [])  # referenced by the scheduler's share, not by the file
+        if job.ahead:
+            job.written = [outcome.get("rows_stored", 0), outcome.get("block_bytes", 0)]
+        if job.share is not None:
+            try:  # ok: a file referencing the share's blocks was published (their lease is renewed)
+                self.blocks_outcome(job, stored, outcome.get("missing_blocks", []) + cut,
+                                    outcome["status"] == "ok" and not job.ahead)
             except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
-                outcome = {"rid": job.rid, "name": job.name, "path": self._path(job),
-                           "status": "error", "error": error_text(e)}
-            finally:
-                job.release()
-                with self._lock:
-                    self._busy -= 1
-            if outcome["status"] != "ok" and job.ahead:
-                logger.warning("sglang_capture: the prompt blocks of request %s were not stored ahead of its file (its "
-                               "file's job stores them): %s", job.rid, outcome["error"])
-            elif outcome["status"] != "ok":
-                with self._lock:
-                    self.stats["failed"] += 1
-                logger.error("sglang_capture: capture of request %s failed: %s", job.rid, outcome["error"])
-            stored = outcome.pop("blocks", [])
-            cut = outcome.pop("blocks_cut", [])  # referenced by the scheduler's share, not by the file
-            if job.ahead:
-                job.written = [outcome.get("rows_stored", 0), outcome.get("block_bytes", 0)]
-            if job.share is not None:
-                try:  # ok: a file referencing the share's blocks was published (their lease is renewed)
-                    self.blocks_outcome(job, stored, outcome.get("missing_blocks", []) + cut,
-                                        outcome["status"] == "ok" and not job.ahead)
-                except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
-                    logger.error("sglang_capture: the blocks of request %s were not indexed: %s", job.rid, e)
-            if not job.ahead:
-                self.record_outcome(job.rid, outcome)
-            job.outcome = outcome
-            job.done.set()
-            try:
-                self.finished(job)
-            except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
-                logger.warning("sglang_capture: telling the scheduler that request %s is written failed: %s", job.rid, e)
-            self._dump_stats()
+                logger.error("sglang_capture: the blocks of request %s were not indexed: %s", job.rid, e)
+        if not job.ahead:
+            self.record_outcome(job.rid, outcome)
+        job.outcome = outcome
+        job.done.set()
+        try:
+            self.finished(job)
+        except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
+            logger.warning("sglang_capture: telling the scheduler that request %s is written failed: %s", job.rid, e)
+        self._dump_stats()
 
     def _write(self, slot: int, job: WireJob) -> Dict[str, Any]:
         """Have the slot's writer process write ``job``; a process found gone before it took the
