@@ -151,12 +151,14 @@ def test_a_finished_capture_posts_the_blocks_its_job_will_store_under_the_names_
     assert all(numpy.array_equal(b.tokens, ids[b.start - b.start % B:b.end]) for b in event.in_flight)
     writer.apply([event, BlockEvent(added=_indexed(ids, 0, 100))])
     nxt = SimpleNamespace(**{SHARE_ATTR: RequestShare(ROOT)}, full_untruncated_fill_ids=list(ids) + [1, 2],
-                          origin_input_ids=list(ids) + [1, 2], output_ids=[], lora_id=None, input_embeds=None,
+                          origin_input_ids=list(ids) + [1, 2], output_ids=[], sampling_params=SimpleNamespace(
+                              max_new_tokens=4), rid="next", lora_id=None, input_embeds=None,
                           positional_embed_overrides=None, multimodal_inputs=None, session=None)
     assert writer.limit(nxt, len(ids) + 1) == 3 * B + 39
     out, why = writer.share_of(nxt, 3 * B + 39, 3 * B + 45)
     assert why is None and out["after"] == [3] and set(out["sizes"]) == {_indexed(ids, 0, 100)[0].name}
-    assert writer.in_flight_counts == {"jobs": 1, "reused": 0}  # counted as its own file's job is queued
+    writer.admitted(nxt)
+    assert writer.in_flight_counts == {"jobs": 1, "reused": 1}  # its job queued; a capture admitted reusing them
     writer.settled(job)  # done without its blocks' event (its supervisor died): forgotten on every rank
     writer.apply(writer.take_events())
     assert writer.limit(nxt, len(ids) + 1) == 100

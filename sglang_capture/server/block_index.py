@@ -46,6 +46,11 @@ def as_tokens(ids: Any) -> numpy.ndarray:
         return numpy.asarray(list(ids), dtype=numpy.int64)
 
 
+def joined(first: Any, second: Any) -> numpy.ndarray:
+    """A prompt's and an answer's ids (SGLang's ``array('q')``s, lists or numpy) as one int64 array."""
+    return numpy.concatenate([as_tokens(first), as_tokens(second)])
+
+
 @dataclass(frozen=True)
 class IndexedBlock:
     """A stored block: rows ``[start, end)`` under prefix ``slot_hash``, the slot's first ``end -

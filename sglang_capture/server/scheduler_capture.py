@@ -28,6 +28,7 @@ from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.server.aux_capture import AUX_ATTR, AuxCapture
 from sglang_capture.server.batch_rows import BatchRows, ResultRows
+from sglang_capture.server.block_index import joined
 from sglang_capture.server.copy_counts import CopyCounts
 from sglang_capture.server.decode_rows import DecodeRows, RowCopier
 from sglang_capture.server.gc_pauses import GcPauses
@@ -280,8 +281,8 @@ class SchedulerCapture:
     def finish(self, req: Any, capture: RequestCapture) -> Dict[str, Any]:
         """Seal a finished request: hand its rows to the writer and return the response reference."""
         n_out = req.finished_len if req.finished_len is not None else len(req.output_ids)
-        output_ids = list(req.output_ids[:n_out])
-        input_ids = list(req.origin_input_ids)
+        output_ids = req.output_ids[:n_out]  # copies of SGLang's arrays (or lists), never lists of Python ints
+        input_ids = req.origin_input_ids[:]
         n_rows = row_count(len(input_ids), len(output_ids))
         columns = self.columns()
         path = os.path.join(self.config.capture_dir, capture.name + FILE_SUFFIX)
@@ -354,7 +355,7 @@ class SchedulerCapture:
             self.ledger.hold(chunk.rows)
         n_rows = slot_start(prompt_rows)  # whole slots: the blocks its file's job would cut there
         ids = req.origin_input_ids
-        input_ids = list(ids[:n_rows]) if n_rows <= len(ids) else list(ids) + list(req.output_ids[:n_rows - len(ids)])
+        input_ids = joined(ids, req.output_ids)[:n_rows]
         stored, dtypes = self.stored_layout(self.columns(), capture.is_fp8)
         meta = self._meta(req.rid, capture, len(ids), 0, {})
         job = CaptureJob(capture, n_rows, stored, input_ids, [], meta, dtypes=dtypes, share=share, ahead_rows=rows,

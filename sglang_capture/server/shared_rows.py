@@ -65,6 +65,7 @@ from sglang_capture.server.block_index import (
     IndexedBlock,
     as_tokens,
     blocks_of,
+    joined,
 )
 from sglang_capture.server.prompt_holds import NONE, PENDING, STORED, PromptHolds
 
@@ -232,7 +233,7 @@ class SharedRows:
         self._lock = threading.Lock()
         self._used: Dict[str, float] = {}  # the writer rank: when a capture last stored or reused each block
         self._unsettled: set = set()  # the writer rank: jobs whose blocks were posted in flight, not done yet
-        # the writer rank: jobs that put blocks in flight, and files that reused rows in flight (waiting for their jobs)
+        # jobs that put blocks in flight (the writer rank), and captures admitted reusing rows in flight
         self.in_flight_counts = {"jobs": 0, "reused": 0}
         self._next_lease_check = time.monotonic() + LEASE_CHECK_S
         self.holds = PromptHolds()
@@ -353,10 +354,12 @@ class SharedRows:
         prompt's whole slots past its stored rows will be stored ahead of its file (``ahead_share``'s
         rules) owns them until they are (server/prompt_holds.py)."""
         share: Optional[RequestShare] = getattr(req, SHARE_ATTR, None)
-        if share is None or share.admitted or not self.may_hold:
+        if share is None or share.admitted:
             return
         share.admitted = True
-        if not _answers_long(req):
+        if share.coverage.reach >= MIN_REUSE_ROWS and self.index.in_flight_jobs(r.name for r in share.coverage.refs):
+            self.in_flight_counts["reused"] += 1
+        if not self.may_hold or not _answers_long(req):
             return
         tokens = req.full_untruncated_fill_ids
         reach = share.coverage.reach if share.coverage.reach >= MIN_REUSE_ROWS else 0
@@ -381,7 +384,7 @@ class SharedRows:
             settled = [job.id] if job.id in self._unsettled else []
             self._unsettled.discard(job.id)
         if stored or missing or settled:
-            tokens = as_tokens(list(job.input_ids) + list(job.output_ids))
+            tokens = joined(job.input_ids, job.output_ids)
             self._events.append(BlockEvent(added=blocks_of(stored, tokens), dropped=list(missing), settled=settled))
         ahead_of = getattr(job, "ahead_of", None)
         if ahead_of is not None and stored:
@@ -393,17 +396,16 @@ class SharedRows:
         so that a capture admitted meanwhile reuses their rows (its file waits for this job). Called on
         the scheduler thread, which finished the request: a chat's next turn, sent once this answer is
         out, finds them. Hashes only the slots its stored rows did not reach (``job.hashes``)."""
-        share = job.share
-        if share is None or share["start"] >= job.n_rows:
+        share, n = job.share, job.n_rows
+        if share is None or share["start"] >= n:
             return
-        tokens = list(job.input_ids) + list(job.output_ids)
-        blocks = [IndexedBlock(b.name, b.slot_hash, b.start, b.end, as_tokens(tokens[b.slot_start:b.end]), IN_FLIGHT)
-                  for b in plan_blocks(tokens, share["start"], job.n_rows, bytes.fromhex(share["root"]), job.hashes)]
+        hashes = job.hashes if job.hashes is not None else [bytes.fromhex(share["root"])]
+        tokens = joined(job.input_ids, job.output_ids)
+        blocks = [IndexedBlock(b.name, b.slot_hash, b.start, b.end, tokens[b.slot_start:b.end].copy(), IN_FLIGHT)
+                  for b in plan_blocks(tokens, share["start"], n, hashes[0], hashes)]
         with self._lock:
             self._unsettled.add(job.id)
             self.in_flight_counts["jobs"] += 1
-            if share.get("after") and job.ahead_rows is None:
-                self.in_flight_counts["reused"] += 1
         self._events.append(BlockEvent(in_flight=blocks, in_flight_job=job.id))
 
     def settled(self, job: Any) -> None:

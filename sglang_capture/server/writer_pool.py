@@ -46,8 +46,8 @@ class CaptureJob:
     capture: RequestCapture
     n_rows: int
     stored: Dict[str, Tuple[int, int]]  # where each stored tensor lies in a row as the pool holds it
-    input_ids: List[int]
-    output_ids: List[int]
+    input_ids: Sequence[int]  # SGLang's array('q') (or list), or numpy
+    output_ids: Sequence[int]
     meta: Dict[str, Any]
     dtypes: Dict[str, str] = field(default_factory=dict)  # stored dtype per tensor, where not the rows' (FP8)
     # --capture-prefix-sharing on: the layout's root (hex), the first row computed (``computed``), the first

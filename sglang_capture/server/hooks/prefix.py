@@ -6,8 +6,8 @@ where its stored rows end, and the index that says so changes alike on every ran
   also capped at what the stored blocks cover (server/shared_rows.py). Every rank computes it.
 - ``hold_shared_prompt`` (``PrefillAdder.add_one_req``): a sharing capture request whose next
   prompt slot another capture admitted earlier computes now waits in SGLang's queue until that
-  capture's blocks are stored; a capture admitted becomes such an owner (server/prompt_holds.py).
-  Every rank decides alike.
+  capture's blocks are queued to be stored (in flight); a capture admitted becomes such an owner
+  (server/prompt_holds.py). Every rank decides alike.
 - ``post_block_events`` (``SchedulerRequestReceiver._pull_raw_reqs``): on the rank that receives
   the requests (the writer rank), the index's events join them, first, and SGLang's own broadcast
   carries them to the group's other ranks.
