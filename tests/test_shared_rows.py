@@ -106,8 +106,10 @@ def test_blocks_in_flight_cover_like_stored_ones_until_their_job_is_done_without
     index.apply(BlockEvent(in_flight=_in_flight(turn1, B, 299), in_flight_job=4))  # the rest: its file's job
     turn2 = numpy.concatenate([turn1, _ids(50, seed=1)])
     cov = index.cover(turn2, len(turn2) - 1, [ROOT])
-    assert cov.reach == 299 and cov.sizes == (100, IN_FLIGHT)
+    assert cov.reach == 299 and cov.sizes == (100, IN_FLIGHT) and cov.after == (4,)
     assert index.in_flight_jobs(r.name for r in cov.refs) == [4]
+    index.apply(BlockEvent(dropped=[cov.refs[1].name]))  # reported gone before its job is done: it stays
+    assert index.cover(turn2, len(turn2) - 1, [ROOT]).reach == 299
     index.apply(BlockEvent(in_flight=_in_flight(turn1, B, 299), in_flight_job=5))  # the same rows, another job
     index.apply(BlockEvent(in_flight=_in_flight(turn1, 0, B), in_flight_job=5))  # stored already: not in flight
     assert index.in_flight_jobs(r.name for r in cov.refs) == [4, 5]
@@ -157,6 +159,8 @@ def test_a_finished_capture_posts_the_blocks_its_job_will_store_under_the_names_
     assert writer.limit(nxt, len(ids) + 1) == 3 * B + 39
     out, why = writer.share_of(nxt, 3 * B + 39, 3 * B + 45)
     assert why is None and out["after"] == [3] and set(out["sizes"]) == {_indexed(ids, 0, 100)[0].name}
+    writer.index._remove(event.in_flight[-1].name)  # evicted (capacity) while its job is queued: still waited for
+    assert writer.share_of(nxt, 3 * B + 39, 3 * B + 45)[0]["after"] == [3]
     writer.admitted(nxt)
     assert writer.in_flight_counts == {"jobs": 1, "reused": 1}  # its job queued; a capture admitted reusing them
     writer.settled(job)  # done without its blocks' event (its supervisor died): forgotten on every rank

@@ -366,23 +366,33 @@ def test_the_stats_file_keeps_the_cuda_stats_sent_less_often_and_nothing_else_of
 
 def test_a_file_that_reuses_rows_in_flight_is_written_only_once_the_job_storing_them_is_done(tmp_path, monkeypatch):
     """A capture may reuse rows whose blocks a queued job still stores (server/shared_rows.py): its
-    share names that job (``after``), and the supervisor parks the file until the job is done, so
-    that the file finds their blocks, or, when that job failed, fails naming them. A job ahead and a
-    file naming a job no longer in hand go at once; other writers go on meanwhile."""
+    share names that job (``after``), and the supervisor parks its file (or its job ahead, which
+    checks the stored rows it references) until that job is done, so that it finds their blocks, or,
+    when that job failed, fails naming them. Parked jobs then go in the order they came, each counted
+    once; one naming a job no longer in hand goes at once, and other writers go on meanwhile. A
+    parked job whose handling fails leaves nothing parked behind it."""
     from sglang_capture.writer.supervisor import Supervisor
 
     supervisor = Supervisor(CaptureConfig(capture_dir=str(tmp_path), writers=2))
-    release, written = threading.Event(), []
+    release, release6, written = threading.Event(), threading.Event(), []
 
     def write(slot, job):
         written.append(job.id)
-        if job.id == 1:
-            assert release.wait(30)
+        if job.id in (1, 6):
+            assert (release if job.id == 1 else release6).wait(30)
         return {"rid": job.rid, "name": job.name, "path": supervisor._path(job), "status": "ok"}
 
+    record = supervisor.record_outcome
+
+    def record_outcome(rid, outcome):
+        if rid == jobs[6].rid:
+            raise RuntimeError("an outcome that cannot be recorded")
+        record(rid, outcome)
+
     monkeypatch.setattr(supervisor, "_write", write)
+    monkeypatch.setattr(supervisor, "record_outcome", record_outcome)
     jobs = {}
-    for i, after in ((1, None), (2, [1]), (3, [1]), (4, [99]), (5, [1])):
+    for i, after in ((1, None), (2, [1]), (3, [1]), (4, [99]), (5, [1]), (6, None), (7, [6]), (8, None)):
         job, _ = make_wire_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name=f"job-{i}")
         job.id, job.share = i, ({"after": after} if after else None)
         jobs[i] = job
@@ -396,17 +406,27 @@ def test_a_file_that_reuses_rows_in_flight_is_written_only_once_the_job_storing_
             time.sleep(0.01)
         for i in (2, 3, 4, 5):
             supervisor.submit(jobs[i])
-        for i in (3, 4):  # a job ahead, and one whose job is done already: on the other writer at once
-            assert jobs[i].done.wait(30)
+        assert jobs[4].done.wait(30)  # its job is done already: on the other writer at once
         time.sleep(0.3)
-        assert not jobs[2].done.is_set() and not jobs[5].done.is_set() and 2 not in written and 5 not in written
-        assert supervisor.counters()["parked"] == 2 and supervisor.counters()["queue"] == 2
+        assert not any(jobs[i].done.is_set() or i in written for i in (2, 3, 5))
+        assert supervisor.counters()["parked"] == 3 and supervisor.counters()["queue"] == 3
         release.set()
-        for i in (1, 2, 5):
+        for i in (1, 2, 3, 5):
             assert jobs[i].done.wait(30)
             assert jobs[i].outcome["status"] == "ok"
-        assert written.index(2) > written.index(1) and written.index(5) > written.index(1)
-        assert supervisor.counters()["queue"] == 0
+        assert written == [1, 4, 2, 3, 5]
+        assert supervisor.counters()["queue"] == 0 and supervisor.counters()["parked"] == 3
+        supervisor.submit(jobs[6])
+        while 6 not in written:
+            assert time.monotonic() < deadline + 30
+            time.sleep(0.01)
+        supervisor.submit(jobs[7])
+        time.sleep(0.3)
+        release6.set()  # job 6's handling then fails past its write: job 7 still goes, and the thread lives on
+        assert jobs[7].done.wait(30) and jobs[7].outcome["status"] == "ok"
+        supervisor.submit(jobs[8])
+        assert jobs[8].done.wait(30)
     finally:
         release.set()
+        release6.set()
         supervisor.close()

@@ -1,6 +1,7 @@
-"""The stored blocks a scheduler knows of, and how much of a request's prefix they cover.
+"""The blocks a scheduler knows of, stored or in flight, and how much of a request's prefix they cover.
 
-A capture request may reuse cached KV only where its rows are stored (core/blocks.py): the hook on
+A capture request may reuse cached KV only where its rows are stored (core/blocks.py), or in flight
+(below): the hook on
 SGLang's prefix limit (``hooks/prefix.py``) caps each capture request's radix-cache match at the
 ``Coverage`` this index finds for its tokens, and its file then references those blocks instead of
 computing and storing the rows again.
@@ -53,7 +54,7 @@ def joined(first: Any, second: Any) -> numpy.ndarray:
 
 @dataclass(frozen=True)
 class IndexedBlock:
-    """A stored block: rows ``[start, end)`` under prefix ``slot_hash``, the slot's first ``end -
+    """A block, stored or in flight: rows ``[start, end)`` under prefix ``slot_hash``, the slot's first ``end -
     slot start`` tokens (``tokens``), and its file's size (a writer checks it before referencing it;
     ``IN_FLIGHT`` while a queued job is still to store it)."""
 
@@ -73,7 +74,7 @@ class IndexedBlock:
 class BlockEvent:
     """What the writer rank tells every rank of its group, through SGLang's request broadcast
     (picklable: plain values and numpy arrays): blocks stored, blocks to forget, requests that hold
-    others no more, and once, first,
+    others no more, blocks in flight and jobs done, and once, first,
     the capture layout every rank names blocks by (server/shared_rows.py), or why there is none."""
 
     added: List[IndexedBlock] = field(default_factory=list)
@@ -92,7 +93,7 @@ class BlockEvent:
 
 @dataclass(frozen=True)
 class Coverage:
-    """How far stored blocks cover a sequence from its start: rows ``[0, reach)``, by ``refs``, and
+    """How far blocks stored or in flight cover a sequence from its start: rows ``[0, reach)``, by ``refs``, and
     the size of each block referenced; ``stop``, the slot hash where no stored block agreed further
     (None when the limit ended the match), and what a block added there must begin with to change
     it (``BlockIndex.still`` says whether it holds)."""
@@ -102,6 +103,7 @@ class Coverage:
     sizes: Tuple[int, ...] = ()
     stop: Optional[bytes] = None
     want: bytes = b""  # the sort key a block there must begin with to reach further (its slot's tokens up to reach)
+    after: Tuple[int, ...] = ()  # the queued jobs storing the blocks in flight it references, when it was found
 
     def upto(self, n: int) -> Tuple[BlockRef, ...]:
         """The references of rows ``[0, n)`` (``n <= reach``)."""
@@ -179,7 +181,7 @@ class _Sorted:
 
 
 class _Slot:
-    """The stored blocks under one slot hash, in the order of their slot tokens.
+    """The blocks (stored or in flight) under one slot hash, in the order of their slot tokens.
 
     Every distinct prompt stores a block of its first slot, all under the layout's root hash: a scan
     of them for every prefix match cost the scheduler thread a fifth of its time on the CPU test bed
@@ -246,7 +248,7 @@ class _Slot:
 
 
 class BlockIndex:
-    """Stored blocks by the prefix hash of their slot (see the module docstring)."""
+    """Blocks stored or in flight, by the prefix hash of their slot (see the module docstring)."""
 
     def __init__(self, capacity_tokens: int = CAPACITY_TOKENS) -> None:
         self.capacity_tokens = capacity_tokens
@@ -325,8 +327,10 @@ class BlockIndex:
             self._remove(next(iter(self._blocks)))
 
     def drop(self, names: Iterable[str]) -> None:
+        """Forget stored blocks (gone from the disk, or unused for a lease); one in flight stays until
+        its jobs are done (``settle``): a capture may already reuse it, and its file waits for them."""
         for name in names:
-            if name in self._blocks:
+            if name in self._blocks and name not in self._flight:
                 self._remove(name)
 
     def _remove(self, name: str) -> None:
@@ -348,6 +352,7 @@ class BlockIndex:
         (its tokens never change where they are counted, so later calls hash nothing twice)."""
         refs: List[BlockRef] = []
         sizes: List[int] = []
+        after: set = set()
         if len(tokens) < (len(hashes) - 1) * BLOCK_TOKENS:  # the request's tokens shrank: hash them again
             del hashes[1:]
         at, h, slot, stop, want = 0, hashes[0], 0, None, b""
@@ -361,10 +366,12 @@ class BlockIndex:
             self._blocks.move_to_end(best.name)
             refs.append(BlockRef(best.name, best.start, at, reach))
             sizes.append(best.size)
+            if best.size == IN_FLIGHT:
+                after.update(self._flight.get(best.name, ()))
             at = reach
             if at == slot + BLOCK_TOKENS:
                 h, slot = extend_hashes(hashes, tokens, at // BLOCK_TOKENS), at
-        return Coverage(at, tuple(refs), tuple(sizes), stop, want)
+        return Coverage(at, tuple(refs), tuple(sizes), stop, want, tuple(sorted(after)))
 
     def still(self, coverage: Coverage, since: int) -> bool:
         """Whether ``cover`` would find ``coverage``, which held at index version ``since``, again

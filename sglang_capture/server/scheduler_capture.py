@@ -155,8 +155,8 @@ class SchedulerCapture:
                 self.writer.blocks_outcome = self.shared.stored
                 self.writer.job_queued, self.writer.job_settled = self.shared.in_flight, self.shared.settled
                 if layout is not None:
-                    logger.info("sglang_capture: prefix sharing on: capture requests reuse stored rows of cached "
-                                "prefixes, and files reference rows stored once under %s/.blocks", self.config.capture_dir)
+                    logger.info("sglang_capture: prefix sharing on: capture requests reuse the stored (or queued) rows of "
+                                "cached prefixes, and files reference rows stored once under %s/.blocks", self.config.capture_dir)
         if self.is_writer and self.pool is None:
             budget = NodeBudget.for_server(self.config, runner.server_args)
             logger.info("sglang_capture: %s", budget.describe())

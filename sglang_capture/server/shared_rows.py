@@ -1,5 +1,6 @@
 """Prefix sharing in a scheduler process (``--capture-prefix-sharing on``): capture requests keep
-their radix-cache hits where the rows of the hit are stored, and their files reference those rows.
+their radix-cache hits where the rows of the hit are stored (or in flight: a queued job stores them),
+and their files reference those rows.
 
 What each part does:
 
@@ -111,7 +112,8 @@ class RequestShare:
         self.was_held = False  # held back at least once (counted once)
 
     def cap(self, index: BlockIndex, tokens: Any, limit: int) -> int:
-        """How many of the first ``limit`` positions may come from the radix cache: those whose rows are stored."""
+        """How many of the first ``limit`` positions may come from the radix cache: those whose rows are
+        stored or in flight."""
         limit = min(limit, len(tokens))  # what the match can reach: fewer tokens than the limit end it sooner
         if limit != self._limit or not index.still(self.coverage, self._checked):
             self.coverage = index.cover(as_tokens(tokens), limit, self.hashes)
@@ -303,8 +305,9 @@ class SharedRows:
         refs = [r.as_list() for r in coverage.upto(start)]
         sizes = {r[0]: size for r, size in zip(refs, coverage.sizes) if size != IN_FLIGHT}
         out = {"root": share.root.hex(), "start": start, "computed": first_row, "refs": refs, "sizes": sizes}
-        after = self.index.in_flight_jobs(r[0] for r in refs)
-        if after:  # the jobs storing the rows in flight it reuses: its file is written after them
+        # the jobs storing rows in flight it reuses (when matched, or now): its job is written after them
+        after = sorted(set(coverage.after).union(self.index.in_flight_jobs(r[0] for r in refs)))
+        if after:
             out["after"] = after
         ahead = share.ahead
         if ahead is not None and ahead[0][0][2] == start and ahead[0][-1][3] <= n_rows:  # its prompt's, stored meanwhile
@@ -380,12 +383,12 @@ class SharedRows:
                 self._used[name] = now
             for name in missing:
                 self._used.pop(name, None)
-        with self._lock:
+        added = blocks_of(stored, joined(job.input_ids, job.output_ids)) if stored else []
+        with self._lock:  # settled once: here, or by ``settled`` if this never gets this far
             settled = [job.id] if job.id in self._unsettled else []
+            if added or missing or settled:
+                self._events.append(BlockEvent(added=added, dropped=list(missing), settled=settled))
             self._unsettled.discard(job.id)
-        if stored or missing or settled:
-            tokens = joined(job.input_ids, job.output_ids)
-            self._events.append(BlockEvent(added=blocks_of(stored, tokens), dropped=list(missing), settled=settled))
         ahead_of = getattr(job, "ahead_of", None)
         if ahead_of is not None and stored:
             ahead_of.ahead = (stored, job.written or [0, 0])

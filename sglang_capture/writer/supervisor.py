@@ -16,6 +16,7 @@ the scheduler side means it is stopping (or gone): queued jobs are finished, the
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -77,6 +78,7 @@ class WireJob:
     written: Optional[List[int]] = None
     release: Callable[[], None] = lambda: None  # the rows are out of the pool (may be called twice)
     publishing: Optional[Dict[str, Any]] = None  # the writer's last word before the file's name appears
+    parked: bool = False  # it waited for a job storing the rows in flight it reuses (counted once)
     outcome: Optional[Dict[str, Any]] = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -304,26 +306,34 @@ class Supervisor:
                 self.recorded(job.rid)
                 self._dump_stats()
                 continue
-            todo = [job]
-            while todo:  # a job, then those parked until it was done
-                job = todo.pop()
-                if not self._parked_behind_another(job):
+            todo = collections.deque([job])
+            while todo:  # a job, then those parked until it was done, in the order they came
+                job = todo.popleft()
+                if self._parked_behind_another(job):
+                    continue
+                try:
                     self._handle(slot, job)
+                except Exception as e:  # noqa: BLE001 - no failure may end this hand-off thread
+                    logger.error("sglang_capture: handing on the capture of request %s failed: %s", job.rid,
+                                 error_text(e))
+                finally:
                     todo.extend(self._unpark(job.id))
 
     def _parked_behind_another(self, job: WireJob) -> bool:
-        """Park a file job that reuses rows a job still in hand stores (``share["after"]``,
-        server/shared_rows.py): it is written once that job is done, so that it finds their blocks.
-        Jobs ahead reference nothing they need stored."""
+        """Park a job that reuses rows a job still in hand stores (``share["after"]``,
+        server/shared_rows.py): it is written once that job is done, so that it finds their blocks
+        (a job ahead checks those it references past the rows it computed, too)."""
         after = (job.share or {}).get("after")
-        if not after or job.ahead:
+        if not after:
             return False
         with self._lock:
             first = next((dep for dep in after if dep in self._open), None)
             if first is None:
                 return False
             self._parked.setdefault(first, []).append(job)
-            self.stats["parked"] += 1
+            if not job.parked:
+                job.parked = True
+                self.stats["parked"] += 1
         return True
 
     def _unpark(self, job_id: int) -> List[WireJob]:

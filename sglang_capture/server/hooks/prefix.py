@@ -1,9 +1,10 @@
 """Prefix seams (``--capture-prefix-sharing on``): a capture request's radix-cache hit is capped
-where its stored rows end, and the index that says so changes alike on every rank.
+where its rows stored (or in flight to the store) end, and the index that says so changes alike on
+every rank.
 
 - ``cap_shared_prefix`` (``Req._compute_max_prefix_len``): SGLang matches a request's prefix in
   the radix cache up to the limit this returns; for a capture request whose rows are shared it is
-  also capped at what the stored blocks cover (server/shared_rows.py). Every rank computes it.
+  also capped at what the blocks stored or in flight cover (server/shared_rows.py). Every rank computes it.
 - ``hold_shared_prompt`` (``PrefillAdder.add_one_req``): a sharing capture request whose next
   prompt slot another capture admitted earlier computes now waits in SGLang's queue until that
   capture's blocks are queued to be stored (in flight); a capture admitted becomes such an owner
@@ -26,7 +27,7 @@ from sglang_capture.server.shared_rows import SHARE_ATTR
 
 
 def cap_shared_prefix(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """After ``Req._compute_max_prefix_len``: a sharing capture request reuses only stored rows."""
+    """After ``Req._compute_max_prefix_len``: a sharing capture request reuses only rows stored or in flight."""
     limit = wrapped(*args, **kwargs)
     if state.shared is None or getattr(instance, SHARE_ATTR, None) is None:
         return limit
