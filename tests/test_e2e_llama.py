@@ -70,12 +70,13 @@ def test_streamed_openai_responses_carry_each_choices_reference_in_one_chunk_bef
     if endpoint == "chat":
         chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "hello world"}], **common))
         refs = {c.index: (c.delta.model_extra or {}).get("hidden_states") for c in chunks[-2].choices}
-        text_chunks = [c for c in chunks[:-2] if c.choices and c.choices[0].delta.content]
     else:
         chunks = list(client.completions.create(prompt="hello world", **common))
         refs = {c.index: (c.model_extra or {}).get("hidden_states") for c in chunks[-2].choices}
-        text_chunks = [c for c in chunks[:-2] if c.choices and c.choices[0].text]
-    assert text_chunks, "the stream carried the generated text before its references"
+    # each choice's generation, through its finish, came before the references (its sampled tokens may
+    # decode to no text at all: the tiny model's vocabulary has byte tokens)
+    finished = {ch.index for c in chunks[:-2] for ch in c.choices if ch.finish_reason}
+    assert finished == {0, 1}, "the stream carried each choice's generation before its references"
     assert chunks[-1].usage is not None and not chunks[-1].choices  # SGLang's usage chunk, still last
     assert sorted(refs) == [0, 1]
     paths = set()
