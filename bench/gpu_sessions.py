@@ -120,7 +120,7 @@ def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[s
 
 # The scheduler processes' counters of prefix sharing, summed over ranks: captures that waited at admission
 # for another's prompt blocks, their owners, holds that timed out (server/prompt_holds.py); jobs that put
-# blocks in flight, and files that reused rows in flight (server/shared_rows.py)
+# blocks in flight, and captures admitted reusing rows in flight (server/shared_rows.py)
 SCHEDULER_COUNTED = {"prompt_holds": ("owners", "held", "timed_out"), "in_flight": ("jobs", "reused")}
 
 

@@ -90,8 +90,8 @@ def test_the_index_covers_a_conversation_turn_by_turn_and_stops_where_tokens_dif
 def _in_flight(ids, start, end):
     from sglang_capture.server.block_index import IN_FLIGHT
 
-    return [IndexedBlock(b.name, b.slot_hash, b.start, b.end, ids[b.slot_start:b.end].copy(), IN_FLIGHT)
-            for b in plan_blocks(ids, start, end, ROOT)]
+    return blocks_of([[b.name, b.slot_hash.hex(), b.start, b.end, IN_FLIGHT] for b in plan_blocks(ids, start, end, ROOT)],
+                     ids)
 
 
 def test_blocks_in_flight_cover_like_stored_ones_until_their_job_is_done_without_them():

@@ -63,7 +63,6 @@ from sglang_capture.server.block_index import (
     BlockEvent,
     BlockIndex,
     Coverage,
-    IndexedBlock,
     as_tokens,
     blocks_of,
     joined,
@@ -404,8 +403,8 @@ class SharedRows:
             return
         hashes = job.hashes if job.hashes is not None else [bytes.fromhex(share["root"])]
         tokens = joined(job.input_ids, job.output_ids)
-        blocks = [IndexedBlock(b.name, b.slot_hash, b.start, b.end, tokens[b.slot_start:b.end].copy(), IN_FLIGHT)
-                  for b in plan_blocks(tokens, share["start"], n, hashes[0], hashes)]
+        blocks = blocks_of([[b.name, b.slot_hash.hex(), b.start, b.end, IN_FLIGHT]
+                            for b in plan_blocks(tokens, share["start"], n, hashes[0], hashes)], tokens)
         with self._lock:
             self._unsettled.add(job.id)
             self.in_flight_counts["jobs"] += 1
