@@ -31,7 +31,10 @@ collections, `gc/gen0..2`; none for a server's first
 capturing window, whose counts would include its warm-up). With
 ``--py-spy-seconds S``, py-spy samples the scheduler and HTTP processes of each server for S seconds
 in its last-round window (summaries under ``pyspy``, named server-mode; raw files in OUT_DIR/pyspy):
-where capture's host time goes on this decode-heavy load (issue 51).
+where capture's host time goes on this decode-heavy load (issue 51). With ``--profile-steps N``, one more
+window per server (not in the summary) runs SGLang's torch profiler over N steps from 2 s in, GPU
+activities only; each trace (OUT_DIR/profile/NAME) is summarized under ``timeline`` (bench/gpu_timeline.py):
+whether capture's extra step time is on the device or on the host.
 
 Writes OUT_DIR/gpu_sessions.json (rewritten after every window) and prints a table.
 """
@@ -51,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 import e2e_probes  # bench/ is on sys.path: this script lives there
+import gpu_timeline
 import requests
 
 from sglang_capture.core.capture_dir import writer_stats
@@ -170,6 +174,22 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     return out
 
 
+def profile_window(server: Server, out_dir: str, steps: int) -> threading.Thread:
+    """SGLang's torch profiler over ``steps`` steps from 2 s into the window (GPU activities only: no
+    CPU op tracing to slow the scheduler thread), written under ``out_dir``."""
+    def start() -> None:
+        time.sleep(2.0)
+        os.makedirs(out_dir, exist_ok=True)
+        r = requests.post(server.url + "/start_profile", timeout=120, json={
+            "output_dir": out_dir, "num_steps": steps, "activities": ["GPU"], "with_stack": False, "record_shapes": False})
+        if r.status_code != 200:
+            log(f"start_profile: {r.status_code} {r.text[:200]}")
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread
+
+
 def cosines(a_rows: Any, b_rows: Any, block: int) -> List[float]:
     """0.1st-percentile row cosine of each ``block``-column block."""
     import torch
@@ -269,6 +289,8 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--capture-args", default="")
     ap.add_argument("--py-spy-seconds", type=float, default=0.0,
                     help="sample each server's scheduler and HTTP processes this long in its last-round window")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="one more window per server with SGLang's torch profiler over this many steps")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     result: Dict[str, Any] = {"args": vars(a), "windows": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -325,6 +347,18 @@ def main(argv: List[str]) -> int:
             log(f"{name} {mode} r{r}: {w['seconds']:.2f} s, {w['requests_per_s']} req/s"
                 + (f", stored {w['delta']['rows_stored']:.0f} rows of {w['unique_rows']} unique, "
                    f"{w['errors']} errors" if mode == "capture" else ""))
+        if a.profile_steps > 0:
+            result["timeline"] = {}
+            for name in names:
+                out_dir = os.path.join(a.out, "profile", name)
+                profiler = profile_window(servers[name], out_dir, a.profile_steps)
+                window(servers[name], Chats(a, seed), name in ("on", "off"), f"{name}-profile", count=False)
+                profiler.join()
+                seed += 1
+                traces = sorted(glob.glob(os.path.join(out_dir, "*.trace.json*")))
+                result["timeline"][name] = gpu_timeline.summarize(traces[-1]) if traces else {"error": "no trace written"}
+                log(f"{name} profiled: {json.dumps(result['timeline'][name])[:300]}")
+                save()
         on = [w for w in result["windows"] if w["server"] == "on" and w["mode"] == "capture"]
         if on and "off" in servers:
             result["rows"] = check_rows(on[-1]["last_files"], servers["off"], a.check)
