@@ -44,6 +44,13 @@ def private(tiny_models, make_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def operator(tiny_models, make_server, tmp_path_factory):
+    """Every request captured by the operator's choice: answered without waiting for its file."""
+    capture_dir = str(tmp_path_factory.mktemp("operator"))
+    return make_server(_cmd(tiny_models, capture_dir, "--capture-fraction", "1"), capture_dir)
+
+
+@pytest.fixture(scope="module")
 def tok(tiny_models):
     return AutoTokenizer.from_pretrained(tiny_models["tiny-dsv3"])
 
@@ -482,3 +489,44 @@ def test_a_turn_that_reused_rows_whose_store_then_failed_fails_naming_them_and_i
     ref = again["meta_info"]["capture"]
     assert ref["status"] == "ok", ref
     _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))
+
+
+def _file_written(path, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} was not written"
+        time.sleep(0.1)
+    return path
+
+
+def test_an_operators_chat_turn_is_answered_before_its_capture_is_sealed_and_the_next_turn_reuses_its_rows_in_flight(
+        operator, tiny_models):
+    """Production chat traffic as the operator captures it: a turn's answer leaves before its capture
+    is sealed (hooks/finish.py), yet the rows its job will store are in flight before the chat's next
+    turn is read, so that turn reuses them (every writer waits meanwhile: nothing is stored yet)."""
+    import random
+
+    rng = random.Random(55)
+    prompt = [rng.randrange(10, 1000) for _ in range(600)]
+
+    def turn(ids, rid, n):
+        r = operator.generate({"input_ids": list(ids), "rid": rid, "sampling_params": {
+            "max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        assert "capture" not in r.json()["meta_info"]  # the operator's choice: a plain answer
+        return r.json()
+
+    files = [os.path.join(operator.capture_dir, f"op-chat-{t}.capture.msgpack") for t in (1, 2)]
+    wait = _WritersWait(operator.capture_dir)
+    try:
+        one = turn(prompt, "op-chat-1", 12)  # <= 16 tokens: no job ahead
+        two = turn(prompt + one["output_ids"] + [rng.randrange(10, 1000) for _ in range(40)], "op-chat-2", 8)
+        assert not any(os.path.exists(f) for f in files)  # answered while every writer waits
+    finally:
+        wait.release()
+    rows1 = len(prompt) + 12 - 1
+    assert two["meta_info"]["cached_tokens"] == rows1  # the first turn's prompt and answer rows, in flight
+    for path in files:
+        _exact(tiny_models["tiny-dsv3"], sglang_capture.load(_file_written(path)))
+    first = [r[0] for r in load_records(files[0])[0]["blocks"]]
+    assert len(first) == 3 and [r[0] for r in load_records(files[1])[0]["blocks"][:3]] == first

@@ -200,3 +200,44 @@ def test_the_operators_fraction_never_selects_a_beam_search():
     assert selects(config, request()) == protocol.OPERATOR
     assert selects(config, request(beam_width=1)) == protocol.OPERATOR
     assert selects(config, request(beam_width=4)) is None
+
+
+def test_an_operators_capture_is_sealed_after_its_answer_is_sent_and_a_clients_before_it():
+    """A client's capture is sealed before SGLang streams the request's last output (its reference
+    rides in it); an operator's gets no reference, so its answer goes first and it is sealed right
+    after, in the same call (before the scheduler reads the next turn), even when streaming fails."""
+    from types import SimpleNamespace
+
+    from sglang_capture.core import protocol
+    from sglang_capture.server.hooks.finish import seal_finished
+    from sglang_capture.server.scheduler_capture import CAPTURE_ATTR
+    from sglang_capture.server.seam_clock import SeamClock
+
+    events = []
+
+    def req(name, by):
+        custom = {protocol.CAPTURE: True, **({protocol.CAPTURE_BY: by} if by else {})}
+        r = SimpleNamespace(name=name, sampling_params=SimpleNamespace(custom_params=custom), hidden_states=[],
+                            finished=lambda: True, finished_output=False)
+        setattr(r, CAPTURE_ATTR, object())
+        return r
+
+    state = SimpleNamespace(decode_rows=None, clock=SeamClock(),
+                            finish=lambda r, capture: events.append(f"seal {r.name}") or {"ref": r.name})
+    client, operator = req("client", None), req("operator", protocol.OPERATOR)
+
+    def stream(reqs, return_logprob, skip_req=None):
+        events.append("stream " + ",".join(str(r.hidden_states) for r in reqs))
+
+    seal_finished(state, stream, None, ([client, operator], False), {})
+    assert events == ["seal client", "stream [{'ref': 'client'}],[]", "seal operator"]
+    assert not hasattr(operator, CAPTURE_ATTR) and not hasattr(client, CAPTURE_ATTR)
+
+    def broken(reqs, return_logprob, skip_req=None):
+        raise RuntimeError("detokenizer gone")
+
+    events.clear()
+    again = req("again", protocol.OPERATOR)
+    with pytest.raises(RuntimeError):
+        seal_finished(state, broken, None, ([again], False), {})
+    assert events == ["seal again"]  # its rows still go to a writer
