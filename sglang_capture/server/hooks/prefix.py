@@ -31,7 +31,7 @@ def cap_shared_prefix(state: SchedulerCapture, wrapped: Any, instance: Any, args
     limit = wrapped(*args, **kwargs)
     if state.shared is None or getattr(instance, SHARE_ATTR, None) is None:
         return limit
-    capped = state.shared.limit(instance, limit)
+    capped = state.clock.timed("prefix_cap", True, lambda: state.shared.limit(instance, limit))
     if capped is None:  # it needs private capture after all (its images arrived after it was made)
         instance.extra_key = (instance.extra_key or "") + EXTRA_KEY_TAG + instance.rid
         return limit
@@ -52,14 +52,18 @@ def hold_shared_prompt(state: SchedulerCapture, wrapped: Any, instance: Any, arg
     if shared is None:
         return wrapped(*args, **kwargs)
     req = args[0] if args else kwargs["req"]
-    if not _holds_mamba_slot(req) and shared.held(req):
-        from sglang.srt.managers.schedule_policy import AddReqResult
 
-        return AddReqResult.CONTINUE
-    out = wrapped(*args, **kwargs)
-    if not state.pd_prefill and instance.can_run_list and instance.can_run_list[-1] is req:
-        shared.admitted(req)
-    return out
+    def add() -> Any:
+        if not _holds_mamba_slot(req) and shared.held(req):
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.CONTINUE
+        out = wrapped(*args, **kwargs)
+        if not state.pd_prefill and instance.can_run_list and instance.can_run_list[-1] is req:
+            shared.admitted(req)
+        return out
+
+    return state.clock.timed("add_one_req", getattr(req, SHARE_ATTR, None) is not None, add)
 
 
 def post_block_events(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -88,6 +92,6 @@ def apply_block_events(state: SchedulerCapture, wrapped: Any, instance: Any, arg
     if not events:
         return wrapped(*args, **kwargs)
     if state.shared is not None:
-        state.shared.apply(events)
+        state.clock.timed("block_events", True, lambda: state.shared.apply(events))
     rest = [r for r in reqs if not isinstance(r, BlockEvent)]
     return wrapped(rest, *args[1:], **kwargs) if args else wrapped(*args, **{**kwargs, "recv_reqs": rest})
