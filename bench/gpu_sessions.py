@@ -349,14 +349,17 @@ def main(argv: List[str]) -> int:
                    f"{w['errors']} errors" if mode == "capture" else ""))
         if a.profile_steps > 0:
             result["timeline"] = {}
-            for name in names:
+            for name in names:  # the same chats on each server (each has its own radix cache)
                 out_dir = os.path.join(a.out, "profile", name)
+                shutil.rmtree(out_dir, ignore_errors=True)
                 profiler = profile_window(servers[name], out_dir, a.profile_steps)
                 window(servers[name], Chats(a, seed), name in ("on", "off"), f"{name}-profile", count=False)
                 profiler.join()
-                seed += 1
-                traces = sorted(glob.glob(os.path.join(out_dir, "*.trace.json*")))
-                result["timeline"][name] = gpu_timeline.summarize(traces[-1]) if traces else {"error": "no trace written"}
+                traces = glob.glob(os.path.join(out_dir, "*-TP-0*.trace.json*"))
+                if not traces:  # the window ended before the profiled steps did: stop it, so nothing later is traced
+                    requests.post(servers[name].url + "/stop_profile", timeout=120)
+                    traces = glob.glob(os.path.join(out_dir, "*-TP-0*.trace.json*"))
+                result["timeline"][name] = gpu_timeline.summarize(traces[0]) if traces else {"error": "no trace written"}
                 log(f"{name} profiled: {json.dumps(result['timeline'][name])[:300]}")
                 save()
         on = [w for w in result["windows"] if w["server"] == "on" and w["mode"] == "capture"]

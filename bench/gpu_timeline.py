@@ -65,8 +65,8 @@ def summarize(path: str) -> Dict[str, Any]:
             continue
         gaps.append(gap)
         launch = launches.get(after.get("args", {}).get("correlation"))
-        if launch is not None and launch["ts"] > end:
-            host_bound[launch["name"]].append(gap)
+        if launch is not None and launch["ts"] > end:  # idle from the gap's start until the host launched it
+            host_bound[launch["name"]].append(min(gap, launch["ts"] - end))
     gaps_sorted = sorted(gaps)
     copies: Dict[str, List[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for e in device:

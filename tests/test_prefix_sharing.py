@@ -43,11 +43,12 @@ def private(tiny_models, make_server, tmp_path_factory):
     return make_server(_cmd(tiny_models, capture_dir, "--capture-prefix-sharing", "off"), capture_dir)
 
 
-@pytest.fixture(scope="module")
-def operator(tiny_models, make_server, tmp_path_factory):
-    """Every request captured by the operator's choice: answered without waiting for its file."""
+@pytest.fixture
+def operator(tiny_models, make_test_server, tmp_path_factory):
+    """Every request captured by the operator's choice: answered without waiting for its file (one
+    test uses it: stopped after it)."""
     capture_dir = str(tmp_path_factory.mktemp("operator"))
-    return make_server(_cmd(tiny_models, capture_dir, "--capture-fraction", "1"), capture_dir)
+    return make_test_server(_cmd(tiny_models, capture_dir, "--capture-fraction", "1"), capture_dir)
 
 
 @pytest.fixture(scope="module")
@@ -499,11 +500,12 @@ def _file_written(path, timeout=120):
     return path
 
 
-def test_an_operators_chat_turn_is_answered_before_its_capture_is_sealed_and_the_next_turn_reuses_its_rows_in_flight(
+def test_an_operators_chat_turn_answered_before_its_file_is_written_is_reused_in_flight_by_the_next_turn(
         operator, tiny_models):
-    """Production chat traffic as the operator captures it: a turn's answer leaves before its capture
-    is sealed (hooks/finish.py), yet the rows its job will store are in flight before the chat's next
-    turn is read, so that turn reuses them (every writer waits meanwhile: nothing is stored yet)."""
+    """Production chat traffic as the operator captures it: a turn is answered without waiting for its
+    file, and sealed only after its answer is sent (the order: test_server_hooks.py); the rows its
+    job will store are still in flight before the chat's next turn is read, so that turn reuses them
+    (every writer waits meanwhile: nothing is stored yet) and both files read exact."""
     import random
 
     rng = random.Random(55)

@@ -205,7 +205,8 @@ def test_the_operators_fraction_never_selects_a_beam_search():
 def test_an_operators_capture_is_sealed_after_its_answer_is_sent_and_a_clients_before_it():
     """A client's capture is sealed before SGLang streams the request's last output (its reference
     rides in it); an operator's gets no reference, so its answer goes first and it is sealed right
-    after, in the same call (before the scheduler reads the next turn), even when streaming fails."""
+    after, in the same call (before the scheduler reads the next turn), even when streaming fails; a
+    failure sealing it then fails it alone (``finish_answered``: test_server_scheduler_capture.py)."""
     from types import SimpleNamespace
 
     from sglang_capture.core import protocol
@@ -222,15 +223,19 @@ def test_an_operators_capture_is_sealed_after_its_answer_is_sent_and_a_clients_b
         setattr(r, CAPTURE_ATTR, object())
         return r
 
-    state = SimpleNamespace(decode_rows=None, clock=SeamClock(),
-                            finish=lambda r, capture: events.append(f"seal {r.name}") or {"ref": r.name})
+    def finish(r, capture):
+        events.append(f"seal {r.name}")
+        return {"ref": r.name}
+
+    state = SimpleNamespace(decode_rows=None, clock=SeamClock(), finish=finish,
+                            finish_answered=lambda r, capture: events.append(f"seal {r.name} answered"))
     client, operator = req("client", None), req("operator", protocol.OPERATOR)
 
     def stream(reqs, return_logprob, skip_req=None):
         events.append("stream " + ",".join(str(r.hidden_states) for r in reqs))
 
     seal_finished(state, stream, None, ([client, operator], False), {})
-    assert events == ["seal client", "stream [{'ref': 'client'}],[]", "seal operator"]
+    assert events == ["seal client", "stream [{'ref': 'client'}],[]", "seal operator answered"]
     assert not hasattr(operator, CAPTURE_ATTR) and not hasattr(client, CAPTURE_ATTR)
 
     def broken(reqs, return_logprob, skip_req=None):
@@ -240,4 +245,4 @@ def test_an_operators_capture_is_sealed_after_its_answer_is_sent_and_a_clients_b
     again = req("again", protocol.OPERATOR)
     with pytest.raises(RuntimeError):
         seal_finished(state, broken, None, ([again], False), {})
-    assert events == ["seal again"]  # its rows still go to a writer
+    assert events == ["seal again answered"]  # its rows still go to a writer

@@ -119,3 +119,40 @@ def test_marking_a_capture_request_fires_no_audit_event(tmp_path):
         listening[0] = False
         state.stop()
     assert events == []
+
+
+def test_an_answered_capture_that_fails_to_seal_fails_alone_with_its_outcome_recorded(tmp_path):
+    """An operator's capture is sealed after its answer is sent (hooks/finish.py): nothing can carry
+    an error to its client then, so a failure sealing it must neither stop the scheduler nor pass
+    silently: its rows are freed and its outcome says why."""
+    from sglang_capture.core.capture_dir import prepare_capture_dir
+    from sglang_capture.server.scheduler_capture import CAPTURE_ATTR, ModelInfo, SchedulerCapture
+
+    prepare_capture_dir(str(tmp_path))
+    state = SchedulerCapture(CaptureConfig(capture_dir=str(tmp_path), writers=1))
+    state._is_writer = True
+    state.model = ModelInfo("m", "LlamaForCausalLM", "LlamaForCausalLM", 2, 4, (1,), "float32")
+    outcomes = []
+
+    def broken(job):
+        raise OSError("the writer link is gone")
+
+    state.writer.submit, state.writer.submit_outcome = broken, lambda rid, outcome: outcomes.append((rid, outcome))
+
+    class Req(types.SimpleNamespace):  # weakly referable, as SGLang's Req
+        pass
+
+    req = Req(rid="r1", origin_input_ids=[5, 6, 7], output_ids=[8], finished_len=None, extra_key=None,
+              finished_reason=None, sampling_params=types.SimpleNamespace(custom_params={"capture": True, "capture_by": "operator"}))
+    try:
+        state.begin(req)
+        capture = getattr(req, CAPTURE_ATTR)
+        capture.add(0, torch.arange(12, dtype=torch.float32).view(3, 4))
+        assert state.ledger.held_bytes > 0
+        state.finish_answered(req, capture)  # does not raise
+        assert state.ledger.held_bytes == 0  # its rows are free
+        assert [rid for rid, _ in outcomes] == ["r1"]
+        outcome = outcomes[0][1]
+        assert outcome["status"] == "error" and outcome["error"] == "capture could not be sealed: OSError: the writer link is gone"
+    finally:
+        state.stop()

@@ -314,6 +314,19 @@ class SchedulerCapture:
         ref["status"] = "pending"
         return ref
 
+    def finish_answered(self, req: Any, capture: RequestCapture) -> None:
+        """``finish`` for a capture whose answer is already sent (an operator's): nothing can carry an
+        error to its client, so a failure to seal it fails only it, recorded as its outcome, and the
+        scheduler goes on with the batch's other captures."""
+        try:
+            self.finish(req, capture)
+        except Exception as e:  # noqa: BLE001 - after the answer: fail this capture, never the server
+            why = f"capture could not be sealed: {type(e).__name__}: {e}"
+            logger.exception("sglang_capture: %s (request %s)", why, req.rid)
+            capture.release()
+            self.writer.submit_outcome(req.rid, {"rid": req.rid, "name": capture.name, "status": "error", "error": why,
+                                                 "path": os.path.join(self.config.capture_dir, capture.name + FILE_SUFFIX)})
+
     def _meta(self, rid: str, capture: RequestCapture, n_prompt: int, n_output: int, reason: Dict[str, Any]
               ) -> Dict[str, Any]:
         """What a capture file records about its request and where its rows come from."""

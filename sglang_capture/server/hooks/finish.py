@@ -1,11 +1,13 @@
 """Finish seam: a finished capture request is sealed and its response carries a reference.
 
-A client's capture is sealed before SGLang streams the request's last output, which carries the
-reference. An operator's capture (``--capture-fraction``, ``--capture-return-hidden-states``) gets
-no reference in its response, so it is sealed right after that output is sent: its answer leaves
-without waiting for the batch's sealing (~0.15 ms a capture; a wave of 40 chats finishing in one
-step waited ~5 ms on an H100, bench/RESULTS.md). The rows it will store are still in flight before
-the client can send its next turn: the scheduler reads new requests only after this call returns.
+A client's capture (``--capture-return-hidden-states`` marks a request as one) is sealed before
+SGLang streams the request's last output, which carries the reference. An operator's capture
+(``--capture-fraction``) gets no reference in its response, so it is sealed right after that output
+is sent: its answer leaves without waiting for the batch's sealing (~0.15 ms a capture; a wave of 40
+chats finishing in one step waited ~5 ms on an H100, bench/RESULTS.md), and the sealing overlaps the
+answer's way to the client and the next turn's way back. The rows it will store are still in flight
+before the client can send that turn: the scheduler reads new requests only after this call returns.
+A capture that fails to seal then fails alone (``SchedulerCapture.finish_answered``).
 """
 from __future__ import annotations
 
@@ -41,6 +43,6 @@ def seal_finished(state: SchedulerCapture, wrapped: Any, instance: Any, args: tu
             return wrapped(*args, **kwargs)
         finally:
             for req, capture in after:
-                state.finish(req, capture)
+                state.finish_answered(req, capture)
 
     return state.clock.timed("stream_output", bool(sealing), seal_and_stream)
