@@ -1,6 +1,7 @@
 """What prefix sharing's cap on the radix hit costs the scheduler thread per scheduling pass.
 
     python bench/prefix_limit_cost.py [--policy fcfs|lpm] [--conversations 2400] [--waiting N] [--admit 8] [--rev REV ...]
+    python bench/prefix_limit_cost.py --load chats [--chats 40] [--turns 8] [--repeat 5] [--rev REV ...]
 
 SGLang asks a request's prefix limit (``Req._compute_max_prefix_len``, capped by ``SharedRows.limit``)
 at every scheduling pass: under ``fcfs`` (its default) of the waiting requests it tries to admit,
@@ -13,6 +14,11 @@ blocks as a server does (the rows from where their stored prefix ended: behind t
 prompt once it is stored), and as many new ones arrive. Prints the mean time of a pass, for the working tree's
 ``server/block_index.py`` and ``server/shared_rows.py`` and for each ``--rev`` (the same two files
 as of that git revision, loaded in their place).
+
+``--load chats``: issue 50's closed-loop chats instead (``--chats`` chats of ``--turns`` turns behind a
+shared 1,024-token system prompt, 128-token user turns, 64-token answers, each turn's rows in flight
+when the next turn comes, as ``SharedRows.in_flight`` posts them): the mean time of one capture's cap,
+paid once per turn when it is admitted, between a wave of turns and its prefills (best of ``--repeat``).
 """
 from __future__ import annotations
 
@@ -96,6 +102,34 @@ def one_run(block_index: ModuleType, shared_rows: ModuleType, convs: List[numpy.
     return spent / max(passes, 1), len(index)
 
 
+def chat_run(block_index: ModuleType, shared_rows: ModuleType, chats: int, turns: int) -> Tuple[float, int]:
+    """Mean seconds of a capture's cap on closed-loop chats, and the blocks indexed at the end."""
+    rng = numpy.random.default_rng(1)
+    system = rng.integers(0, 100000, 1024)
+    index = block_index.BlockIndex()
+    history = [system.copy() for _ in range(chats)]
+    spent, caps, job = 0.0, 0, 0
+    for _ in range(turns):
+        shares = []
+        for s in range(chats):
+            history[s] = numpy.concatenate([history[s], rng.integers(0, 100000, 128)])
+            share = shared_rows.RequestShare(ROOT)
+            t0 = time.perf_counter()
+            share.cap(index, history[s], len(history[s]) - 1)
+            spent += time.perf_counter() - t0
+            caps += 1
+            shares.append(share)
+        for s, share in enumerate(shares):  # each answered: its file's job queued, its blocks in flight
+            reach = share.coverage.reach
+            history[s] = numpy.concatenate([history[s], rng.integers(0, 100000, 64)])
+            first = reach if reach >= MIN_REUSE_ROWS else 0
+            job += 1
+            stored = [[b.name, b.slot_hash.hex(), b.start, b.end, block_index.IN_FLIGHT]
+                      for b in plan_blocks(history[s], first, len(history[s]) - 1, ROOT, share.hashes)]
+            index.add_in_flight(job, block_index.blocks_of(stored, history[s]))
+    return spent / caps, len(index)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversations", type=int, default=2400)
@@ -103,7 +137,18 @@ def main() -> None:
     ap.add_argument("--waiting", type=int, default=None, help="default 256 (fcfs), 128 (lpm)")
     ap.add_argument("--admit", type=int, default=8, help="requests that finish (and store their blocks) per pass")
     ap.add_argument("--rev", action="append", default=[], help="also a git revision's index (repeatable)")
+    ap.add_argument("--load", choices=("extract", "chats"), default="extract")
+    ap.add_argument("--chats", type=int, default=40)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=5)
     a = ap.parse_args()
+    if a.load == "chats":
+        for rev in [None, *a.rev]:
+            mods = modules(rev)
+            runs = [chat_run(*mods, a.chats, a.turns) for _ in range(a.repeat)]
+            print(f"{rev or 'working tree'}, chats: {1e6 * min(r[0] for r in runs):.1f} us a capture's cap, best of "
+                  f"{a.repeat} ({a.chats} chats x {a.turns} turns, {runs[0][1]} blocks indexed at the end)", flush=True)
+        return
     rng = numpy.random.default_rng(0)
     system = rng.integers(0, 100000, 120)
     convs = [numpy.concatenate([system, rng.integers(0, 100000, int(rng.integers(300, 1200)))])

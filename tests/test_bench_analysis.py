@@ -459,7 +459,7 @@ def test_vs_specforge_report_needs_only_the_standard_library_and_its_merged_reco
 
 def test_the_prefix_limit_bench_replays_a_pass_on_the_index_of_the_tree_and_of_a_revision():
     """``bench/prefix_limit_cost.py`` (the figures in docs/performance.md) runs on the working tree's index and on
-    a git revision's, loaded in its place, under both of SGLang's policies."""
+    a git revision's, loaded in its place, under both of SGLang's policies, and on closed-loop chats."""
     import subprocess
 
     for policy in ("fcfs", "lpm"):
@@ -470,6 +470,13 @@ def test_the_prefix_limit_bench_replays_a_pass_on_the_index_of_the_tree_and_of_a
         lines = proc.stdout.splitlines()
         assert [line.split(":")[0] for line in lines] == [f"working tree, {policy}", f"HEAD, {policy}"]
         assert all("ms per scheduling pass, 12 waiting (60 conversations" in line for line in lines)
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "prefix_limit_cost.py"), "--load", "chats", "--chats", "6",
+                           "--turns", "3", "--repeat", "1", "--rev", "HEAD"],
+                          capture_output=True, text=True, timeout=120, cwd=os.path.dirname(BENCH))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["working tree, chats", "HEAD, chats"]
+    assert all(" us a capture's cap, best of 1 (6 chats x 3 turns, " in line for line in lines)
 
 
 def test_a_windows_scheduler_clock_is_the_seams_and_collections_between_two_stats_reads_summed_over_ranks():

@@ -1080,3 +1080,21 @@ def test_a_block_removed_between_its_store_and_the_touch_before_publishing_is_st
     if not ahead:
         d = load(os.path.join(tmp_path, "again.capture.msgpack"))
         assert torch.equal(d["aux_hidden_states"], _rows(700)[:601, :H])
+
+
+def test_the_agreement_of_two_token_keys_is_their_first_differing_token():
+    """``_common`` reads agreement off the blocks' sort keys (8 bytes a token) by comparing bytes:
+    against numpy's answer for every place the first difference can be, equal lengths or not."""
+    from sglang_capture.server.block_index import _common, _order_key
+
+    rng = numpy.random.default_rng(5)
+    for n in (1, 2, 7, 64, 256):
+        a = rng.integers(-(1 << 40), 1 << 40, n)
+        assert _common(_order_key(a), _order_key(a)) == n
+        assert _common(_order_key(a), _order_key(a[:n // 2])) == n // 2  # one is the other's beginning
+        for at in {0, n // 3, n - 1}:
+            b = a.copy()
+            b[at] += 1
+            expected = int(numpy.argmin(a == b))
+            assert expected == at and _common(_order_key(a), _order_key(b)) == at
+            assert _common(_order_key(b[:at + 1]), _order_key(a)) == at

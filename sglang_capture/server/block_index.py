@@ -118,10 +118,20 @@ class Coverage:
 NOTHING = Coverage(0)
 
 
-def _common(a: numpy.ndarray, b: numpy.ndarray) -> int:
-    """How many leading elements of two equally long arrays are equal."""
-    eq = a == b
-    return len(eq) if eq.all() else int(eq.argmin())
+def _common(a: bytes, b: bytes) -> int:
+    """How many leading tokens two ``_order_key``s agree on (8 bytes a token; bytes compare as memcmp,
+    where a numpy comparison of a slot's tokens costs more in allocations than in work)."""
+    n = min(len(a), len(b)) // 8
+    if a[:8 * n] == b[:8 * n]:
+        return n
+    lo, hi = 0, n - 1  # the longest agreeing run of tokens has lo..hi of them
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:8 * mid] == b[:8 * mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _order_key(tokens: numpy.ndarray) -> bytes:
@@ -157,23 +167,23 @@ class _Sorted:
         """Put ``new`` (the same tokens) where ``old`` is."""
         self.blocks[self._at(key, old)] = new
 
-    def best(self, query: numpy.ndarray, slot: int, at: int) -> Tuple[Optional[IndexedBlock], int]:
-        """Of the blocks with rows at ``at``, the one whose tokens agree with ``query`` (the slot's
-        tokens from ``slot``) furthest past ``at``, and how far; (None, at) when none does.
+    def best(self, query: bytes, slot: int, at: int) -> Tuple[Optional[IndexedBlock], int]:
+        """Of the blocks with rows at ``at``, the one whose tokens agree with the query (the
+        ``_order_key`` of the slot's tokens from ``slot``) furthest past ``at``, and how far; (None,
+        at) when none does.
 
-        Walking away from where ``query`` would sort, agreement never grows: in each direction the
+        Walking away from where the query would sort, agreement never grows: in each direction the
         walk ends at the first block with rows at ``at`` (none further on agrees further), or at one
         that agrees no further than the best so far."""
-        i = bisect.bisect_left(self.keys, _order_key(query))
+        i = bisect.bisect_left(self.keys, query)
         best: Optional[IndexedBlock] = None
         reach = at
         for walk in (range(i - 1, -1, -1), range(i, len(self.blocks))):
             for j in walk:
-                block = self.blocks[j]
-                n = min(len(block.tokens), len(query))
-                agree = slot + _common(block.tokens[:n], query[:n])
+                agree = slot + _common(self.keys[j], query)
                 if agree <= reach:
                     break
+                block = self.blocks[j]
                 if block.start <= at:  # (agree > at, so at < block.end)
                     best, reach = block, agree
                     break
@@ -240,10 +250,11 @@ class _Slot:
                 return True
         return False
 
-    def best(self, tokens: numpy.ndarray, slot: int, at: int, limit: int) -> Tuple[Optional[IndexedBlock], int]:
-        """The block with rows at ``at`` whose tokens agree with ``tokens`` furthest (up to ``limit``)
-        past ``at``, and how far; (None, at) when none agrees past it."""
-        query = tokens[slot:min(limit, slot + BLOCK_TOKENS)]
+    def best(self, keys: bytes, slot: int, at: int, limit: int) -> Tuple[Optional[IndexedBlock], int]:
+        """The block with rows at ``at`` whose tokens agree with the request's furthest (up to ``limit``)
+        past ``at``, and how far; (None, at) when none agrees past it. ``keys``: the ``_order_key`` of
+        the request's tokens."""
+        query = keys[8 * slot:8 * min(limit, slot + BLOCK_TOKENS)]
         return (self.heads if at == slot else self.every).best(query, slot, at)
 
 
@@ -357,11 +368,12 @@ class BlockIndex:
             del hashes[1:]
         at, h, slot, stop, want = 0, hashes[0], 0, None, b""
         limit = min(limit, len(tokens))
+        keys = _order_key(tokens[:limit])  # once: each slot's query is a slice of it
         while at < limit:
             same = self._by_slot.get(h)
-            best, reach = same.best(tokens, slot, at, limit) if same is not None else (None, at)
+            best, reach = same.best(keys, slot, at, limit) if same is not None else (None, at)
             if best is None:
-                stop, want = h, _order_key(tokens[slot:at + 1])
+                stop, want = h, keys[8 * slot:8 * (at + 1)]
                 break
             self._blocks.move_to_end(best.name)
             refs.append(BlockRef(best.name, best.start, at, reach))
