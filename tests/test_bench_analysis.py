@@ -492,3 +492,31 @@ def test_a_windows_scheduler_clock_is_the_seams_and_collections_between_two_stat
     # 80 more decode steps at 5 ms, one full collection of 0.5 s; gen0 did not run in between, so it is left out
     assert e2e_probes.clock_deltas(before, after) == {"gc/gen2": [1, 500000.0], "run_batch/decode/capture": [80, 5000.0]}
     assert e2e_probes.clock_deltas({}, {}) == {}
+
+
+def test_a_gpu_timeline_counts_the_time_the_gpu_waited_for_the_host_apart_from_other_gaps(tmp_path):
+    """``bench/gpu_timeline.py`` on a profiler trace: two kernels 200 us apart whose second was launched
+    after the first ended (the GPU waited for the host 180 us of it), then one queued in time behind a
+    copy (a gap, not the host's), and a graph launch (a decode step)."""
+    import gzip
+
+    import gpu_timeline
+
+    def x(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    events = [x("cuda_runtime", "cudaGraphLaunch", 0, 5, correlation=1), x("kernel", "k1", 10, 100, correlation=1, stream=7),
+              x("cuda_runtime", "cudaLaunchKernel", 290, 5, correlation=2), x("kernel", "k2", 310, 100, correlation=2, stream=7),
+              x("cuda_runtime", "cudaLaunchKernel", 320, 5, correlation=3),
+              x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 410, 50, stream=9, bytes=2_000_000),
+              x("kernel", "k3", 470, 30, correlation=3, stream=7),
+              x("cuda_runtime", "cudaEventSynchronize", 330, 140)]
+    path = str(tmp_path / "t.trace.json.gz")
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = gpu_timeline.summarize(path)
+    assert s["span_ms"] == 0.49 and s["kernel_busy_ms"] == 0.23
+    assert s["gaps"]["count"] == 2 and s["gaps"]["total_ms"] == 0.26
+    assert s["gaps"]["host_bound"] == {"cudaLaunchKernel": {"count": 1, "ms": 0.18}}
+    assert s["copies"] == {"Memcpy DtoH (Device -> Pinned)": {"count": 1, "ms": 0.05, "mb": 2.0}}
+    assert s["graph_launches"] == 1 and s["cuda_calls"]["cudaEventSynchronize"] == {"count": 1, "ms": 0.14}
