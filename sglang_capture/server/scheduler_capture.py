@@ -285,7 +285,7 @@ class SchedulerCapture:
         input_ids = req.origin_input_ids[:]
         n_rows = row_count(len(input_ids), len(output_ids))
         columns = self.columns()
-        path = os.path.join(self.config.capture_dir, capture.name + FILE_SUFFIX)
+        path = self._file_path(capture)
         fp8 = capture.is_fp8
         ref = protocol.reference(rid=req.rid, path=path, index=index_path(self.config.capture_dir, req.rid),
                                  rows=n_rows, layers=self.model.layers, dtype=self.model.dtype,
@@ -297,14 +297,11 @@ class SchedulerCapture:
             if why is not None:
                 capture.fail(why)
         if reason.get("type") == "abort" or capture.failure is not None:
-            capture.release()
             if capture.failure is not None:
                 ref.update(status="error", error=f"capture failed in the scheduler: {capture.failure}")
             else:
                 ref.update(status="aborted", error=str(reason.get("message", "request aborted")))
-            # the client may be gone (disconnect): leave the outcome where monitoring finds it
-            self.writer.submit_outcome(req.rid, {"rid": req.rid, "name": capture.name, "path": path,
-                                                 "status": ref["status"], "error": ref["error"]})
+            self._no_file(req, capture, ref["status"], ref["error"])
             return ref
         meta = self._meta(req.rid, capture, len(input_ids), len(output_ids), reason)
         capture.seal()
@@ -323,9 +320,17 @@ class SchedulerCapture:
         except Exception as e:  # noqa: BLE001 - after the answer: fail this capture, never the server
             why = f"capture could not be sealed: {type(e).__name__}: {e}"
             logger.exception("sglang_capture: %s (request %s)", why, req.rid)
-            capture.release()
-            self.writer.submit_outcome(req.rid, {"rid": req.rid, "name": capture.name, "status": "error", "error": why,
-                                                 "path": os.path.join(self.config.capture_dir, capture.name + FILE_SUFFIX)})
+            self._no_file(req, capture, "error", why)
+
+    def _no_file(self, req: Any, capture: RequestCapture, status: str, error: str) -> None:
+        """A capture that gets no file: its rows freed, and its outcome recorded where monitoring finds
+        it (its client may be gone, or was answered already)."""
+        capture.release()
+        self.writer.submit_outcome(req.rid, {"rid": req.rid, "name": capture.name, "path": self._file_path(capture),
+                                             "status": status, "error": error})
+
+    def _file_path(self, capture: RequestCapture) -> str:
+        return os.path.join(self.config.capture_dir, capture.name + FILE_SUFFIX)
 
     def _meta(self, rid: str, capture: RequestCapture, n_prompt: int, n_output: int, reason: Dict[str, Any]
               ) -> Dict[str, Any]:
