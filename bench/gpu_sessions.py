@@ -140,14 +140,12 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     count = capture if count is None else count
     docs = writer_stats(server.capture_dir, settled=True) if count else {}
     before, clock_before, sched_before = counters(docs), e2e_probes.scheduler_clock(docs), scheduler_counters(docs)
-    gpu = e2e_probes.GpuSampler()
-    t0 = time.monotonic()
-    try:
+
+    def chats_pass() -> List[Dict[str, Any]]:
         with ThreadPoolExecutor(a.sessions) as pool:
-            results = list(pool.map(lambda s: run_chat(server.url, chats, s, capture, name), range(a.sessions)))
-    finally:
-        gpu_busy = gpu.stop()
-    seconds = time.monotonic() - t0
+            return list(pool.map(lambda s: run_chat(server.url, chats, s, capture, name), range(a.sessions)))
+
+    results, seconds, gpu_busy = e2e_probes.timed_with_gpu(chats_pass)
     lat = sorted(x for r in results for x in r["latencies"])
     out: Dict[str, Any] = {"seconds": round(seconds, 3), "requests": a.sessions * a.turns,
                            "requests_per_s": round(a.sessions * a.turns / seconds, 2),

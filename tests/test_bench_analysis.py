@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import sys
+import time
 
 import e2e_report
 import pyspy_summary
@@ -520,3 +521,17 @@ def test_a_gpu_timeline_counts_the_time_the_gpu_waited_for_the_host_apart_from_o
     assert s["gaps"]["host_bound"] == {"cudaLaunchKernel": {"count": 1, "ms": 0.18}}
     assert s["copies"] == {"Memcpy DtoH (Device -> Pinned)": {"count": 1, "ms": 0.05, "mb": 2.0}}
     assert s["graph_launches"] == 1 and s["cuda_calls"]["cudaEventSynchronize"] == {"count": 1, "ms": 0.14}
+
+
+def test_a_timed_pass_ends_when_its_load_does_not_when_the_gpu_sampler_is_reaped(monkeypatch):
+    import e2e_probes
+
+    class SlowToStop:  # nvidia-smi -lms ends only at its next sample
+        def stop(self):
+            time.sleep(0.3)
+            return {"util_pct": 90.0}
+
+    monkeypatch.setattr(e2e_probes, "GpuSampler", SlowToStop)
+    result, seconds, gpu = e2e_probes.timed_with_gpu(lambda: time.sleep(0.05) or "done")
+    assert result == "done" and gpu == {"util_pct": 90.0}
+    assert 0.05 <= seconds < 0.25
