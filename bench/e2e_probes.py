@@ -177,25 +177,27 @@ _VM_KEYS = ("allocstall", "pgscan_direct", "pgscan_kswapd", "pgsteal_direct", "p
 def scheduler_clock(docs: Dict[str, Dict]) -> Dict[str, List[float]]:
     """The scheduler thread's time in the patched seams (server/seam_clock.py) and in garbage
     collections (``gc/gen0..2``, server/gc_pauses.py), summed over the ranks' stats files ``docs``:
-    per account, [calls, seconds]."""
+    per account, [calls, seconds, the thread's CPU seconds (the seams'; a collection's are its seconds)]."""
     out: Dict[str, List[float]] = {}
     for doc in docs.values():
         accounts = [(k, v) for k, v in (doc.get("scheduler_thread") or {}).items()]
         accounts += [(f"gc/{k}", v) for k, v in (doc.get("gc_pauses") or {}).items()]
         for k, v in accounts:
-            acc = out.setdefault(k, [0, 0.0])
+            acc = out.setdefault(k, [0, 0.0, 0.0])
             acc[0] += v.get("calls", 0)
             acc[1] += v.get("s", 0.0)
+            acc[2] += v.get("cpu_s", v.get("s", 0.0))
     return out
 
 
 def clock_deltas(before: Dict[str, List[float]], after: Dict[str, List[float]]) -> Dict[str, List[float]]:
-    """Per account of ``scheduler_clock`` called in between: [calls, microseconds a call]."""
+    """Per account of ``scheduler_clock`` called in between: [calls, microseconds a call, of which the
+    thread's CPU]: a seam whose wall time is much above its CPU time waited (for the GIL or the GPU)."""
     out: Dict[str, List[float]] = {}
-    for k, (n, sec) in sorted(after.items()):
-        n0, sec0 = before.get(k, (0, 0.0))
+    for k, (n, sec, cpu) in sorted(after.items()):
+        n0, sec0, cpu0 = before.get(k, (0, 0.0, 0.0))
         if n > n0:
-            out[k] = [int(n - n0), round(1e6 * (sec - sec0) / (n - n0), 1)]
+            out[k] = [int(n - n0), round(1e6 * (sec - sec0) / (n - n0), 1), round(1e6 * (cpu - cpu0) / (n - n0), 1)]
     return out
 
 

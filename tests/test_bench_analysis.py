@@ -484,14 +484,18 @@ def test_a_windows_scheduler_clock_is_the_seams_and_collections_between_two_stat
     import e2e_probes
 
     def rank(decode, gen2):
-        return {"scheduler_thread": {"run_batch/decode/capture": {"calls": decode, "s": decode * 0.005}},
+        return {"scheduler_thread": {"run_batch/decode/capture": {"calls": decode, "s": decode * 0.005,
+                                                                  "cpu_s": decode * 0.002}},
                 "gc_pauses": {"gen0": {"calls": 10, "s": 0.01, "max_ms": 1.0}, "gen2": {"calls": gen2, "s": gen2 * 0.5, "max_ms": 500.0}}}
 
     before = e2e_probes.scheduler_clock({"a": rank(100, 0), "b": rank(100, 0)})
     after = e2e_probes.scheduler_clock({"a": rank(150, 1), "b": rank(130, 0)})
-    assert before["run_batch/decode/capture"] == [200, pytest.approx(1.0)] and before["gc/gen0"] == [20, pytest.approx(0.02)]
-    # 80 more decode steps at 5 ms, one full collection of 0.5 s; gen0 did not run in between, so it is left out
-    assert e2e_probes.clock_deltas(before, after) == {"gc/gen2": [1, 500000.0], "run_batch/decode/capture": [80, 5000.0]}
+    assert before["run_batch/decode/capture"] == [200, pytest.approx(1.0), pytest.approx(0.4)]
+    assert before["gc/gen0"] == [20, pytest.approx(0.02), pytest.approx(0.02)]
+    # 80 more decode steps at 5 ms (2 ms of them the thread's CPU), one full collection of 0.5 s; gen0 did not
+    # run in between, so it is left out
+    assert e2e_probes.clock_deltas(before, after) == {"gc/gen2": [1, 500000.0, 500000.0],
+                                                      "run_batch/decode/capture": [80, 5000.0, 2000.0]}
     assert e2e_probes.clock_deltas({}, {}) == {}
 
 

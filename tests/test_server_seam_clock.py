@@ -6,7 +6,7 @@ import time
 import pytest
 
 
-def test_seam_clock_accounts_calls_and_time_per_seam_and_kind():
+def test_seam_clock_accounts_calls_wall_and_cpu_time_per_seam_and_kind():
     from sglang_capture.server.seam_clock import SeamClock
 
     clock = SeamClock()
@@ -18,6 +18,18 @@ def test_seam_clock_accounts_calls_and_time_per_seam_and_kind():
     assert set(stats) == {"run_batch/capture", "run_batch/plain"}
     assert stats["run_batch/capture"]["calls"] == 1 and stats["run_batch/plain"]["calls"] == 2
     assert stats["run_batch/plain"]["s"] >= 0.01 and stats["run_batch/plain"]["us_per_call"] >= 5000
+    # a sleep is waiting, not work: the thread's CPU time stays far below the wall time
+    assert 0 <= stats["run_batch/plain"]["cpu_s"] < 0.005
+
+
+def test_seam_clock_counts_cpu_time_of_work_done_inside_a_seam():
+    from sglang_capture.server.seam_clock import SeamClock
+
+    clock = SeamClock()
+    end = time.thread_time() + 0.02
+    clock.timed("prefix_cap", True, lambda: [None for _ in iter(lambda: time.thread_time() < end, False)])
+    stats = clock.stats()["prefix_cap/capture"]
+    assert stats["cpu_s"] >= 0.019 and stats["s"] >= stats["cpu_s"] * 0.9
 
 
 def test_gc_pauses_are_counted_per_generation_while_installed_and_not_after():
