@@ -87,6 +87,28 @@ def test_the_index_covers_a_conversation_turn_by_turn_and_stops_where_tokens_dif
     assert index.version != version and index.cover(turn2, 349, [ROOT]).reach == 0
 
 
+def test_the_slot_hashes_a_match_passes_through_are_the_requests_own_and_are_made_once_per_block(monkeypatch):
+    from sglang_capture.core.blocks import slot_hashes
+    from sglang_capture.server import block_index
+
+    index = BlockIndex()
+    chat = _ids(4 * B + 30)
+    index.apply(BlockEvent(added=_indexed(chat, 0, 3 * B + 10)))
+    made = []
+    real = block_index.slot_hash
+    monkeypatch.setattr(block_index, "slot_hash", lambda prev, tokens: made.append(1) or real(prev, tokens))
+    for turn in range(3):  # each turn a new request (fresh hashes) re-sending the history, plus its own tokens
+        ids = numpy.concatenate([chat, _ids(10 + turn, seed=turn + 1)])
+        hashes = [ROOT]
+        cov = index.cover(ids, len(ids) - 1, hashes)
+        assert cov.reach == 3 * B + 10
+        assert hashes == slot_hashes(ids, ROOT, 4)  # h_0..h_3 of its own tokens
+        assert plan_blocks(ids, cov.reach, len(ids), ROOT, hashes) == plan_blocks(ids, cov.reach, len(ids), ROOT)
+    assert len(made) == 3  # the three whole slots' blocks, hashed through once for all three requests
+    index.apply(BlockEvent(dropped=[cov.refs[0].name]))  # a block forgotten: its hash through goes with it
+    assert cov.refs[0].name not in index._through
+
+
 def _in_flight(ids, start, end):
     from sglang_capture.server.block_index import IN_FLIGHT
 

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy
 
-from sglang_capture.core.blocks import BLOCK_TOKENS, BlockRef, extend_hashes, slot_start
+from sglang_capture.core.blocks import BLOCK_TOKENS, BlockRef, slot_hash, slot_start
 
 # The index keeps up to this many slot tokens (16 bytes each: the ids and their sort key; and the keys of
 # each slot's latest ADDED_KEPT additions): far more than a radix cache holds, whose hits are the only ones worth covering.
@@ -270,6 +270,9 @@ class BlockIndex:
         self._tokens = 0
         self._flight: Dict[str, List[int]] = {}  # blocks in flight: the queued jobs that will store each
         self._flight_jobs: Dict[int, List[str]] = {}  # and the other way round
+        # a block ending its slot: the hash through it (its slot hash and all its tokens), made once for
+        # every request whose match passes through it (the request's own, as every token agrees)
+        self._through: Dict[str, bytes] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -347,6 +350,7 @@ class BlockIndex:
     def _remove(self, name: str) -> None:
         block = self._blocks.pop(name)
         self._flight.pop(name, None)
+        self._through.pop(name, None)
         same = self._by_slot[block.slot_hash]
         same.remove(block)
         if not same:
@@ -382,7 +386,12 @@ class BlockIndex:
                 after.update(self._flight.get(best.name, ()))
             at = reach
             if at == slot + BLOCK_TOKENS:
-                h, slot = extend_hashes(hashes, tokens, at // BLOCK_TOKENS), at
+                if len(hashes) == at // BLOCK_TOKENS:  # not hashed yet: the block's slot tokens are the request's
+                    through = self._through.get(best.name)
+                    if through is None:
+                        through = self._through[best.name] = slot_hash(best.slot_hash, best.tokens)
+                    hashes.append(through)
+                h, slot = hashes[at // BLOCK_TOKENS], at
         return Coverage(at, tuple(refs), tuple(sizes), stop, want, tuple(sorted(after)))
 
     def still(self, coverage: Coverage, since: int) -> bool:
