@@ -109,6 +109,25 @@ def test_the_slot_hashes_a_match_passes_through_are_the_requests_own_and_are_mad
     assert cov.refs[0].name not in index._through
 
 
+def test_a_requests_prompt_ids_are_its_own_int64_copy_and_sglang_may_still_grow_its_arrays():
+    from array import array
+    from types import SimpleNamespace
+
+    from sglang_capture.server.block_index import prompt_ids
+
+    prompt = [int(x) for x in _ids(300)]
+    fill = array("q", prompt + [7, 8])  # SGLang's fill ids: the prompt, then the answer so far
+    req = SimpleNamespace(origin_input_ids=prompt, full_untruncated_fill_ids=fill)
+    ids = prompt_ids(req)
+    assert ids.dtype == numpy.int64 and ids.tolist() == prompt
+    fill.extend([9] * 1000)  # no buffer of SGLang's array is still exported: it may grow
+    fill[0] = -1
+    assert ids[0] == prompt[0]  # a copy, not a view
+    # no fill ids as an array('q') holding the whole prompt (another release, a request not yet refreshed): the list
+    for other in (None, array("q", prompt[:10]), list(prompt)):
+        assert prompt_ids(SimpleNamespace(origin_input_ids=prompt, full_untruncated_fill_ids=other)).tolist() == prompt
+
+
 def _in_flight(ids, start, end):
     from sglang_capture.server.block_index import IN_FLIGHT
 

@@ -28,7 +28,7 @@ from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.server.aux_capture import AUX_ATTR, AuxCapture
 from sglang_capture.server.batch_rows import BatchRows, ResultRows
-from sglang_capture.server.block_index import joined
+from sglang_capture.server.block_index import joined, prompt_ids
 from sglang_capture.server.copy_counts import CopyCounts
 from sglang_capture.server.decode_rows import DecodeRows, RowCopier
 from sglang_capture.server.gc_pauses import GcPauses
@@ -281,8 +281,8 @@ class SchedulerCapture:
     def finish(self, req: Any, capture: RequestCapture) -> Dict[str, Any]:
         """Seal a finished request: hand its rows to the writer and return the response reference."""
         n_out = req.finished_len if req.finished_len is not None else len(req.output_ids)
-        output_ids = req.output_ids[:n_out]  # copies of SGLang's arrays (or lists), never lists of Python ints
-        input_ids = req.origin_input_ids[:]
+        output_ids = req.output_ids[:n_out]  # a copy of SGLang's array (or list)
+        input_ids = prompt_ids(req)
         n_rows = row_count(len(input_ids), len(output_ids))
         columns = self.columns()
         path = self._file_path(capture)
@@ -372,7 +372,7 @@ class SchedulerCapture:
         for chunk in rows:  # storages the request holds already: counted once more, never waited for
             self.ledger.hold(chunk.rows)
         n_rows = slot_start(prompt_rows)  # whole slots: the blocks its file's job would cut there
-        ids = req.origin_input_ids
+        ids = prompt_ids(req)
         input_ids = joined(ids, req.output_ids)[:n_rows]
         stored, dtypes = self.stored_layout(self.columns(), capture.is_fp8)
         meta = self._meta(req.rid, capture, len(ids), 0, {})
