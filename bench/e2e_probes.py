@@ -177,16 +177,17 @@ _VM_KEYS = ("allocstall", "pgscan_direct", "pgscan_kswapd", "pgsteal_direct", "p
 def scheduler_clock(docs: Dict[str, Dict]) -> Dict[str, List[float]]:
     """The scheduler thread's time in the patched seams (server/seam_clock.py) and in garbage
     collections (``gc/gen0..2``, server/gc_pauses.py), summed over the ranks' stats files ``docs``:
-    per account, [calls, seconds, the thread's CPU seconds (the seams'; a collection's are its seconds)]."""
-    out: Dict[str, List[float]] = {}
+    per account, [calls, seconds, the thread's CPU seconds]: a collection's are its seconds; a seam's
+    None where a rank's stats predate the CPU clock (never read as "no waiting")."""
+    out: Dict[str, List[Optional[float]]] = {}
     for doc in docs.values():
-        accounts = [(k, v) for k, v in (doc.get("scheduler_thread") or {}).items()]
-        accounts += [(f"gc/{k}", v) for k, v in (doc.get("gc_pauses") or {}).items()]
-        for k, v in accounts:
+        accounts = [(k, v, v.get("cpu_s")) for k, v in (doc.get("scheduler_thread") or {}).items()]
+        accounts += [(f"gc/{k}", v, v.get("s", 0.0)) for k, v in (doc.get("gc_pauses") or {}).items()]
+        for k, v, cpu in accounts:
             acc = out.setdefault(k, [0, 0.0, 0.0])
             acc[0] += v.get("calls", 0)
             acc[1] += v.get("s", 0.0)
-            acc[2] += v.get("cpu_s", v.get("s", 0.0))
+            acc[2] = None if cpu is None or acc[2] is None else acc[2] + cpu
     return out
 
 
@@ -197,7 +198,8 @@ def clock_deltas(before: Dict[str, List[float]], after: Dict[str, List[float]]) 
     for k, (n, sec, cpu) in sorted(after.items()):
         n0, sec0, cpu0 = before.get(k, (0, 0.0, 0.0))
         if n > n0:
-            out[k] = [int(n - n0), round(1e6 * (sec - sec0) / (n - n0), 1), round(1e6 * (cpu - cpu0) / (n - n0), 1)]
+            out[k] = [int(n - n0), round(1e6 * (sec - sec0) / (n - n0), 1),
+                      None if cpu is None or cpu0 is None else round(1e6 * (cpu - cpu0) / (n - n0), 1)]
     return out
 
 

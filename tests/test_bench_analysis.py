@@ -497,6 +497,8 @@ def test_a_windows_scheduler_clock_is_the_seams_and_collections_between_two_stat
     assert e2e_probes.clock_deltas(before, after) == {"gc/gen2": [1, 500000.0, 500000.0],
                                                       "run_batch/decode/capture": [80, 5000.0, 2000.0]}
     assert e2e_probes.clock_deltas({}, {}) == {}
+    old = {"a": {"scheduler_thread": {"prefix_cap/capture": {"calls": 10, "s": 0.001}}}}  # before the CPU clock
+    assert e2e_probes.clock_deltas({}, e2e_probes.scheduler_clock(old)) == {"prefix_cap/capture": [10, 100.0, None]}
 
 
 def test_a_gpu_timeline_counts_the_time_the_gpu_waited_for_the_host_apart_from_other_gaps(tmp_path):

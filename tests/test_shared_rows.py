@@ -105,6 +105,14 @@ def test_the_slot_hashes_a_match_passes_through_are_the_requests_own_and_are_mad
         assert hashes == slot_hashes(ids, ROOT, 4)  # h_0..h_3 of its own tokens
         assert plan_blocks(ids, cov.reach, len(ids), ROOT, hashes) == plan_blocks(ids, cov.reach, len(ids), ROOT)
     assert len(made) == 3  # the three whole slots' blocks, hashed through once for all three requests
+    again = hashes[:2]  # a request whose first slot is hashed already (its earlier match): the rest as before
+    assert index.cover(ids, len(ids) - 1, again).reach == cov.reach and again == slot_hashes(ids, ROOT, 4)
+    later = numpy.concatenate([ids, _ids(3 * B, seed=9)])  # a block in flight, then stored: its hash through is kept
+    index.apply(BlockEvent(in_flight=_in_flight(later, cov.reach, 5 * B), in_flight_job=1))
+    assert index.cover(later, 5 * B, [ROOT]).reach == 5 * B
+    index.apply(BlockEvent(added=_indexed(later, cov.reach, 5 * B), settled=[1]))
+    fresh = [ROOT]
+    assert index.cover(later, 5 * B, fresh).reach == 5 * B and fresh == slot_hashes(later, ROOT, 6)
     index.apply(BlockEvent(dropped=[cov.refs[0].name]))  # a block forgotten: its hash through goes with it
     assert cov.refs[0].name not in index._through
 
@@ -124,6 +132,8 @@ def test_a_requests_prompt_ids_are_its_own_int64_copy_and_sglang_may_still_grow_
     fill[0] = -1
     assert ids[0] == prompt[0]  # a copy, not a view
     # no fill ids as an array('q') holding the whole prompt (another release, a request not yet refreshed): the list
+    aborted = SimpleNamespace(origin_input_ids=[0], full_untruncated_fill_ids=fill)  # an abort replaced the prompt
+    assert prompt_ids(aborted).tolist() == [0]
     for other in (None, array("q", prompt[:10]), list(prompt)):
         assert prompt_ids(SimpleNamespace(origin_input_ids=prompt, full_untruncated_fill_ids=other)).tolist() == prompt
 

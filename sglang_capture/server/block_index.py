@@ -53,11 +53,13 @@ def prompt_ids(req: Any) -> numpy.ndarray:
     this is a copy of bytes; ``origin_input_ids`` is a list of Python ints, whose conversion costs
     ~25 ns a token (~55 us a 2,000-token chat turn on the scheduler thread) and was paid again by
     each thread that read the capture's job."""
-    n = len(req.origin_input_ids)
+    origin = req.origin_input_ids
+    n = len(origin)
     fill = getattr(req, "full_untruncated_fill_ids", None)
-    if getattr(fill, "typecode", None) == "q" and len(fill) >= n:
+    # the ends checked: an abort replaces the prompt, dLLM rewrites fill ids past its prefix
+    if getattr(fill, "typecode", None) == "q" and len(fill) >= n and (n == 0 or (fill[0] == origin[0] and fill[n - 1] == origin[n - 1])):
         return numpy.frombuffer(fill, dtype=numpy.int64, count=n).copy()  # the view (and its export) ends here
-    return numpy.array(req.origin_input_ids, dtype=numpy.int64)
+    return numpy.array(origin, dtype=numpy.int64)
 
 
 def joined(first: Any, second: Any) -> numpy.ndarray:
@@ -402,7 +404,7 @@ class BlockIndex:
                 if len(hashes) == at // BLOCK_TOKENS:  # not hashed yet: the block's slot tokens are the request's
                     through = self._through.get(best.name)
                     if through is None:
-                        through = self._through[best.name] = slot_hash(best.slot_hash, best.tokens)
+                        through = self._through[best.name] = slot_hash(h, best.tokens[:BLOCK_TOKENS])
                     hashes.append(through)
                 h, slot = hashes[at // BLOCK_TOKENS], at
         return Coverage(at, tuple(refs), tuple(sizes), stop, want, tuple(sorted(after)))
