@@ -174,7 +174,7 @@ def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: 
 _VM_KEYS = ("allocstall", "pgscan_direct", "pgscan_kswapd", "pgsteal_direct", "pgsteal_kswapd")
 
 
-def scheduler_clock(docs: Dict[str, Dict]) -> Dict[str, List[float]]:
+def scheduler_clock(docs: Dict[str, Dict]) -> Dict[str, List[Optional[float]]]:
     """The scheduler thread's time in the patched seams (server/seam_clock.py) and in garbage
     collections (``gc/gen0..2``, server/gc_pauses.py), summed over the ranks' stats files ``docs``:
     per account, [calls, seconds, the thread's CPU seconds]: a collection's are its seconds; a seam's
@@ -191,10 +191,11 @@ def scheduler_clock(docs: Dict[str, Dict]) -> Dict[str, List[float]]:
     return out
 
 
-def clock_deltas(before: Dict[str, List[float]], after: Dict[str, List[float]]) -> Dict[str, List[float]]:
+def clock_deltas(before: Dict[str, List[Optional[float]]], after: Dict[str, List[Optional[float]]]
+                 ) -> Dict[str, List[Optional[float]]]:
     """Per account of ``scheduler_clock`` called in between: [calls, microseconds a call, of which the
     thread's CPU]: a seam whose wall time is much above its CPU time waited (for the GIL or the GPU)."""
-    out: Dict[str, List[float]] = {}
+    out: Dict[str, List[Optional[float]]] = {}
     for k, (n, sec, cpu) in sorted(after.items()):
         n0, sec0, cpu0 = before.get(k, (0, 0.0, 0.0))
         if n > n0:

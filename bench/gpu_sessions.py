@@ -25,10 +25,10 @@ captured, responses do not wait for files), both with sharing on, in alternating
 requests; their summary is under ``fraction``.
 
 Every window records the GPU's busy share (``gpu``, from nvidia-smi where there is one), and a
-capturing window the scheduler thread's time in the patched seams (``seams``: calls, microseconds
-a call and of them the thread's CPU, per seam, for batches that capture or not, server/seam_clock.py, and per generation of garbage
-collections, `gc/gen0..2`; none for a server's first
-capturing window, whose counts would include its warm-up). With
+capturing window the scheduler thread's time in the patched seams (``seams``: calls, microseconds a
+call and of them the thread's CPU, per seam, for batches that capture or not, server/seam_clock.py,
+and per generation of garbage collections, `gc/gen0..2`; none for a server's first capturing window,
+whose counts would include its warm-up). With
 ``--py-spy-seconds S``, py-spy samples the scheduler and HTTP processes of each server for S seconds
 in its last-round window (summaries under ``pyspy``, named server-mode; raw files in OUT_DIR/pyspy):
 where capture's host time goes on this decode-heavy load (issue 51). With ``--profile-steps N``, one more
@@ -160,7 +160,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
         delta = {k: after[k] - before[k] for k in COUNTED}
         for key, now in scheduler_counters(docs).items():
             delta[key] = {k: now[k] - sched_before[key][k] for k in now}
-        # per seam account: the window's calls, microseconds a call and of them the thread's CPU (decode steps, sealing ...);
+        # per seam account: the window's calls, microseconds a call and of them the thread's CPU (decode steps, ...);
         # not for a server's first capturing window, which has no stats file before it to count from
         out["seams"] = e2e_probes.clock_deltas(clock_before, e2e_probes.scheduler_clock(docs)) if clock_before else None
         # rows a chat needs (its last turn's, the system prompt's counted once per window) and those stored
