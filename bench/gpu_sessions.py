@@ -25,10 +25,10 @@ captured, responses do not wait for files), both with sharing on, in alternating
 requests; their summary is under ``fraction``.
 
 Every window records the GPU's busy share (``gpu``, from nvidia-smi where there is one), and a
-capturing window the scheduler thread's time in the patched seams (``seams``: calls, microseconds a
-call and of them the thread's CPU, per seam, for batches that capture or not, server/seam_clock.py,
-and per generation of garbage collections, `gc/gen0..2`; none for a server's first capturing window,
-whose counts would include its warm-up). With
+capturing window, and a ``plain`` server's window, the scheduler thread's time in the patched seams
+(``seams``: calls, microseconds a call and of them the thread's CPU, per seam, for batches that capture
+or not, server/seam_clock.py, and per generation of garbage collections, `gc/gen0..2`; none for a
+server's first such window, whose counts would include its warm-up). With
 ``--py-spy-seconds S``, py-spy samples the scheduler and HTTP processes of each server for S seconds
 in its last-round window (summaries under ``pyspy``, named server-mode; raw files in OUT_DIR/pyspy):
 where capture's host time goes on this decode-heavy load (issue 51). With ``--profile-steps N``, one more
@@ -133,12 +133,27 @@ def scheduler_counters(docs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, i
             for key, names in SCHEDULER_COUNTED.items()}
 
 
-def window(server: Server, chats: Chats, capture: bool, name: str, count: Optional[bool] = None) -> Dict[str, Any]:
+def seams_after(capture_dir: str, ended: float, wait_s: float = 3.0) -> Dict[str, Dict[str, Any]]:
+    """The stats files of a server that captures nothing, once they hold its seams as of ``ended``
+    (time.time()): its scheduler side pushes them within a push interval of their last change, so a
+    file written a second after the load ended has them; a file that does not come within ``wait_s``
+    had nothing newer to say."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        docs = writer_stats(capture_dir)
+        if (docs and all(d.get("time", 0.0) >= ended + 1.0 for d in docs.values())) or time.monotonic() > deadline:
+            return docs
+        time.sleep(0.1)
+
+
+def window(server: Server, chats: Chats, capture: bool, name: str, count: Optional[bool] = None,
+           seams: bool = False) -> Dict[str, Any]:
     """One pass; ``capture``: every request asks for capture; ``count``: the writer counters' deltas
-    (by default when ``capture``; a ``fraction`` server captures plain requests)."""
+    (by default when ``capture``; a ``fraction`` server captures plain requests); ``seams``: the
+    scheduler thread's seams alone, for a server that captures nothing (``plain``)."""
     a = chats.a
     count = capture if count is None else count
-    docs = writer_stats(server.capture_dir, settled=True) if count else {}
+    docs = writer_stats(server.capture_dir, settled=True) if count or seams else {}
     before, clock_before, sched_before = counters(docs), e2e_probes.scheduler_clock(docs), scheduler_counters(docs)
 
     def chats_pass() -> List[Dict[str, Any]]:
@@ -154,6 +169,9 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
                            # prompt tokens the server computed (not from its radix cache): a capture's first turns
                            # compute the system prompt until one of them has stored it
                            "prefill_tokens": sum(r["prefill_tokens"] for r in results)}
+    if seams and not count:
+        after_clock = e2e_probes.scheduler_clock(seams_after(server.capture_dir, time.time()))
+        out["seams"] = e2e_probes.clock_deltas(clock_before, after_clock) if clock_before else None
     if count:
         docs = writer_stats(server.capture_dir, settled=True)
         after = counters(docs)
@@ -334,7 +352,7 @@ def main(argv: List[str]) -> int:
                                                os.path.join(a.out, "pyspy"), spied, http=bool(suffix))
                       for suffix in ("", "-http")] if a.py_spy_seconds > 0 and last_round else [])
             w = window(servers[name], Chats(a, seed), mode == "capture" and name in ("on", "off"), f"{name}-w{seed}",
-                       count=mode == "capture")
+                       count=mode == "capture", seams=name == "plain")
             for spy in spies:
                 spy.join()
             result["pyspy"] = spied.get("pyspy", {})

@@ -449,3 +449,41 @@ def test_the_cuda_allocator_stats_go_at_most_once_per_push_interval_and_the_stat
     assert calls == ["host_memory_stats", "memory_stats"]
     [stats] = writer_stats(str(tmp_path)).values()
     assert stats["written"] == 4 and stats["device_allocator"] == {"reads": 2} and stats["pinned"] == {"reads": 1}
+
+
+def test_a_server_that_captures_nothing_still_reports_its_scheduler_counters_as_they_change(tmp_path):
+    """The scheduler's own counters (its seams) reach the stats file within seconds of changing,
+    with no job in between: a plain server's seams are the other side of a capture comparison.
+    While they do not change, nothing is pushed."""
+    from sglang_capture.core.capture_dir import writer_stats
+
+    seams = {"calls": 0}
+    pushes = []
+    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), HostMemoryLedger(1 << 20))
+    real_send = writer._send_locked
+
+    def counted(messages):
+        pushes.extend(m for m in messages if m["op"] == "stats")
+        return real_send(messages)
+
+    writer._send_locked = counted
+    try:
+        writer.start(extra_stats=lambda: {"scheduler_thread": dict(seams)})
+
+        def file_says(calls):
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                stats = list(writer_stats(str(tmp_path)).values())
+                if stats and stats[0].get("scheduler_thread") == {"calls": calls}:
+                    return True
+                time.sleep(0.1)
+            return False
+
+        assert file_says(0)
+        seams["calls"] = 3
+        assert file_says(3)
+        settled = len(pushes)
+        time.sleep(1.5)  # three push intervals with nothing changed
+        assert len(pushes) == settled
+    finally:
+        writer.close()

@@ -175,6 +175,7 @@ class WriterPool:
         self._last_push = 0.0
         self._last_cuda_push = float("-inf")  # CUDA allocator stats: monitoring only, sent at most every STATS_PUSH_S
         self._changed = False  # since the last push of this side's counters
+        self._pushed_extra: Dict[str, Any] = {}  # the scheduler's counters as last pushed
         # told of the blocks each shared-rows job stored or found missing, before its outcome is recorded
         # (SchedulerCapture.blocks_outcome): they must be known before the response lets the next turn in
         self.blocks_outcome: Callable[[CaptureJob, List[list], List[str], bool], None] = \
@@ -640,19 +641,24 @@ class WriterPool:
 
     def _push_stats(self, force: bool = False) -> None:
         """This side's counters to the supervisor, for its stats file: at most once per
-        ``STATS_PUSH_S`` while jobs come and go, not at all while nothing changes; ``force``d
-        ahead of every batch of jobs, then without the CUDA allocator's stats unless they are due."""
+        ``STATS_PUSH_S`` while jobs come and go or the scheduler's own counters (its seams) move,
+        not at all while nothing changes; ``force``d ahead of every batch of jobs, then without the
+        CUDA allocator's stats unless they are due. A server that captures nothing still reports
+        its scheduler thread's seams: the plain side of a capture-against-none comparison."""
         now = time.monotonic()
         with self._lock:
-            if not force and (not self._changed or now - self._last_push < STATS_PUSH_S):
+            if not force and now - self._last_push < STATS_PUSH_S:
                 return
-            self._last_push, self._changed = now, False
+            self._last_push, changed, self._changed = now, self._changed, False
             # none while no supervisor is up to take them (every batch of jobs pushes, forced)
             cuda = self._supervisor is not None and now - self._last_cuda_push >= STATS_PUSH_S
         try:
             extra = self._extra_stats()
         except Exception as e:  # noqa: BLE001 - monitoring must never end the link
             extra = {"extra_stats_error": error_text(e)}
+        if not (force or changed or extra != self._pushed_extra):
+            return
+        self._pushed_extra = extra
         doc = {"held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
                "cap_bytes": self.ledger.cap_bytes, **extra}
         if cuda:  # torch builds its whole allocator dict per call: not once per batch of jobs (the supervisor keeps the last)
