@@ -214,6 +214,12 @@ def fp8_readers(batch: Any) -> Tuple[bool, bool]:
     JSON request or a capture in the model's dtype needs the rows as they are)."""
     if batch is None:
         return False, False
-    readers = [getattr(req, CAPTURE_ATTR, None) if req.return_hidden_states else False for req in batch.reqs]
-    fp8 = [c is not None and c is not False and c.is_fp8 for c in readers]
-    return any(fp8), any(fp8) and all(f or c is False for f, c in zip(fp8, readers, strict=True))
+    any_fp8, every_fp8 = False, True
+    for req in batch.reqs:  # once per launched batch: one pass, no lists
+        if req.return_hidden_states:
+            capture = getattr(req, CAPTURE_ATTR, None)
+            if capture is not None and capture.is_fp8:
+                any_fp8 = True
+            else:
+                every_fp8 = False
+    return any_fp8, any_fp8 and every_fp8
