@@ -28,7 +28,7 @@ Every window records the GPU's busy share (``gpu``, from nvidia-smi where there 
 capturing window, and a ``plain`` server's window, the scheduler thread's time in the patched seams
 (``seams``: calls, microseconds a call and of them the thread's CPU, per seam, for batches that capture
 or not, server/seam_clock.py, and per generation of garbage collections, `gc/gen0..2`; none for a
-server's first such window, whose counts would include its warm-up). With
+server's first window, whose counts would include the end of its warm-up). With
 ``--py-spy-seconds S``, py-spy samples the scheduler and HTTP processes of each server for S seconds
 in its last-round window (summaries under ``pyspy``, named server-mode; raw files in OUT_DIR/pyspy):
 where capture's host time goes on this decode-heavy load (issue 51). With ``--profile-steps N``, one more
@@ -178,8 +178,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
         delta = {k: after[k] - before[k] for k in COUNTED}
         for key, now in scheduler_counters(docs).items():
             delta[key] = {k: now[k] - sched_before[key][k] for k in now}
-        # per seam account: the window's calls, microseconds a call and of them the thread's CPU (decode steps, ...);
-        # not for a server's first capturing window, which has no stats file before it to count from
+        # per seam account: the window's calls, microseconds a call and of them the thread's CPU (decode steps, ...)
         out["seams"] = e2e_probes.clock_deltas(clock_before, e2e_probes.scheduler_clock(docs)) if clock_before else None
         # rows a chat needs (its last turn's, the system prompt's counted once per window) and those stored
         unique = a.system + sum(r["rows"] - a.system for r in results)
@@ -346,6 +345,7 @@ def main(argv: List[str]) -> int:
             plan += [(name, "fraction", mode, r) for r in range(a.rounds)
                      for name, mode in (("plain", "none"), ("fraction", "capture"))]
         spied: Dict[str, Any] = {}
+        seamed: set = set()  # servers whose first window is done
         for name, pair, mode, r in plan:
             last_round = r == (a.rounds if name in ("on", "plain", "fraction") else a.off_rounds) - 1
             spies = ([e2e_probes.py_spy_window(servers[name], f"{name}-{mode}" + suffix, a.py_spy_seconds,
@@ -356,6 +356,9 @@ def main(argv: List[str]) -> int:
             for spy in spies:
                 spy.join()
             result["pyspy"] = spied.get("pyspy", {})
+            if name not in seamed:  # a server's first window counts its warm-up's last steps too
+                seamed.add(name)
+                w["seams"] = None
             w.update(server=name, pair=pair, mode=mode, round=r, seed=seed)
             seed += 1
             result["windows"].append(w)

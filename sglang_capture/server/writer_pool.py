@@ -658,7 +658,6 @@ class WriterPool:
             extra = {"extra_stats_error": error_text(e)}
         if not (force or changed or extra != self._pushed_extra):
             return
-        self._pushed_extra = extra
         doc = {"held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
                "cap_bytes": self.ledger.cap_bytes, **extra}
         if cuda:  # torch builds its whole allocator dict per call: not once per batch of jobs (the supervisor keeps the last)
@@ -669,6 +668,7 @@ class WriterPool:
                 summed = self._summed()
                 own = {k: v - self._baseline.get(k, 0) for k, v in summed.items()}
             if self._send_locked([{"op": "stats", "stats": {**own, **doc}}]):
+                self._pushed_extra = extra  # as sent, in the order sent: a push out of order is corrected by the next
                 with self._lock:
                     self._pushed = summed
                     if cuda:  # a failed send (a supervisor restarting) sends them with the next push
