@@ -169,17 +169,16 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
                            # prompt tokens the server computed (not from its radix cache): a capture's first turns
                            # compute the system prompt until one of them has stored it
                            "prefill_tokens": sum(r["prefill_tokens"] for r in results)}
-    if seams and not count:
-        after_clock = e2e_probes.scheduler_clock(seams_after(server.capture_dir, time.time()))
-        out["seams"] = e2e_probes.clock_deltas(clock_before, after_clock) if clock_before else None
+    if count or seams:
+        # a server that captures nothing writes no outcome records for ``settled`` to wait on
+        docs = writer_stats(server.capture_dir, settled=True) if count else seams_after(server.capture_dir, time.time())
+        # per seam account: the window's calls, microseconds a call and of them the thread's CPU (decode steps, ...)
+        out["seams"] = e2e_probes.clock_deltas(clock_before, e2e_probes.scheduler_clock(docs)) if clock_before else None
     if count:
-        docs = writer_stats(server.capture_dir, settled=True)
         after = counters(docs)
         delta = {k: after[k] - before[k] for k in COUNTED}
         for key, now in scheduler_counters(docs).items():
             delta[key] = {k: now[k] - sched_before[key][k] for k in now}
-        # per seam account: the window's calls, microseconds a call and of them the thread's CPU (decode steps, ...)
-        out["seams"] = e2e_probes.clock_deltas(clock_before, e2e_probes.scheduler_clock(docs)) if clock_before else None
         # rows a chat needs (its last turn's, the system prompt's counted once per window) and those stored
         unique = a.system + sum(r["rows"] - a.system for r in results)
         out.update(delta=delta, unique_rows=unique, file_rows=sum(r["file_rows"] for r in results),
