@@ -126,11 +126,20 @@ def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[s
 # for another's prompt blocks, their owners, holds that timed out (server/prompt_holds.py); jobs that put
 # blocks in flight, and captures admitted reusing rows in flight (server/shared_rows.py)
 SCHEDULER_COUNTED = {"prompt_holds": ("owners", "held", "timed_out"), "in_flight": ("jobs", "reused")}
+# the CUDA caching allocator's counters in the scheduler process (server/writer_pool.py): a retry
+# frees every cached block and synchronizes the device, and so does each cudaFree, stalling the
+# overlap schedule; compared between a capturing server and one that captures nothing
+ALLOCATOR_COUNTED = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
 def scheduler_counters(docs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, int]]:
     return {key: {k: sum((d.get(key) or {}).get(k, 0) for d in docs.values()) for k in names}
             for key, names in SCHEDULER_COUNTED.items()}
+
+
+def allocator_counts(docs: Dict[str, Dict[str, Any]]) -> Dict[str, int]:
+    """``ALLOCATOR_COUNTED`` summed over the ranks' stats files (pushed at most every STATS_PUSH_S)."""
+    return {k: sum((d.get("device_allocator") or {}).get(k, 0) for d in docs.values()) for k in ALLOCATOR_COUNTED}
 
 
 def seams_after(capture_dir: str, ended: float, wait_s: float = 3.0) -> Dict[str, Dict[str, Any]]:
@@ -155,6 +164,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     count = capture if count is None else count
     docs = writer_stats(server.capture_dir, settled=True) if count or seams else {}
     before, clock_before, sched_before = counters(docs), e2e_probes.scheduler_clock(docs), scheduler_counters(docs)
+    alloc_before = allocator_counts(docs)
 
     def chats_pass() -> List[Dict[str, Any]]:
         with ThreadPoolExecutor(a.sessions) as pool:
@@ -174,6 +184,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
         docs = writer_stats(server.capture_dir, settled=True) if count else seams_after(server.capture_dir, time.time())
         # per seam account: the window's calls, microseconds a call and of them the thread's CPU (decode steps, ...)
         out["seams"] = e2e_probes.clock_deltas(clock_before, e2e_probes.scheduler_clock(docs)) if clock_before else None
+        out["allocator"] = {k: v - alloc_before[k] for k, v in allocator_counts(docs).items()}
     if count:
         after = counters(docs)
         delta = {k: after[k] - before[k] for k in COUNTED}
