@@ -144,7 +144,7 @@ def test_batches_shared_with_plain_requests_copy_only_the_captured_rows(dsv3, ti
     assert after["gathered_in_forward"] > before["gathered_in_forward"]
     clock = read_stats(dsv3.capture_dir, settled=True)["scheduler_thread"]  # the scheduler thread's time, per seam and kind
     assert {"run_batch/extend/capture", "run_batch/extend/plain", "process_result/extend/capture", "copy_to_cpu/capture",
-            "stream_output/capture"} <= set(clock)
+            "stream_output/capture", "result_wait/extend/capture", "result_wait/decode/capture"} <= set(clock)
     assert all(v["calls"] > 0 and v["s"] > 0 for v in clock.values())
 
 
