@@ -6,8 +6,10 @@ For each trace (SGLang's ``*-TP-0.trace.json.gz``, GPU activities): the span fro
 last device activity; how much of it some kernel ran; the idle gaps between kernels, split by
 whether the next kernel's launch came from the host after the gap began (the GPU waited for the
 host: ``host_bound``) or was queued already (waiting on a copy or an event); device copies by
-direction; the host's time in the CUDA calls that wait or pin (synchronize, host allocation); graph
-launches (decode steps) and the interval between them; the kernels taking most time. Two servers'
+direction; the host's time in the CUDA calls that wait, pin or allocate device memory (synchronize,
+host allocation, cudaMalloc / cudaFree); kernel time by the call that launched it (graph replays:
+decode steps; single launches: eager prefills); graph launches and the interval between them; the
+kernels taking most time. Two servers'
 traces of the same load side by side say whether capture's extra step time is on the device or on
 the host (issue 51). Prints one JSON object per trace, keyed by path; standard library only.
 """
@@ -23,6 +25,9 @@ from typing import Any, Dict, List, Tuple
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaStreamWaitEvent")
 PINS = ("cudaHostAlloc", "cudaMallocHost", "cudaHostRegister", "cudaFreeHost", "cudaHostUnregister")
+# device allocations: each cudaFree waits for the whole device (the caching allocator frees only when
+# an allocation cannot be met, after a retry), which would stall the overlap schedule
+DEVICE_ALLOCS = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync")
 GAP_US = 20.0  # shorter gaps between kernels are launch latency, not waiting
 
 
@@ -77,14 +82,19 @@ def summarize(path: str) -> Dict[str, Any]:
             c[2] += float(e.get("args", {}).get("bytes", 0) or 0)
     calls: Dict[str, List[float]] = collections.defaultdict(lambda: [0, 0.0])
     for e in runtime:
-        if e["name"] in WAITS + PINS or e["name"] in ("cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync"):
+        if e["name"] in WAITS + PINS + DEVICE_ALLOCS or e["name"] in ("cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync"):
             calls[e["name"]][0] += 1
             calls[e["name"]][1] += e["dur"]
     graphs = sorted(e["ts"] for e in runtime if e["name"] == "cudaGraphLaunch")
     intervals = [b - a for a, b in zip(graphs, graphs[1:])]
     by_kernel: Dict[str, float] = collections.Counter()
+    # kernel time by the call that launched it: graph replays are decode steps, single launches
+    # the eager forwards (prefills) and whatever runs beside them
+    by_launch: Dict[str, float] = collections.Counter()
     for e in kernels:
         by_kernel[e["name"][:80]] += e["dur"]
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        by_launch[launch["name"] if launch is not None else "?"] += e["dur"]
     streams: Dict[str, float] = collections.Counter()
     for e in device:
         streams[str(e.get("args", {}).get("stream", "?"))] += e["dur"]
@@ -100,6 +110,7 @@ def summarize(path: str) -> Dict[str, Any]:
                  "host_bound": {k: {"count": len(v), "ms": round(sum(v) / 1e3, 2)} for k, v in host_bound.items()}},
         "copies": {k: {"count": int(n), "ms": round(d / 1e3, 3), "mb": round(b / 1e6, 1)} for k, (n, d, b) in copies.items()},
         "cuda_calls": {k: {"count": int(n), "ms": round(d / 1e3, 2)} for k, (n, d) in sorted(calls.items())},
+        "kernel_ms_by_launch": {k: round(v / 1e3, 2) for k, v in sorted(by_launch.items())},
         "graph_launches": len(graphs),
         "graph_interval_ms": {"mean": round(statistics.fmean(intervals) / 1e3, 3) if intervals else None,
                               "p50": round(sorted(intervals)[len(intervals) // 2] / 1e3, 3) if intervals else None},

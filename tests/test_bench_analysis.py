@@ -518,7 +518,8 @@ def test_a_windows_scheduler_clock_is_the_seams_and_collections_between_two_stat
 def test_a_gpu_timeline_counts_the_time_the_gpu_waited_for_the_host_apart_from_other_gaps(tmp_path):
     """``bench/gpu_timeline.py`` on a profiler trace: two kernels 200 us apart whose second was launched
     after the first ended (the GPU waited for the host 180 us of it), then one queued in time behind a
-    copy (a gap, not the host's), and a graph launch (a decode step)."""
+    copy (a gap, not the host's), and a graph launch (a decode step); kernel time by what launched it, and
+    a device free (which waits for the whole device)."""
     import gzip
 
     import gpu_timeline
@@ -531,7 +532,7 @@ def test_a_gpu_timeline_counts_the_time_the_gpu_waited_for_the_host_apart_from_o
               x("cuda_runtime", "cudaLaunchKernel", 320, 5, correlation=3),
               x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 410, 50, stream=9, bytes=2_000_000),
               x("kernel", "k3", 470, 30, correlation=3, stream=7),
-              x("cuda_runtime", "cudaEventSynchronize", 330, 140)]
+              x("cuda_runtime", "cudaEventSynchronize", 330, 140), x("cuda_runtime", "cudaFree", 600, 20)]
     path = str(tmp_path / "t.trace.json.gz")
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -541,6 +542,8 @@ def test_a_gpu_timeline_counts_the_time_the_gpu_waited_for_the_host_apart_from_o
     assert s["gaps"]["host_bound"] == {"cudaLaunchKernel": {"count": 1, "ms": 0.18}}
     assert s["copies"] == {"Memcpy DtoH (Device -> Pinned)": {"count": 1, "ms": 0.05, "mb": 2.0}}
     assert s["graph_launches"] == 1 and s["cuda_calls"]["cudaEventSynchronize"] == {"count": 1, "ms": 0.14}
+    assert s["kernel_ms_by_launch"] == {"cudaGraphLaunch": 0.1, "cudaLaunchKernel": 0.13}
+    assert s["cuda_calls"]["cudaFree"] == {"count": 1, "ms": 0.02}
 
 
 def test_a_timed_pass_ends_when_its_load_does_not_when_the_gpu_sampler_is_reaped(monkeypatch):
