@@ -137,9 +137,17 @@ def scheduler_counters(docs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, i
             for key, names in SCHEDULER_COUNTED.items()}
 
 
-def allocator_counts(docs: Dict[str, Dict[str, Any]]) -> Dict[str, int]:
-    """``ALLOCATOR_COUNTED`` summed over the ranks' stats files (pushed at most every STATS_PUSH_S)."""
-    return {k: sum((d.get("device_allocator") or {}).get(k, 0) for d in docs.values()) for k in ALLOCATOR_COUNTED}
+def allocator_counts(docs: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, int]]:
+    """``ALLOCATOR_COUNTED`` summed over the ranks' stats files (pushed at most every STATS_PUSH_S),
+    or None while a rank's file has none (no CUDA, or not pushed yet): never counts since start."""
+    if not docs or any(not d.get("device_allocator") for d in docs.values()):
+        return None
+    return {k: sum(d["device_allocator"].get(k, 0) for d in docs.values()) for k in ALLOCATOR_COUNTED}
+
+
+def allocator_delta(before: Optional[Dict[str, int]], after: Optional[Dict[str, int]]) -> Optional[Dict[str, int]]:
+    """A window's allocator counts, or None when either end has none."""
+    return None if before is None or after is None else {k: after[k] - before[k] for k in ALLOCATOR_COUNTED}
 
 
 def seams_after(capture_dir: str, ended: float, wait_s: float = 3.0) -> Dict[str, Dict[str, Any]]:
@@ -184,7 +192,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
         docs = writer_stats(server.capture_dir, settled=True) if count else seams_after(server.capture_dir, time.time())
         # per seam account: the window's calls, microseconds a call and of them the thread's CPU (decode steps, ...)
         out["seams"] = e2e_probes.clock_deltas(clock_before, e2e_probes.scheduler_clock(docs)) if clock_before else None
-        out["allocator"] = {k: v - alloc_before[k] for k, v in allocator_counts(docs).items()}
+        out["allocator"] = allocator_delta(alloc_before, allocator_counts(docs))
     if count:
         after = counters(docs)
         delta = {k: after[k] - before[k] for k in COUNTED}

@@ -532,18 +532,36 @@ def test_a_gpu_timeline_counts_the_time_the_gpu_waited_for_the_host_apart_from_o
               x("cuda_runtime", "cudaLaunchKernel", 320, 5, correlation=3),
               x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 410, 50, stream=9, bytes=2_000_000),
               x("kernel", "k3", 470, 30, correlation=3, stream=7),
-              x("cuda_runtime", "cudaEventSynchronize", 330, 140), x("cuda_runtime", "cudaFree", 600, 20)]
+              x("cuda_runtime", "cudaEventSynchronize", 330, 140), x("cuda_runtime", "cudaFree", 600, 20),
+              x("kernel", "k4", 500, 10, stream=7)]  # no launch recorded for it
     path = str(tmp_path / "t.trace.json.gz")
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     s = gpu_timeline.summarize(path)
-    assert s["span_ms"] == 0.49 and s["kernel_busy_ms"] == 0.23
+    assert s["span_ms"] == 0.5 and s["kernel_busy_ms"] == 0.24
     assert s["gaps"]["count"] == 2 and s["gaps"]["total_ms"] == 0.26
     assert s["gaps"]["host_bound"] == {"cudaLaunchKernel": {"count": 1, "ms": 0.18}}
     assert s["copies"] == {"Memcpy DtoH (Device -> Pinned)": {"count": 1, "ms": 0.05, "mb": 2.0}}
     assert s["graph_launches"] == 1 and s["cuda_calls"]["cudaEventSynchronize"] == {"count": 1, "ms": 0.14}
-    assert s["kernel_ms_by_launch"] == {"cudaGraphLaunch": 0.1, "cudaLaunchKernel": 0.13}
+    assert s["kernel_ms_by_launch"] == {"?": 0.01, "cudaGraphLaunch": 0.1, "cudaLaunchKernel": 0.13}
     assert s["cuda_calls"]["cudaFree"] == {"count": 1, "ms": 0.02}
+
+
+def test_a_sessions_window_counts_the_cuda_allocator_only_where_both_ends_have_it():
+    """``gpu_sessions`` sums the allocator counters over the ranks' stats files; a rank without them
+    (no CUDA, or not pushed yet) makes the window's counts None, never counts since the start."""
+    import gpu_sessions
+
+    def doc(retries, frees):
+        return {"device_allocator": {"num_alloc_retries": retries, "num_device_alloc": 5, "num_device_free": frees,
+                                     "num_sync_all_streams": retries}}
+
+    before = gpu_sessions.allocator_counts({"a": doc(1, 2), "b": doc(0, 0)})
+    after = gpu_sessions.allocator_counts({"a": doc(3, 2), "b": doc(1, 4)})
+    assert gpu_sessions.allocator_delta(before, after) == {"num_alloc_retries": 3, "num_device_alloc": 0,
+                                                           "num_device_free": 4, "num_sync_all_streams": 3}
+    assert gpu_sessions.allocator_counts({"a": doc(1, 1), "b": {}}) is None
+    assert gpu_sessions.allocator_delta(None, after) is None and gpu_sessions.allocator_counts({}) is None
 
 
 def test_a_timed_pass_ends_when_its_load_does_not_when_the_gpu_sampler_is_reaped(monkeypatch):

@@ -145,7 +145,8 @@ def test_batches_shared_with_plain_requests_copy_only_the_captured_rows(dsv3, ti
     clock = read_stats(dsv3.capture_dir, settled=True)["scheduler_thread"]  # the scheduler thread's time, per seam and kind
     assert {"run_batch/extend/capture", "run_batch/extend/plain", "process_result/extend/capture", "copy_to_cpu/capture",
             "stream_output/capture", "result_wait/extend/capture", "result_wait/decode/capture"} <= set(clock)
-    assert all(v["calls"] > 0 and v["s"] > 0 for v in clock.values())
+    # a copy already done is waited for in about a microsecond, which the stats may round to 0 s
+    assert all(v["calls"] > 0 and (v["s"] > 0 or k.startswith("result_wait/")) for k, v in clock.items())
 
 
 def test_a_capture_of_one_new_token_sends_no_decode_batch_through_the_capture_path(dsv3, tiny_models):

@@ -101,17 +101,27 @@ class SweepJob:
         self.done = threading.Event()
 
 
-def _cuda_stats(read: str, keys: Tuple[str, ...]) -> Optional[Dict[str, Any]]:
-    """``keys`` of ``torch.cuda.<read>()`` for this process, once torch has initialised CUDA."""
+def _cuda_stats(read: str, keys: Tuple[str, ...], *device: int) -> Optional[Dict[str, Any]]:
+    """``keys`` of ``torch.cuda.<read>(*device)`` for this process, once torch has initialised CUDA."""
     try:
         import torch
 
         if not torch.cuda.is_initialized():
             return None
-        s = getattr(torch.cuda, read)()
+        s = getattr(torch.cuda, read)(*device)
     except Exception:  # older torch, no CUDA: the stats are optional
         return None
     return {k: s[k] for k in keys if k in s}
+
+
+def _current_cuda_device() -> Optional[int]:
+    """The calling thread's CUDA device, or None before torch has initialised CUDA."""
+    try:
+        import torch
+
+        return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no CUDA: the stats are optional
+        return None
 
 
 # torch's caching host allocator: each new cudaHostAlloc stalls the thread that asks for it,
@@ -174,6 +184,7 @@ class WriterPool:
         self._extra_stats: Callable[[], Dict[str, Any]] = dict
         self._last_push = 0.0
         self._last_cuda_push = float("-inf")  # CUDA allocator stats: monitoring only, sent at most every STATS_PUSH_S
+        self._cuda_device: Optional[int] = None  # the GPU of the thread that started the link (the scheduler's)
         self._changed = False  # since the last push of this side's counters
         self._pushed_extra: Dict[str, Any] = {}  # the scheduler's counters as last pushed
         # told of the blocks each shared-rows job stored or found missing, before its outcome is recorded
@@ -203,6 +214,7 @@ class WriterPool:
                 return
             self.pool = pool
             self.processes = processes or self.processes
+            self._cuda_device = _current_cuda_device()
             self._extra_stats = extra_stats or dict
             if self.config.switch_interval_ms > 0:
                 # The link's threads wake on pipe replies; behind SGLang's busy scheduler thread each
@@ -661,7 +673,10 @@ class WriterPool:
         doc = {"held_bytes": self.ledger.held_bytes, "peak_held_bytes": self.ledger.peak_bytes,
                "cap_bytes": self.ledger.cap_bytes, **extra}
         if cuda:  # torch builds its whole allocator dict per call: not once per batch of jobs (the supervisor keeps the last)
-            slow = (_cuda_stats("host_memory_stats", _PINNED_KEYS), _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS))
+            # the scheduler's GPU, named: this thread's current device is the process's first
+            device = () if self._cuda_device is None else (self._cuda_device,)
+            slow = (_cuda_stats("host_memory_stats", _PINNED_KEYS),
+                    _cuda_stats("memory_stats", _DEVICE_ALLOCATOR_KEYS, *device))
             doc.update(zip(SLOW_STATS, slow))
         with self._send_lock:  # the counts since the supervisor in hand started, and no restart in between
             with self._lock:

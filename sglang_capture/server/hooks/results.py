@@ -19,7 +19,8 @@ from sglang_capture.server.shared_rows import SHARE_ATTR
 def batch_result_context(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Around ``Scheduler.process_batch_result``: while a batch's result is processed, the row
     seams read its snapshot (whose ``prefix_lens`` give each request's chunk start; the live Req
-    may already be scheduled further) and its ``BatchRows`` (which rows were kept). The wait for
+    may already be scheduled further) and its ``BatchRows`` (which rows were kept). Where SGLang
+    gives the result a copy-done event (its overlap schedule, speculative workers), the wait for
     the batch's copy to the host is timed apart (``result_wait``) from the processing."""
     batch = args[0] if args else kwargs["batch"]
     result = args[1] if len(args) > 1 else kwargs["result"]
@@ -37,11 +38,11 @@ def batch_result_context(state: SchedulerCapture, wrapped: Any, instance: Any, a
 
     captures = batch_captures(batch)
     done = getattr(result, "copy_done", None)
-    if done is not None:
-        # SGLang's first step in processing a result: waited here, its own seam, so that
-        # ``process_result`` counts the host's work alone, not the GPU's time to finish the batch
-        state.clock.timed(f"result_wait/{mode}", captures, done.synchronize)
     try:
+        if done is not None:
+            # SGLang's first step in processing a result: waited here, its own seam, so that
+            # ``process_result`` counts the host's work alone, not the GPU's time to finish the batch
+            state.clock.timed(f"result_wait/{mode}", captures, done.synchronize)
         return state.clock.timed(f"process_result/{mode}", captures, process)
     finally:
         state.processing = None
