@@ -31,10 +31,12 @@ or not, server/seam_clock.py, and per generation of garbage collections, `gc/gen
 server's first window, whose counts would include the end of its warm-up). With
 ``--py-spy-seconds S``, py-spy samples the scheduler and HTTP processes of each server for S seconds
 in its last-round window (summaries under ``pyspy``, named server-mode; raw files in OUT_DIR/pyspy):
-where capture's host time goes on this decode-heavy load (issue 51). With ``--profile-steps N``, one more
-window per server (not in the summary) runs SGLang's torch profiler over N steps from 2 s in, GPU
-activities only; each trace (OUT_DIR/profile/NAME) is summarized under ``timeline`` (bench/gpu_timeline.py):
-whether capture's extra step time is on the device or on the host.
+where capture's host time goes on this decode-heavy load (issue 51). With ``--profile``, one more
+window per server (not in the summary; the same chats on each) runs whole under SGLang's torch
+profiler, GPU activities only; each trace (OUT_DIR/profile/NAME) is summarized under ``timeline``
+(bench/gpu_timeline.py): whether capture's extra time is on the device or the GPU waiting for the
+host, and between which steps (a window traced whole, not N steps, so both servers' traces hold
+the same turns).
 
 Writes OUT_DIR/gpu_sessions.json (rewritten after every window) and prints a table.
 """
@@ -207,20 +209,18 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
     return out
 
 
-def profile_window(server: Server, out_dir: str, steps: int) -> threading.Thread:
-    """SGLang's torch profiler over ``steps`` steps from 2 s into the window (GPU activities only: no
-    CPU op tracing to slow the scheduler thread), written under ``out_dir``."""
-    def start() -> None:
-        time.sleep(2.0)
-        os.makedirs(out_dir, exist_ok=True)
-        r = requests.post(server.url + "/start_profile", timeout=120, json={
-            "output_dir": out_dir, "num_steps": steps, "activities": ["GPU"], "with_stack": False, "record_shapes": False})
-        if r.status_code != 200:
-            log(f"start_profile: {r.status_code} {r.text[:200]}")
+def profile_window(server: Server, out_dir: str) -> None:
+    """Start SGLang's torch profiler (GPU activities only: no CPU op tracing to slow the scheduler
+    thread; CPU ones on a host without a GPU, where the trace then holds no device activity),
+    writing under ``out_dir``; it runs until ``/stop_profile``."""
+    import torch
 
-    thread = threading.Thread(target=start, daemon=True)
-    thread.start()
-    return thread
+    os.makedirs(out_dir, exist_ok=True)
+    r = requests.post(server.url + "/start_profile", timeout=120, json={
+        "output_dir": out_dir, "activities": ["GPU" if torch.cuda.is_available() else "CPU"], "with_stack": False,
+        "record_shapes": False})
+    if r.status_code != 200:
+        raise SystemExit(f"start_profile on {server.url}: {r.status_code} {r.text[:200]}")
 
 
 def cosines(a_rows: Any, b_rows: Any, block: int) -> List[float]:
@@ -322,8 +322,8 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--capture-args", default="")
     ap.add_argument("--py-spy-seconds", type=float, default=0.0,
                     help="sample each server's scheduler and HTTP processes this long in its last-round window")
-    ap.add_argument("--profile-steps", type=int, default=0,
-                    help="one more window per server with SGLang's torch profiler over this many steps")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more window per server, the whole of it under SGLang's torch profiler")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     result: Dict[str, Any] = {"args": vars(a), "windows": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -384,19 +384,17 @@ def main(argv: List[str]) -> int:
             log(f"{name} {mode} r{r}: {w['seconds']:.2f} s, {w['requests_per_s']} req/s"
                 + (f", stored {w['delta']['rows_stored']:.0f} rows of {w['unique_rows']} unique, "
                    f"{w['errors']} errors" if mode == "capture" else ""))
-        if a.profile_steps > 0:
+        if a.profile:
             result["timeline"] = {}
-            for name in names:  # the same chats on each server (each has its own radix cache)
+            for name in names:  # the same chats on each server (each has its own radix cache), traced whole
                 out_dir = os.path.join(a.out, "profile", name)
                 shutil.rmtree(out_dir, ignore_errors=True)
-                profiler = profile_window(servers[name], out_dir, a.profile_steps)
-                window(servers[name], Chats(a, seed), name in ("on", "off"), f"{name}-profile", count=False)
-                profiler.join()
+                profile_window(servers[name], out_dir)
+                w = window(servers[name], Chats(a, seed), name in ("on", "off"), f"{name}-profile", count=False)
+                requests.post(servers[name].url + "/stop_profile", timeout=600)
                 traces = glob.glob(os.path.join(out_dir, "*-TP-0*.trace.json*"))
-                if not traces:  # the window ended before the profiled steps did: stop it, so nothing later is traced
-                    requests.post(servers[name].url + "/stop_profile", timeout=120)
-                    traces = glob.glob(os.path.join(out_dir, "*-TP-0*.trace.json*"))
                 result["timeline"][name] = gpu_timeline.summarize(traces[0]) if traces else {"error": "no trace written"}
+                result["timeline"][name]["window_s"] = w["seconds"]
                 log(f"{name} profiled: {json.dumps(result['timeline'][name])[:300]}")
                 save()
         on = [w for w in result["windows"] if w["server"] == "on" and w["mode"] == "capture"]
