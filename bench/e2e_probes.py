@@ -139,7 +139,9 @@ def _py_spy() -> Optional[str]:
 def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: Dict, http: bool = False) -> threading.Thread:
     """Sample ``server``'s scheduler process (``http``: its HTTP process, where the tokenizer manager and
     the response hooks run) for ``seconds``, 2 s from now, with and without idle samples at once
-    (``pyspy_summary`` says why both); the summary goes to ``res['pyspy'][name]``.
+    (``pyspy_summary`` says why both); the summary goes to ``res['pyspy'][name]``. A third recording
+    samples only the thread holding the GIL (``--gil``; raw file only): how much of it the process's
+    other threads take from the scheduler thread.
     ``--nonblocking``: the process is never paused, so the window's throughput is not disturbed."""
     def record() -> None:
         summaries = res.setdefault("pyspy", {})
@@ -151,14 +153,15 @@ def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: 
             return
         time.sleep(2.0)
         os.makedirs(out_dir, exist_ok=True)
-        paths = {kind: os.path.join(out_dir, f"{name}.{kind}.txt") for kind in ("active", "all")}
+        paths = {kind: os.path.join(out_dir, f"{name}.{kind}.txt") for kind in ("active", "all", "gil")}
+        flags = {"active": [], "all": ["--idle"], "gil": ["--gil"]}
         procs = [subprocess.Popen([exe, "record", "--pid", str(sched[0]), "--duration", f"{seconds:g}", "--rate",
                                    str(PY_SPY_RATE), "--nonblocking", "--threads", "--full-filenames", "--format", "raw",
-                                   "-o", path, *(["--idle"] if kind == "all" else [])],
+                                   "-o", path, *flags[kind]],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for kind, path in paths.items()]
         errors = [p.communicate(timeout=seconds + 60)[1] for p in procs]
-        if not all(os.path.exists(p) for p in paths.values()):
+        if not all(os.path.exists(paths[k]) for k in ("active", "all")):
             summaries[name] = {"error": " | ".join(e.strip().splitlines()[-1] for e in errors if e.strip()) or "no output"}
             return
         summaries[name] = pyspy_summary.summarize(pyspy_summary.load(paths["active"]), pyspy_summary.load(paths["all"]),
