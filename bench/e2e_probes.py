@@ -140,8 +140,9 @@ def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: 
     """Sample ``server``'s scheduler process (``http``: its HTTP process, where the tokenizer manager and
     the response hooks run) for ``seconds``, 2 s from now, with and without idle samples at once
     (``pyspy_summary`` says why both); the summary goes to ``res['pyspy'][name]``. A third recording
-    samples only the thread holding the GIL (``--gil``; raw file only): how much of it the process's
-    other threads take from the scheduler thread.
+    samples only the thread holding the GIL (``--gil``; raw file only, ``gil_error`` when it failed):
+    how much of it each thread of the process takes (in a scheduler process, the others from the
+    scheduler thread).
     ``--nonblocking``: the process is never paused, so the window's throughput is not disturbed."""
     def record() -> None:
         summaries = res.setdefault("pyspy", {})
@@ -166,6 +167,8 @@ def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: 
             return
         summaries[name] = pyspy_summary.summarize(pyspy_summary.load(paths["active"]), pyspy_summary.load(paths["all"]),
                                                   seconds, PY_SPY_RATE)
+        if not os.path.exists(paths["gil"]):
+            summaries[name]["gil_error"] = errors[2].strip().splitlines()[-1] if errors[2].strip() else "no output"
         print(f"py-spy {name}: " + json.dumps({k: v for k, v in summaries[name].items() if k != "leaves_top"}),
               file=sys.stderr, flush=True)
 

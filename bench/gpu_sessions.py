@@ -213,11 +213,10 @@ def profile_window(server: Server, out_dir: str) -> None:
     """Start SGLang's torch profiler (GPU activities only: no CPU op tracing to slow the scheduler
     thread; CPU ones on a host without a GPU, where the trace then holds no device activity),
     writing under ``out_dir``; it runs until ``/stop_profile``."""
-    import torch
-
+    device = requests.get(server.url + "/server_info", timeout=60).json().get("device", "cuda")
     os.makedirs(out_dir, exist_ok=True)
     r = requests.post(server.url + "/start_profile", timeout=120, json={
-        "output_dir": out_dir, "activities": ["GPU" if torch.cuda.is_available() else "CPU"], "with_stack": False,
+        "output_dir": out_dir, "activities": ["GPU" if device == "cuda" else "CPU"], "with_stack": False,
         "record_shapes": False})
     if r.status_code != 200:
         raise SystemExit(f"start_profile on {server.url}: {r.status_code} {r.text[:200]}")
@@ -390,8 +389,12 @@ def main(argv: List[str]) -> int:
                 out_dir = os.path.join(a.out, "profile", name)
                 shutil.rmtree(out_dir, ignore_errors=True)
                 profile_window(servers[name], out_dir)
-                w = window(servers[name], Chats(a, seed), name in ("on", "off"), f"{name}-profile", count=False)
-                requests.post(servers[name].url + "/stop_profile", timeout=600)
+                try:
+                    w = window(servers[name], Chats(a, seed), name in ("on", "off"), f"{name}-profile", count=False)
+                finally:  # SGLang writes the trace before it answers
+                    r = requests.post(servers[name].url + "/stop_profile", timeout=600)
+                    if r.status_code != 200:
+                        log(f"stop_profile on {name}: {r.status_code} {r.text[:200]}")
                 traces = glob.glob(os.path.join(out_dir, "*-TP-0*.trace.json*"))
                 result["timeline"][name] = gpu_timeline.summarize(traces[0]) if traces else {"error": "no trace written"}
                 result["timeline"][name]["window_s"] = w["seconds"]

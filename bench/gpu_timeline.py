@@ -5,12 +5,12 @@
 For each trace (SGLang's ``*-TP-0.trace.json.gz``, GPU activities): the span from the first to the
 last device activity; how much of it some kernel ran; the idle gaps between kernels, split by
 whether the next kernel's launch came from the host after the gap began (the GPU waited for the
-host: ``host_bound``) or was queued already (waiting on a copy or an event), and by the kinds of
-step on either side (``between``: ``graph -> eager`` is a decode step followed by a prefill, where a
-wave of closed-loop turns begins); device copies by
+host: ``host_bound``) or was queued already (waiting on a copy or an event); device copies by
 direction; the host's time in the CUDA calls that wait, pin or allocate device memory (synchronize,
 host allocation, cudaMalloc / cudaFree); kernel time by the call that launched it (graph replays:
-decode steps; single launches: eager prefills); graph launches and the interval between them; the
+decode steps, and the graph segments of prefills, which SGLang 0.5.17 runs in breakable graphs by
+default on CUDA; single launches: what runs between them, a prefill's attention among
+it); graph launches and the interval between them; the
 kernels taking most time. Two servers'
 traces of the same load side by side say whether capture's extra step time is on the device or on
 the host (issue 51). Prints one JSON object per trace, keyed by path; standard library only.
@@ -52,13 +52,6 @@ def _union(spans: List[Tuple[float, float, Dict[str, Any]]]) -> List[Tuple[float
     return out
 
 
-def _step_kind(kernel: Dict[str, Any], launches: Dict[Any, Dict[str, Any]]) -> str:
-    """``graph`` for a kernel of a graph replay (a decode step), ``eager`` for one launched alone (a
-    prefill, or work beside it), ``?`` where its launch is not in the trace."""
-    launch = launches.get(kernel.get("args", {}).get("correlation"))
-    return "?" if launch is None else "graph" if launch["name"] == "cudaGraphLaunch" else "eager"
-
-
 def summarize(path: str) -> Dict[str, Any]:
     """One trace's summary (times in ms)."""
     events = _events(path)
@@ -73,15 +66,12 @@ def summarize(path: str) -> Dict[str, Any]:
     busy = _union([(e["ts"], e["ts"] + e["dur"], e) for e in kernels])
     gaps: List[float] = []
     host_bound: Dict[str, List[float]] = collections.defaultdict(list)  # by the call that launched the next kernel
-    # by the kinds of work on either side: decode -> prefill is where a wave of turns begins
-    between: Dict[str, List[float]] = collections.defaultdict(list)
-    for (_, end, _, before), (start, _, after, _) in zip(busy, busy[1:]):
+    for (_, end, _, _), (start, _, after, _) in zip(busy, busy[1:]):
         gap = start - end
         if gap < GAP_US:
             continue
         gaps.append(gap)
         launch = launches.get(after.get("args", {}).get("correlation"))
-        between[f"{_step_kind(before, launches)} -> {_step_kind(after, launches)}"].append(gap)
         if launch is not None and launch["ts"] > end:  # idle from the gap's start until the host launched it
             host_bound[launch["name"]].append(min(gap, launch["ts"] - end))
     gaps_sorted = sorted(gaps)
@@ -100,8 +90,8 @@ def summarize(path: str) -> Dict[str, Any]:
     graphs = sorted(e["ts"] for e in runtime if e["name"] == "cudaGraphLaunch")
     intervals = [b - a for a, b in zip(graphs, graphs[1:])]
     by_kernel: Dict[str, float] = collections.Counter()
-    # kernel time by the call that launched it: graph replays are decode steps, single launches
-    # the eager forwards (prefills) and whatever runs beside them
+    # kernel time by the call that launched it: graph replays are decode steps and prefills' graph
+    # segments (breakable prefill graphs), single launches what runs between them (a prefill's attention)
     by_launch: Dict[str, float] = collections.Counter()
     for e in kernels:
         by_kernel[e["name"][:80]] += e["dur"]
@@ -119,8 +109,7 @@ def summarize(path: str) -> Dict[str, Any]:
         "gaps": {"count": len(gaps), "total_ms": round(sum(gaps) / 1e3, 2),
                  "p50_us": round(gaps_sorted[len(gaps) // 2], 1) if gaps else 0,
                  "largest_us": [round(g, 1) for g in gaps_sorted[-8:][::-1]],
-                 "host_bound": {k: {"count": len(v), "ms": round(sum(v) / 1e3, 2)} for k, v in host_bound.items()},
-                 "between": {k: {"count": len(v), "ms": round(sum(v) / 1e3, 2)} for k, v in sorted(between.items())}},
+                 "host_bound": {k: {"count": len(v), "ms": round(sum(v) / 1e3, 2)} for k, v in host_bound.items()}},
         "copies": {k: {"count": int(n), "ms": round(d / 1e3, 3), "mb": round(b / 1e6, 1)} for k, (n, d, b) in copies.items()},
         "cuda_calls": {k: {"count": int(n), "ms": round(d / 1e3, 2)} for k, (n, d) in sorted(calls.items())},
         "kernel_ms_by_launch": {k: round(v / 1e3, 2) for k, v in sorted(by_launch.items())},

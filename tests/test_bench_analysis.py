@@ -505,7 +505,7 @@ def test_a_gpu_timeline_counts_the_time_the_gpu_waited_for_the_host_apart_from_o
     """``bench/gpu_timeline.py`` on a profiler trace: two kernels 200 us apart whose second was launched
     after the first ended (the GPU waited for the host 180 us of it), then one queued in time behind a
     copy (a gap, not the host's), and a graph launch (a decode step); kernel time by what launched it, and
-    a device free (which waits for the whole device); the gaps by the kinds of step on either side."""
+    a device free (which waits for the whole device)."""
     import gzip
 
     import gpu_timeline
@@ -527,8 +527,6 @@ def test_a_gpu_timeline_counts_the_time_the_gpu_waited_for_the_host_apart_from_o
     assert s["span_ms"] == 0.5 and s["kernel_busy_ms"] == 0.24
     assert s["gaps"]["count"] == 2 and s["gaps"]["total_ms"] == 0.26
     assert s["gaps"]["host_bound"] == {"cudaLaunchKernel": {"count": 1, "ms": 0.18}}
-    # a decode step then a prefill (where a wave of turns begins), then two eager kernels
-    assert s["gaps"]["between"] == {"eager -> eager": {"count": 1, "ms": 0.06}, "graph -> eager": {"count": 1, "ms": 0.2}}
     assert s["copies"] == {"Memcpy DtoH (Device -> Pinned)": {"count": 1, "ms": 0.05, "mb": 2.0}}
     assert s["graph_launches"] == 1 and s["cuda_calls"]["cudaEventSynchronize"] == {"count": 1, "ms": 0.14}
     assert s["kernel_ms_by_launch"] == {"?": 0.01, "cudaGraphLaunch": 0.1, "cudaLaunchKernel": 0.13}
