@@ -161,14 +161,18 @@ def py_spy_window(server: Server, name: str, seconds: float, out_dir: str, res: 
                                    "-o", path, *flags[kind]],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for kind, path in paths.items()]
-        errors = [p.communicate(timeout=seconds + 60)[1] for p in procs]
+        errors = {kind: p.communicate(timeout=seconds + 60)[1].strip() for kind, p in zip(paths, procs)}
+
+        def why(kinds: Tuple[str, ...]) -> str:
+            return " | ".join(errors[k].splitlines()[-1] for k in kinds if errors[k]) or "no output"
+
         if not all(os.path.exists(paths[k]) for k in ("active", "all")):
-            summaries[name] = {"error": " | ".join(e.strip().splitlines()[-1] for e in errors if e.strip()) or "no output"}
+            summaries[name] = {"error": why(tuple(paths))}
             return
         summaries[name] = pyspy_summary.summarize(pyspy_summary.load(paths["active"]), pyspy_summary.load(paths["all"]),
                                                   seconds, PY_SPY_RATE)
         if not os.path.exists(paths["gil"]):
-            summaries[name]["gil_error"] = errors[2].strip().splitlines()[-1] if errors[2].strip() else "no output"
+            summaries[name]["gil_error"] = why(("gil",))
         print(f"py-spy {name}: " + json.dumps({k: v for k, v in summaries[name].items() if k != "leaves_top"}),
               file=sys.stderr, flush=True)
 

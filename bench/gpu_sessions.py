@@ -35,8 +35,7 @@ where capture's host time goes on this decode-heavy load (issue 51). With ``--pr
 window per server (not in the summary; the same chats on each) runs whole under SGLang's torch
 profiler, GPU activities only; each trace (OUT_DIR/profile/NAME) is summarized under ``timeline``
 (bench/gpu_timeline.py): whether capture's extra time is on the device or the GPU waiting for the
-host, and between which steps (a window traced whole, not N steps, so both servers' traces hold
-the same turns).
+host (a window traced whole, not N steps, so both servers' traces hold the same turns).
 
 Writes OUT_DIR/gpu_sessions.json (rewritten after every window) and prints a table.
 """
@@ -211,7 +210,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
 
 def profile_window(server: Server, out_dir: str) -> None:
     """Start SGLang's torch profiler (GPU activities only: no CPU op tracing to slow the scheduler
-    thread; CPU ones on a host without a GPU, where the trace then holds no device activity),
+    thread; CPU ones where the server runs on the CPU, whose trace then holds no device activity),
     writing under ``out_dir``; it runs until ``/stop_profile``."""
     device = requests.get(server.url + "/server_info", timeout=60).json().get("device", "cuda")
     os.makedirs(out_dir, exist_ok=True)

@@ -10,7 +10,7 @@ direction; the host's time in the CUDA calls that wait, pin or allocate device m
 host allocation, cudaMalloc / cudaFree); kernel time by the call that launched it (graph replays:
 decode steps, and the graph segments of prefills, which SGLang 0.5.17 runs in breakable graphs by
 default on CUDA; single launches: what runs between them, a prefill's attention among
-it); graph launches and the interval between them; the
+them); graph launches and the interval between them; the
 kernels taking most time. Two servers'
 traces of the same load side by side say whether capture's extra step time is on the device or on
 the host (issue 51). Prints one JSON object per trace, keyed by path; standard library only.
