@@ -24,6 +24,7 @@ from sglang_capture.core.capture_dir import writer_stats
 from sglang_capture.core.reader import block_names, read_meta
 from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd, start_server, stop_server
+from tests.chats import ANSWER, chat_turns
 from tests.reference import max_abs_diff, min_block_cosines, min_row_cosine, reference_pre_norm, reference_states
 
 LAYERS = [0, 2, 3]
@@ -151,6 +152,7 @@ def test_dp_attention_captures_every_request_once_on_its_own_rank_equal_to_trans
     assert {sglang_capture.load(o["meta_info"]["capture"]["path"], tensors=())["final"] for o in captured} == {"both"}
     captured += _check_load(server, tiny_models["tiny-dsv3"], fp8=True)
     _check_two_writer_ranks(server, captured)
+    _check_chat_hit(server, tiny_models["tiny-dsv3"], 72)  # the rank's re-sliced result holds the answer's last row
     log = server.log()
     assert "chunked prefill size is adjusted from 128 to 64" in log
     assert "aux layers computed in every forward (DP attention is on)" in log
@@ -164,6 +166,27 @@ def test_two_data_parallel_schedulers_without_overlap_capture_every_request_once
     server = _dsv3_server(make_test_server, tiny_models, tmp_path, "--dp", "2", "--disable-overlap-schedule",
                           env=TWO_REPLICAS)
     _check_two_writer_ranks(server, _check_load(server, tiny_models["tiny-dsv3"]))
+    # without overlap no step feeds an answer's last token after it ended: the radix cache stops before
+    # it, and a capturing chat's next turn hits exactly that, as a plain chat's does
+    _check_chat_hit(server, tiny_models["tiny-dsv3"], 70, overlap=False)
+
+
+def _check_chat_hit(server, model: str, seed: int, overlap: bool = True) -> None:
+    """A capturing chat's second turn hits the radix cache as a plain chat's does (both on DP rank 0,
+    where the first turn's KV is): every token of the first turn under overlap, whose step after the
+    answer fed its last token (its row kept in the blocks, server/answer_tail.py), one fewer without;
+    and it reads exact, that row included."""
+    n, _, plain = chat_turns(server, seed, routed_dp_rank=0)
+    _, one, two = chat_turns(server, seed + 1, f"chat-{seed}", routed_dp_rank=0)
+    hit = n + ANSWER - (0 if overlap else 1)
+    assert plain["meta_info"]["cached_tokens"] == two["meta_info"]["cached_tokens"] == hit
+    assert one["meta_info"]["capture"]["rows_for_next_turn"] == int(overlap)
+    ref = two["meta_info"]["capture"]
+    assert ref["status"] == "ok" and ref["rows_shared"] == hit, ref
+    data = sglang_capture.load(ref["path"])
+    aux, last = reference_states(model, torch.float32, data["input_ids"].tolist() + data["output_ids"].tolist()[:-1],
+                                 LAYERS)
+    assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL and max_abs_diff(data["last_hidden_states"], last) <= TOL
 
 
 def _node_args(addr: str, rank: int) -> List[str]:
@@ -220,7 +243,8 @@ def test_tp_across_two_nodes_writes_every_file_where_the_response_says(make_test
             out = _send(server, {"i": turn, "ids": ids, "capture": True, "new": 3})
             ref = out["meta_info"]["capture"]
             assert ref["status"] == "ok" and os.path.dirname(ref["path"]) == capture_dir
-            assert ref["rows_shared"] == (0 if turn == 0 else len(ids) - 4)  # every row of the turn before
+            # every row of the turn before, its answer's last token's too (server/answer_tail.py)
+            assert ref["rows_shared"] == (0 if turn == 0 else len(ids) - 3)
             data = sglang_capture.load(ref["path"])
             aux, last = reference_states(model, torch.float32, ids + out["output_ids"][:-1], LAYERS)
             assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL

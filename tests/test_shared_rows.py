@@ -18,10 +18,10 @@ from sglang_capture.core.blocks import (
     layout_root,
     plan_blocks,
 )
-from sglang_capture.core.capture_dir import index_path
+from sglang_capture.core.capture_dir import index_path, read_stats
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.format import SCHEMA_REFS, CaptureFileError
-from sglang_capture.core.reader import load
+from sglang_capture.core.reader import load, load_records
 from sglang_capture.server.block_index import BlockEvent, BlockIndex, Coverage, IndexedBlock, blocks_of
 from sglang_capture.server.ledger import HostMemoryLedger
 
@@ -414,8 +414,9 @@ def test_an_indexed_block_holds_the_tokens_of_its_slot_up_to_its_end():
 H = 2  # hidden size of the jobs below: aux [N, 2], last [N, 2]
 
 
-def _job(tmp_path, ids_in, ids_out, rows, start, refs=(), name="req", sizes=None, computed=None):
-    """A job whose rows from ``computed`` on (``start``: the first not in ``refs``) are ``rows``'."""
+def _job(tmp_path, ids_in, ids_out, rows, start, refs=(), name="req", sizes=None, computed=None, tail=False):
+    """A job whose rows from ``computed`` on (``start``: the first not in ``refs``) are ``rows``'
+    (``tail``: its answer's last token's row too, for its blocks only: server/answer_tail.py)."""
     from sglang_capture.server.request_capture import RequestCapture
     from sglang_capture.server.writer_pool import CaptureJob
 
@@ -423,12 +424,14 @@ def _job(tmp_path, ids_in, ids_out, rows, start, refs=(), name="req", sizes=None
     cap = RequestCapture(rid=name, name=name, ledger=ledger)
     n_rows = len(ids_in) + len(ids_out) - 1
     computed = start if computed is None else computed
-    cap.add(computed, rows[computed:n_rows])
+    cap.add(computed, rows[computed:n_rows + tail])
     meta = {"rid": name, "layers": [1], "layer_convention": "c", "hidden_size": H, "model": "m", "final": "post-norm",
             "sglang_version": "0.5.17", "schema": "sglang_capture/v1", "dtype": "float32",
             "num_prompt_tokens": len(ids_in), "num_output_tokens": len(ids_out)}
     share = {"root": ROOT.hex(), "start": start, "computed": computed, "refs": [r.as_list() for r in refs],
              "sizes": sizes or {}}
+    if tail:
+        share["blocks_end"] = n_rows + 1
     return CaptureJob(cap, n_rows, {"aux_hidden_states": (0, H), "last_hidden_states": (H, 2 * H)},
                       list(map(int, ids_in)), list(map(int, ids_out)), meta, share=share)
 
@@ -456,6 +459,31 @@ class _Server:
 
 def _rows(n):
     return torch.arange(n * 2 * H, dtype=torch.float32).view(n, 2 * H)
+
+
+def test_an_answers_last_row_goes_into_its_blocks_for_the_next_turn_and_not_into_its_file(tmp_path):
+    """The row SGLang's overlap step computed after the answer ended (server/answer_tail.py): the
+    job stores it in its blocks, its file keeps one row fewer than its tokens (references cut there),
+    the index covers every token, so the next turn's hit reaches it, and that turn reads it exact."""
+    server = _Server(tmp_path)
+    turn1_in, out1 = _ids(300), [7, 8, 9]
+    rows = _rows(600)
+    o1 = server.write(_job(tmp_path, turn1_in, out1, rows, 0, name="t1", tail=True))
+    assert o1["status"] == "ok" and o1["rows_stored"] == 302 and o1["rows_shared"] == 0 and o1["rows_for_next_turn"] == 1
+    meta, _ = load_records(os.path.join(tmp_path, "t1.capture.msgpack"))
+    assert meta["blocks"][-1][3] == 302  # its references end at its own last row
+    turn2_in = numpy.concatenate([turn1_in, out1, _ids(40, 5)])
+    cov = server.shared.index.cover(turn2_in, len(turn2_in) - 1, [ROOT])
+    assert cov.reach == 303  # every token of turn 1, its answer's last too
+    o2 = server.write(_job(tmp_path, turn2_in, [1, 2], rows, 303, cov.refs, "t2",
+                           dict(zip([r.name for r in cov.refs], cov.sizes)), tail=True))
+    assert o2["status"] == "ok" and o2["rows_shared"] == 303 and o2["rows_stored"] == 41 and o2["rows_for_next_turn"] == 1
+    server.pool.close()
+    for name, n in (("t1", 302), ("t2", 344)):
+        d = load(os.path.join(tmp_path, f"{name}.capture.msgpack"))
+        assert torch.equal(d["aux_hidden_states"], rows[:n, :H]) and torch.equal(d["last_hidden_states"], rows[:n, H:])
+    stats = read_stats(str(tmp_path), settled=True)
+    assert stats["rows_stored"] == 343 and stats["rows_for_next_turn"] == 2
 
 
 def test_a_conversation_stores_each_row_once_and_every_turn_reads_whole(tmp_path):

@@ -181,6 +181,8 @@ def test_a_conversations_next_turn_reuses_the_stored_rows_of_the_turn_before(cha
     ref = second["meta_info"]["capture"]
     # the radix cache holds the first turn's KV but for its last few accepted tokens: those rows come again
     assert rows - STEPS <= ref["rows_shared"] <= rows and ref["rows_stored"] == ref["rows"] - ref["rows_shared"]
+    # a verify pass after the answer is the draft's: no last row kept for the next turn (server/answer_tail.py)
+    assert first["meta_info"]["capture"]["rows_for_next_turn"] == 0
     _check_exact(target, second)
 
 

@@ -186,6 +186,17 @@ class BlockRef:
         return cls(name, start, first, last)
 
 
+def refs_upto(refs: Sequence[BlockRef], end: int) -> List[BlockRef]:
+    """``refs`` (in row order) cut at row ``end``: a capture's blocks may hold one row past its file's,
+    its answer's last token's (server/answer_tail.py), which only the chat's next turn references."""
+    out = []
+    for ref in refs:
+        if ref.first >= end:
+            break
+        out.append(ref if ref.last <= end else BlockRef(ref.name, ref.start, ref.first, end))
+    return out
+
+
 def check_coverage(refs: Sequence[BlockRef], n_rows: int) -> Optional[str]:
     """Why ``refs`` do not cover rows ``[0, n_rows)`` exactly once in order, or None."""
     at = 0

@@ -65,9 +65,10 @@ WRITER_COUNTERS = {
     "fsync_publish_s": "sum", "max_queue": "peak", "supervisor_restarts": "sum",
     "failed_in_scheduler": "sum",  # jobs the scheduler side failed itself: their supervisor died, or never took them
     # shared rows (--capture-prefix-sharing on): blocks written and their bytes (each block counted once,
-    # by the writer that stored it), blocks found stored already, rows written and rows referenced
+    # by the writer that stored it), blocks found stored already, rows written and rows referenced, and
+    # answers' last rows written for the chat's next turn (server/answer_tail.py)
     "block_bytes": "sum", "blocks_written": "sum", "blocks_reused": "sum", "rows_stored": "sum",
-    "rows_shared": "sum", "blocks_s": "sum", "missing_blocks": "sum",
+    "rows_shared": "sum", "rows_for_next_turn": "sum", "blocks_s": "sum", "missing_blocks": "sum",
     "ahead_jobs": "sum",  # prompt blocks stored as soon as a capture's prefill was done, ahead of its file
     "parked": "sum",  # files that waited for another job to store the rows in flight they reuse
 }

@@ -40,7 +40,7 @@ REFERENCE_TAG = "sglang_capture"  # a reference's marker key (its value: the ref
 RESPONSE_KEY = "capture"  # where a response's meta_info carries the reference
 # what the writer's outcome record adds to a reference; with prefix sharing also the bytes of the blocks this
 # capture wrote, and its rows written into them and reused from stored ones (core/blocks.py)
-OUTCOME_KEYS = ("bytes", "checksum", "error", "block_bytes", "rows_stored", "rows_shared")
+OUTCOME_KEYS = ("bytes", "checksum", "error", "block_bytes", "rows_stored", "rows_shared", "rows_for_next_turn")
 ROUTE = "/capture_info"
 
 

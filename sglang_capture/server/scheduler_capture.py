@@ -26,6 +26,7 @@ from sglang_capture.core.fp8 import FP8_DTYPE, packed_layout
 from sglang_capture.core.layers import LAYER_CONVENTION, resolve_layers
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.patches.version_gate import installed_sglang_version
+from sglang_capture.server.answer_tail import LaunchedStep, answer_tail
 from sglang_capture.server.aux_capture import AUX_ATTR, AuxCapture
 from sglang_capture.server.batch_rows import BatchRows, ResultRows
 from sglang_capture.server.block_index import joined, prompt_ids
@@ -102,6 +103,7 @@ class SchedulerCapture:
         # (hooks/batch.py, hooks/results.py; batch_rows.py says why this is not on the tensors)
         self.launching: Optional[BatchRows] = None
         self.processing: Optional[ResultRows] = None
+        self.launched: Optional[LaunchedStep] = None  # the batch launched last, with its result (answer_tail.py)
         self.decode_rows: Optional[DecodeRows] = None  # with the pool: the decode rows of the result being processed
         self.copier: Optional[RowCopier] = None  # with the pool: copies decode rows off the scheduler thread
         self._is_writer: Optional[bool] = None
@@ -304,6 +306,11 @@ class SchedulerCapture:
             self._no_file(req, capture, ref["status"], ref["error"])
             return ref
         meta = self._meta(req.rid, capture, len(input_ids), len(output_ids), reason)
+        if share is not None:
+            tail = answer_tail(self.launched, self.processing, req, capture, len(input_ids), len(output_ids))
+            if tail is not None:  # its blocks hold the last token's row too: the next turn's match reaches it
+                capture.keep(tail.start, tail.rows, tail.ready)
+                share["blocks_end"] = n_rows + 1
         capture.seal()
         stored, dtypes = self.stored_layout(columns, fp8)
         self.writer.submit(CaptureJob(capture, n_rows, stored, input_ids, output_ids, meta, dtypes=dtypes, share=share,

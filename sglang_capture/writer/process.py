@@ -27,6 +27,7 @@ from sglang_capture.core.blocks import (
     BlockRef,
     check_coverage,
     plan_blocks,
+    refs_upto,
 )
 from sglang_capture.core.capture_dir import DirFds, error_text, sweep_records
 from sglang_capture.core.config import CaptureConfig
@@ -87,9 +88,10 @@ class WriterProcess:
         # rows from the first one the capture computed: those it computed again although stored are
         # stored once more only where their block is gone by the time the file is written
         first = share["computed"] if share else 0
+        end = _blocks_end(msg)
         try:
             try:
-                rows = assemble_rows(chunk_arrays(msg["chunks"], self.pool), msg["n_rows"],
+                rows = assemble_rows(chunk_arrays(msg["chunks"], self.pool), end,
                                      {k: tuple(v) for k, v in msg["stored"].items()}, first)
             finally:
                 send(out_fd, {"op": "copied"})
@@ -147,18 +149,18 @@ class WriterProcess:
         n_rows = msg["n_rows"]
         seq = tensors["input_ids"][:n_rows]
         with gc_lock(self.dirs):
-            share, cut, stored = self._put_new(msg, share, rows, seq, beat)
+            share, cut, stored = self._put_new(msg, share, rows, seq, n_rows, beat)
             # blocks found stored already are touched too: the index keeps them as if just stored (gc goes by mtime)
             gone = self.blocks.touch(refs_of(stored), {s.block.name: s.size for s in stored})
             stored = self._put_again(msg, share, stored, gone, rows, seq, beat)
         return {"blocks_s": time.monotonic() - t0}, {**_stored_counts(stored), "blocks_cut": cut}
 
     def _put_new(self, msg: Dict[str, Any], share: Dict[str, Any], rows: Dict[str, HostTensor], seq: numpy.ndarray,
-                 beat: Heartbeat) -> Any:
+                 end: int, beat: Heartbeat) -> Any:
         """Under ``gc_lock``: ``share`` as still stored (``BlockStore.still_stored``), the names it no
-        longer references, and the blocks of rows ``[its start, n_rows)``, each stored unless it is already."""
+        longer references, and the blocks of rows ``[its start, end)``, each stored unless it is already."""
         share, cut = self.blocks.still_stored(share)
-        plan = plan_blocks(seq, share["start"], msg["n_rows"], bytes.fromhex(share["root"]))
+        plan = plan_blocks(seq, share["start"], end, bytes.fromhex(share["root"]))
         return share, cut, self.blocks.put(plan, rows, share["computed"], seq, block_meta(msg["meta"], share["root"]),
                                            beat)
 
@@ -181,15 +183,16 @@ class WriterProcess:
         timings, and what the outcome adds: the blocks stored (for the scheduler's index), those of
         ``share`` the file does not reference (``blocks_cut``, for the index to forget) and what they cost."""
         t0 = time.monotonic()
-        n_rows, computed = msg["n_rows"], share["computed"]
-        seq = numpy.concatenate([tensors["input_ids"], tensors["output_ids"]])[:n_rows]
+        n_rows, computed, end = msg["n_rows"], share["computed"], _blocks_end(msg)
+        seq = numpy.concatenate([tensors["input_ids"], tensors["output_ids"]])[:end]
         with gc_lock(self.dirs):
-            share, cut, stored = self._put_new(msg, share, rows, seq, beat)
+            share, cut, stored = self._put_new(msg, share, rows, seq, end, beat)
             refs = [BlockRef.from_list(r) for r in share["refs"]] + refs_of(stored)
-            meta = {**msg["meta"], "schema": SCHEMA_REFS, BLOCKS_KEY: [r.as_list() for r in refs],
+            file_refs = refs_upto(refs, n_rows)  # its answer's last row, if stored, is for the next turn only
+            meta = {**msg["meta"], "schema": SCHEMA_REFS, BLOCKS_KEY: [r.as_list() for r in file_refs],
                     BLOCK_TENSORS_KEY: list(rows), "block_tokens": BLOCK_TOKENS, "block_layout": share["root"]}
             blocks_s = time.monotonic() - t0
-            gap = check_coverage(refs, n_rows)
+            gap = check_coverage(file_refs, n_rows)
             if gap is not None:  # never a file without its rows: what the scheduler handed over does not add up
                 raise RuntimeError(f"the capture's blocks do not cover its rows: {gap}")
             missing = self.blocks.touch(refs, {**share.get("sizes", {}), **{s.block.name: s.size for s in stored}})
@@ -200,14 +203,24 @@ class WriterProcess:
             stored = self._put_again(msg, share, stored, missing, rows, seq, beat)  # its own blocks, removed since
             nbytes, checksum, stage = publish(meta, tensors, SCHEMA_REFS)
         counts = _stored_counts(stored)
-        rows_stored = counts["rows_stored"]
-        row_bytes = sum(t.nbytes for t in rows.values()) // max(n_rows - computed, 1)
+        all_rows = counts["rows_stored"]
+        row_bytes = sum(t.nbytes for t in rows.values()) // max(end - computed, 1)
+        # the file's rows this job stored, and the one past them it stored for the chat's next turn
+        rows_stored = sum(max(min(s.block.end, n_rows) - s.block.start, 0) for s in stored if s.written_bytes)
+        counts.update(rows_stored=rows_stored, rows_for_next_turn=all_rows - rows_stored)
         extra = {**counts, "rows_shared": n_rows - rows_stored, "blocks_cut": cut,
                  # the rows and bytes its own job ahead stored, referenced here (none when a block of them
                  # was gone: then the references after it were cut and this job stored those rows itself)
                  "own_ahead": share["ahead"] if share.get("ahead") and not cut else None,
-                 "raw_bytes": sum(t.nbytes for t in tensors.values()) + row_bytes * rows_stored}
+                 "raw_bytes": sum(t.nbytes for t in tensors.values()) + row_bytes * all_rows}
         return nbytes, checksum, {**stage, "blocks_s": blocks_s}, extra
+
+
+def _blocks_end(msg: Dict[str, Any]) -> int:
+    """The row a job's rows end at: its file's, or one more where its blocks also hold its answer's
+    last token's row (server/answer_tail.py)."""
+    share = msg.get("share")
+    return share.get("blocks_end", msg["n_rows"]) if share else msg["n_rows"]
 
 
 def _stored_counts(stored: List[StoredBlock]) -> Dict[str, Any]:

@@ -105,7 +105,7 @@ class SweepJob:
 
 
 # what a shared-rows outcome adds to the writer's counters (core/capture_dir.WRITER_COUNTERS)
-SHARED_COUNTERS = ("block_bytes", "blocks_written", "blocks_reused", "rows_stored", "rows_shared")
+SHARED_COUNTERS = ("block_bytes", "blocks_written", "blocks_reused", "rows_stored", "rows_shared", "rows_for_next_turn")
 
 # The first sweep waits a minute after start-up; then one every quarter of the retention.
 FIRST_SWEEP_S = 60.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from sglang_capture.server.answer_tail import LaunchedStep
 from sglang_capture.server.aux_capture import AUX_ATTR, batch_captures
 from sglang_capture.server.batch_rows import BatchRows
 from sglang_capture.server.scheduler_capture import SchedulerCapture
@@ -54,6 +55,8 @@ def run_batch(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple,
         finally:
             state.launching = None
         rows.attach(result)
+        # a decode step launched before the last one's result is read may hold an answer's last row
+        state.launched = LaunchedStep(rows, result) if captures and rows.mode.is_decode() else None
         return result
 
     return state.clock.timed(f"run_batch/{batch.forward_mode.name.lower()}", captures, run)

@@ -45,6 +45,8 @@ def batch_result_context(state: SchedulerCapture, wrapped: Any, instance: Any, a
             state.clock.timed(f"result_wait/{mode}", captures, done.synchronize)
         return state.clock.timed(f"process_result/{mode}", captures, process)
     finally:
+        if state.launched is not None and state.launched.rows is state.processing.rows:
+            state.launched = None  # its own result is read: no later sealing can want its rows
         state.processing = None
 
 

@@ -1,0 +1,86 @@
+"""The row of an answer's last token, which SGLang's overlap schedule computes after the answer ends.
+
+Under the overlap schedule the scheduler launches step k+1 before it processes step k's result.
+When nothing waits to be prefilled (the end of every wave of chat turns), step k+1 is a decode step
+holding every running request, including one that step k's token ends: step k+1 feeds it that last
+token (``prepare_for_decode`` counts it in ``kv_committed_len``), so when step k's result ends the
+request, ``cache_finished_req`` puts that token's KV into the radix cache. Step k+1's result then
+skips the finished request (``process_batch_result_decode``), so the row never reaches the row seams.
+
+A capture file has no row for that token (core/format.row_count: the last token is never fed
+back). But the next turn of the chat re-sends it, and the radix cache holds its KV: with prefix
+sharing, a capture whose stored rows end one token before the radix match has its hit capped there
+and computes that token again. That one token costs far more than one token's work: it is a radix
+node split, a freed duplicate KV slot, and on Hopper a whole extra 128-row tile of triton's extend
+attention, which reads the turn's whole history again (a 128-token turn became 129: docs/performance.md).
+
+So at sealing, where step k+1 is a plain decode step that holds the request and copied its row to
+the host, that row is kept as the capture's last chunk, a view of step k+1's host block that is
+ready once that step's copy is (``copy_done``). It goes into the capture's shared blocks only
+(``share["blocks_end"]`` = rows + 1), never its file: the next turn's prefix then matches every
+token the radix cache holds. Anywhere else (no overlap, a speculative or mixed step, a copy not
+issued yet) there is no such row, and none is needed where SGLang did not count the token either.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from sglang_capture.server.batch_rows import BatchRows, ResultRows, RowsMismatch
+from sglang_capture.server.request_capture import RequestCapture, RowChunk
+
+
+class LaunchedStep:
+    """The batch ``Scheduler.run_batch`` launched last and its result object (hooks/batch.py keeps
+    it on the ``SchedulerCapture``; the request list is the one launched: SGLang rebinds, never edits it)."""
+
+    __slots__ = ("rows", "result", "reqs", "_index")
+
+    def __init__(self, rows: BatchRows, result: Any) -> None:
+        self.rows = rows
+        self.result = result
+        self.reqs = rows.batch.reqs if rows.batch is not None else ()
+        self._index: Optional[Dict[int, int]] = None
+
+    def offset_of(self, req: Any) -> Optional[int]:
+        """``req``'s place in the launched batch (a decode step's row offset), or None."""
+        if self._index is None:
+            self._index = {id(r): i for i, r in enumerate(self.reqs)}
+        return self._index.get(id(req))
+
+
+def answer_tail(launched: Optional[LaunchedStep], processing: Optional[ResultRows], req: Any,
+                capture: RequestCapture, n_prompt: int, n_out: int) -> Optional[RowChunk]:
+    """The row of ``req``'s last answer token (position ``n_prompt + n_out - 1``, one past its file's
+    rows) in the step launched after the one whose result is being processed, or None where that
+    step did not compute it for a capture to take."""
+    if launched is None or processing is None or launched.rows is processing.rows or n_out == 0:
+        return None
+    rows = launched.rows
+    mode = rows.mode
+    if not rows.captures or mode is None or not mode.is_decode():
+        return None
+    batch = rows.batch
+    spec = getattr(batch, "spec_algorithm", None)
+    if spec is not None and not spec.is_none():
+        return None  # a verify pass: its rows are the draft's, and its radix keys are bigrams
+    position = n_prompt + n_out - 1
+    # the step counted the last token (and the radix cache took its KV); the answer was not cut short
+    if n_out != len(req.output_ids) or getattr(req, "kv_committed_len", None) != position + 1:
+        return None
+    result = launched.result
+    done = getattr(result, "copy_done", None)
+    out = getattr(result, "logits_output", None)
+    hidden = getattr(out, "hidden_states", None)
+    if done is None or hidden is None or hidden.device.type != "cpu":
+        return None  # no copy to the host was issued with the launch (delayed sampling): none to wait on
+    offset = launched.offset_of(req)
+    if offset is None:
+        return None
+    try:
+        row = ResultRows(batch, rows).row(hidden, offset, 1)
+    except RowsMismatch:
+        return None
+    source = rows.packed if capture.is_fp8 and rows.packed is not None else hidden
+    if capture.is_fp8 and source.element_size() != 1:
+        return None  # FP8 rows are packed on the device; this step's copy has them unpacked
+    return RowChunk(position, source[row:row + 1], done)
