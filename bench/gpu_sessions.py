@@ -66,7 +66,7 @@ from sglang_capture.testbed.server import Server, capture_cmd, start_server, sto
 
 TIMINGS = ("queue_wait_s", "assemble_s", "blocks_s", "encode_write_s", "fsync_publish_s")
 COUNTED = ("written", "bytes", "block_bytes", "blocks_written", "blocks_reused", "rows_stored", "rows_shared",
-           "raw_bytes", "failed", "missing_blocks", "ahead_jobs", "parked", *TIMINGS)
+           "rows_for_next_turn", "raw_bytes", "failed", "missing_blocks", "ahead_jobs", "parked", *TIMINGS)
 
 
 def log(msg: str) -> None:
@@ -80,6 +80,13 @@ def counters(docs: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
         for k in COUNTED:
             out[k] += doc.get(k, 0) or 0
     return out
+
+
+def stored_rows(window: Dict[str, Any]) -> float:
+    """Rows a capture window wrote to blocks: its files' own and the answers' last rows (a next
+    turn's, server/answer_tail.py; records before it count none)."""
+    delta = window["delta"]
+    return delta["rows_stored"] + delta.get("rows_for_next_turn", 0)
 
 
 class Chats:
@@ -264,7 +271,8 @@ def summarize(windows: List[Dict[str, Any]]) -> Dict[str, Any]:
                          "none_s": none, "capture_s": [w["seconds"] for w in cap],
                          "none_prefill_tokens": [w.get("prefill_tokens") for w in ws if w["mode"] == "none"],
                          "capture_prefill_tokens": [w.get("prefill_tokens") for w in cap],
-                         "rows_stored_per_unique_row": round(cap[0]["delta"]["rows_stored"] / cap[0]["unique_rows"], 4)
+                         # every row written to blocks: the files' and the answers' last rows kept for next turns
+                         "rows_stored_per_unique_row": round(stored_rows(cap[0]) / cap[0]["unique_rows"], 4)
                          if cap[0]["delta"]["rows_stored"] else None,
                          "file_rows_per_unique_row": round(cap[0]["file_rows"] / cap[0]["unique_rows"], 4),
                          "writer_s_per_file": {k: round(cap[0]["delta"][k] / max(cap[0]["delta"]["written"], 1), 4)
@@ -380,7 +388,7 @@ def main(argv: List[str]) -> int:
             result["windows"].append(w)
             save()
             log(f"{name} {mode} r{r}: {w['seconds']:.2f} s, {w['requests_per_s']} req/s"
-                + (f", stored {w['delta']['rows_stored']:.0f} rows of {w['unique_rows']} unique, "
+                + (f", stored {stored_rows(w):.0f} rows of {w['unique_rows']} unique, "
                    f"{w['errors']} errors" if mode == "capture" else ""))
         if a.profile:
             result["timeline"] = {}

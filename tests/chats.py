@@ -5,20 +5,25 @@ import random
 from typing import Any, Dict, Optional, Tuple
 
 PROMPT = 300  # tokens of a chat's first turn
-ANSWER = 12  # tokens of each answer
+ANSWER = 12  # the most tokens of each answer
 USER = 40  # tokens the second turn adds after the first's answer
+# Answers end on one of these (as a chat's answer ends on its end-of-turn token), not at their length:
+# SGLang 0.5.22 on leaves a request its length ends out of the decode step launched after its last
+# token, while a token-ended answer is fed to that step on every release (server/answer_tail.py).
+STOP_IDS = list(range(10, 1000, 3))
 
 
 def chat_turns(server: Any, seed: int, capture_name: Optional[str] = None, **routing: Any
                ) -> Tuple[int, Dict[str, Any], Dict[str, Any]]:
     """A chat's two turns on ``server`` (plain requests, or captures named ``capture_name-1`` and
-    ``-2``; ``routing``: more request fields, SGLang's ``routed_dp_rank`` say): the first turn's prompt
-    length and both responses."""
+    ``-2``; ``routing``: more request fields, SGLang's ``routed_dp_rank`` say), each answer ended by a
+    stop token: the first turn's tokens (prompt and answer: what the radix cache may hold of it) and
+    both responses."""
     rng = random.Random(seed)
     prompt = [rng.randrange(10, 1000) for _ in range(PROMPT)]
 
     def turn(ids, t):
-        params: Dict[str, Any] = {"max_new_tokens": ANSWER, "temperature": 0, "ignore_eos": True}
+        params: Dict[str, Any] = {"max_new_tokens": ANSWER, "temperature": 0, "stop_token_ids": STOP_IDS}
         if capture_name is not None:
             params["custom_params"] = {"capture": True, "capture_name": f"{capture_name}-{t}"}
         r = server.generate({"input_ids": ids, "sampling_params": params, **routing})
@@ -26,4 +31,6 @@ def chat_turns(server: Any, seed: int, capture_name: Optional[str] = None, **rou
         return r.json()
 
     one = turn(prompt, 1)
-    return len(prompt), one, turn(prompt + one["output_ids"] + [rng.randrange(10, 1000) for _ in range(USER)], 2)
+    assert one["meta_info"]["finish_reason"]["type"] == "stop", one["meta_info"]  # a stop token ended it
+    history = prompt + one["output_ids"]
+    return len(history), one, turn(history + [rng.randrange(10, 1000) for _ in range(USER)], 2)

@@ -562,3 +562,14 @@ def test_a_timed_pass_ends_when_its_load_does_not_when_the_gpu_sampler_is_reaped
     result, seconds, gpu = e2e_probes.timed_with_gpu(lambda: time.sleep(0.05) or "done")
     assert result == "done" and gpu == {"util_pct": 90.0}
     assert 0.05 <= seconds < 0.25
+
+
+def test_a_sessions_window_counts_the_answers_last_rows_it_kept_as_stored():
+    """Rows stored against the chats' unique rows: the files' own and each answer's last row kept for
+    its next turn (server/answer_tail.py); a record from before them counts the files' alone."""
+    import gpu_sessions
+
+    ranks = {"a": {"rows_stored": 100, "rows_for_next_turn": 3}, "b": {"rows_stored": 50}}
+    assert gpu_sessions.counters(ranks)["rows_for_next_turn"] == 3
+    assert gpu_sessions.stored_rows({"delta": {"rows_stored": 150, "rows_for_next_turn": 3}}) == 153
+    assert gpu_sessions.stored_rows({"delta": {"rows_stored": 150}}) == 150

@@ -24,7 +24,7 @@ from sglang_capture.core.capture_dir import writer_stats
 from sglang_capture.core.reader import block_names, read_meta
 from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd, start_server, stop_server
-from tests.chats import ANSWER, chat_turns
+from tests.chats import chat_turns
 from tests.reference import max_abs_diff, min_block_cosines, min_row_cosine, reference_pre_norm, reference_states
 
 LAYERS = [0, 2, 3]
@@ -176,10 +176,11 @@ def _check_chat_hit(server, model: str, seed: int, overlap: bool = True) -> None
     where the first turn's KV is): every token of the first turn under overlap, whose step after the
     answer fed its last token (its row kept in the blocks, server/answer_tail.py), one fewer without;
     and it reads exact, that row included."""
-    n, _, plain = chat_turns(server, seed, routed_dp_rank=0)
-    _, one, two = chat_turns(server, seed + 1, f"chat-{seed}", routed_dp_rank=0)
-    hit = n + ANSWER - (0 if overlap else 1)
-    assert plain["meta_info"]["cached_tokens"] == two["meta_info"]["cached_tokens"] == hit
+    history, _, plain = chat_turns(server, seed, routed_dp_rank=0)
+    assert plain["meta_info"]["cached_tokens"] == history - (0 if overlap else 1)
+    history, one, two = chat_turns(server, seed + 1, f"chat-{seed}", routed_dp_rank=0)
+    hit = history - (0 if overlap else 1)
+    assert two["meta_info"]["cached_tokens"] == hit
     assert one["meta_info"]["capture"]["rows_for_next_turn"] == int(overlap)
     ref = two["meta_info"]["capture"]
     assert ref["status"] == "ok" and ref["rows_shared"] == hit, ref

@@ -16,7 +16,7 @@ import torch
 import sglang_capture
 from sglang_capture.core.capture_dir import read_stats
 from sglang_capture.testbed.server import capture_cmd
-from tests.chats import ANSWER, chat_turns
+from tests.chats import chat_turns
 from tests.reference import min_block_cosines, min_row_cosine, reference_pre_norm, reference_states
 
 PROMPTS = ["hello world, this is a tiny tokenizer", "The quick brown fox jumps over the lazy dog."]
@@ -310,15 +310,14 @@ def test_an_fp8_chats_next_turn_reuses_its_answers_last_row_packed_as_fp8(llama_
     """The row the overlap step computed after an FP8 capture's answer ended (server/answer_tail.py) is
     kept as the step's copy packed it: the next turn's hit reaches every token of the turn before, as a
     plain turn's does, and its file reads within the FP8 bar of a capture in the model's dtype."""
-    n, one, two = chat_turns(llama_fp8, 80, "fp8-chat")
-    history = n + ANSWER
+    history, one, two = chat_turns(llama_fp8, 86, "fp8-chat")  # a seed whose answer a stop token ends
     assert two["meta_info"]["cached_tokens"] == history
     assert one["meta_info"]["capture"]["rows_for_next_turn"] == 1
     ref = two["meta_info"]["capture"]
     assert ref["status"] == "ok" and ref["rows_shared"] == history, ref
     b = sglang_capture.load(ref["path"])
     body = {"input_ids": b["input_ids"].tolist(), "sampling_params": {
-        "max_new_tokens": ANSWER, "temperature": 0, "ignore_eos": True,
+        "max_new_tokens": len(two["output_ids"]), "temperature": 0, "ignore_eos": True,
         "custom_params": {"capture": True, "capture_name": "fp8-chat-model", "capture_dtype": "model"}}}
     a = sglang_capture.load(llama_fp8.generate(body).json()["meta_info"]["capture"]["path"])
     assert b["meta"]["storage_dtype"] == "float8_e4m3fn" and a["output_ids"].tolist() == b["output_ids"].tolist()

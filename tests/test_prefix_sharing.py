@@ -4,6 +4,7 @@ when stored rows are deleted, damaged or reused across servers, restarts and ``g
 from __future__ import annotations
 
 import glob
+import json
 import os
 import threading
 import time
@@ -15,11 +16,11 @@ from transformers import AutoTokenizer
 
 import sglang_capture
 from sglang_capture.core.blocks import BLOCKS_DIR, block_relpath
-from sglang_capture.core.capture_dir import read_stats
+from sglang_capture.core.capture_dir import index_path, read_stats
 from sglang_capture.core.format import SCHEMA, SCHEMA_REFS, CaptureFileError, row_count
 from sglang_capture.core.reader import load_records
 from sglang_capture.testbed.server import capture_cmd, stop_server
-from tests.chats import ANSWER, chat_turns
+from tests.chats import chat_turns
 from tests.reference import max_abs_diff, reference_states
 
 TOL = 1e-4  # against transformers, as tests/test_e2e_deepseek.py
@@ -89,12 +90,11 @@ def test_each_turn_reuses_the_stored_rows_of_the_turns_before_and_reads_as_a_pri
     for t, out in enumerate(outs):
         ref = out["meta_info"]["capture"]
         assert ref["status"] == "ok", ref
-        # turn t+1 reuses every row of turn t, its answer's decode rows too, and computes only what is new;
-        # its radix hit is a plain turn's, every token turn t left in the cache (its answer's last too)
+        # turn t+1 reuses every row of turn t, its answer's decode rows too (and its last token's, where
+        # SGLang fed it after the answer: rows_for_next_turn), and computes only what is new
         assert ref["rows_shared"] == rows and ref["rows_stored"] == ref["rows"] - rows
         assert t == 0 or out["meta_info"]["cached_tokens"] == rows
-        assert ref["rows_for_next_turn"] == 1  # its answer's last row, computed after the answer ended
-        rows = ref["rows"] + 1
+        rows = ref["rows"] + ref["rows_for_next_turn"]
         data = sglang_capture.load(ref["path"])
         assert data["schema"] == SCHEMA_REFS
         _exact(tiny_models["tiny-dsv3"], data)
@@ -110,15 +110,15 @@ def test_each_turn_reuses_the_stored_rows_of_the_turns_before_and_reads_as_a_pri
 
 
 def test_a_capturing_chats_next_turn_hits_the_radix_cache_as_a_plain_chats_does(shared, private, tiny_models):
-    """Under SGLang's overlap schedule the step after an answer's last token feeds that token, and the
-    radix cache keeps its KV. Its row is kept too (server/answer_tail.py), in the capture's blocks
-    only: so a capturing turn's hit is a plain turn's, every token of the turn before (before, it
-    stopped one short and computed that token again, a second attention tile over the whole history on
-    Hopper). The row reads exact, through the next turn's file, against a private capture."""
-    n, _, plain = chat_turns(shared, 60)
-    _, one, two = chat_turns(shared, 61, "answer-tail")
-    history = n + ANSWER  # the first turn's tokens
-    assert plain["meta_info"]["cached_tokens"] == history  # plain SGLang's hit: every one of them
+    """Under SGLang's overlap schedule the step after an answer's last token feeds that token (an
+    answer a stop token ends, as a chat's end-of-turn token does), and the radix cache keeps its KV.
+    Its row is kept too (server/answer_tail.py), in the capture's blocks only: so a capturing turn's
+    hit is a plain turn's, every token of the turn before (before, it stopped one short and computed
+    that token again: on Hopper a second attention tile over the whole history). The row reads
+    exact, through the next turn's file, against a private capture."""
+    history, _, plain = chat_turns(shared, 60)
+    assert plain["meta_info"]["cached_tokens"] == history  # plain SGLang's hit: the first turn's every token
+    history, one, two = chat_turns(shared, 61, "answer-tail")
     assert two["meta_info"]["cached_tokens"] == history
     ref1, ref2 = one["meta_info"]["capture"], two["meta_info"]["capture"]
     assert ref1["status"] == "ok" and ref1["rows"] == history - 1 and ref1["rows_for_next_turn"] == 1, ref1
@@ -126,7 +126,7 @@ def test_a_capturing_chats_next_turn_hits_the_radix_cache_as_a_plain_chats_does(
     assert ref2["status"] == "ok" and ref2["rows_shared"] == history, ref2
     data = sglang_capture.load(ref2["path"])
     _exact(tiny_models["tiny-dsv3"], data)
-    alone = capture(private, data["input_ids"].tolist(), "answer-tail-alone", max_new_tokens=ANSWER)
+    alone = capture(private, data["input_ids"].tolist(), "answer-tail-alone", max_new_tokens=len(two["output_ids"]))
     theirs = sglang_capture.load(alone["meta_info"]["capture"]["path"])
     assert theirs["output_ids"].tolist() == data["output_ids"].tolist()
     for name in ("aux_hidden_states", "last_hidden_states"):
@@ -210,8 +210,9 @@ def test_a_turn_whose_history_left_the_radix_cache_stores_only_its_new_rows(shar
     data1 = sglang_capture.load(ref1["path"])
     history = data1["input_ids"].tolist() + data1["output_ids"].tolist()
     ref2 = capture(shared, history + tok(" And then?")["input_ids"], "evicted-2")["meta_info"]["capture"]
-    assert ref2["status"] == "ok" and ref2["rows_shared"] == len(history)  # the first's rows and its answer's last
-    assert ref2["rows_stored"] == ref2["rows"] - len(history)
+    shared_rows = ref1["rows"] + ref1["rows_for_next_turn"]  # the first's rows (and its answer's last)
+    assert ref2["status"] == "ok" and ref2["rows_shared"] == shared_rows
+    assert ref2["rows_stored"] == ref2["rows"] - shared_rows
     data2 = sglang_capture.load(ref2["path"])
     _exact(tiny_models["tiny-dsv3"], data2)
     assert torch.equal(data2["aux_hidden_states"][:ref1["rows"]], data1["aux_hidden_states"])
@@ -294,7 +295,7 @@ def test_two_servers_on_one_directory_and_a_restart_store_the_same_rows_once(sha
     assert again["meta_info"]["capture"]["block_bytes"] == 0
     longer = ids + again["output_ids"] + tok(" And after the restart?")["input_ids"]
     turn = capture(restarted, longer, "two-d")["meta_info"]["capture"]
-    assert turn["rows_shared"] == len(ids) + len(again["output_ids"])  # its answer's last row too, stored by "two-a"
+    assert turn["rows_shared"] == again["meta_info"]["capture"]["rows"] + one["rows_for_next_turn"]  # stored by "two-a"
     for ref in (one, two, turn):
         _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))
 
@@ -490,12 +491,12 @@ def test_a_chats_next_turn_sent_before_the_last_answers_file_is_written_reuses_i
     references them and is written only after that job (the supervisor parks it), and both read exact."""
     prompt, nxt, before, (one, two) = _next_turn_before_the_last_file(shared, 53)
     rows1 = len(prompt) + 12 - 1
-    # the first turn's prompt and answer rows, and its answer's last token's, in flight: a plain turn's hit
-    assert two["meta_info"]["cached_tokens"] == rows1 + 1
     ref1, ref2 = one["meta_info"]["capture"], two["meta_info"]["capture"]
-    assert ref1["status"] == "ok" and ref1["rows_stored"] == rows1 and ref1["rows_for_next_turn"] == 1, ref1
-    assert ref2["status"] == "ok" and ref2["rows_shared"] == rows1 + 1, ref2
-    assert ref2["rows_stored"] == ref2["rows"] - rows1 - 1, ref2
+    last = ref1["rows_for_next_turn"]  # its answer's last token's row, where SGLang fed it after the answer
+    assert two["meta_info"]["cached_tokens"] == rows1 + last  # the first turn's prompt and answer rows, in flight
+    assert ref1["status"] == "ok" and ref1["rows_stored"] == rows1, ref1
+    assert ref2["status"] == "ok" and ref2["rows_shared"] == rows1 + last, ref2
+    assert ref2["rows_stored"] == ref2["rows"] - rows1 - last, ref2
     for ref in (ref1, ref2):
         _exact(tiny_models["tiny-dsv3"], sglang_capture.load(ref["path"]))
     assert [r[0] for r in load_records(ref1["path"])[0]["blocks"]] == \
@@ -503,9 +504,9 @@ def test_a_chats_next_turn_sent_before_the_last_answers_file_is_written_reuses_i
     after = read_stats(shared.capture_dir, settled=True)
     assert _flight(after, "reused") - _flight(before, "reused") == 1
     assert after["parked"] - before["parked"] == 1
-    # every row once (the prompt: by the first), and each answer's last
-    assert after["rows_stored"] - before["rows_stored"] == ref2["rows"] - 1
-    assert after["rows_for_next_turn"] - before["rows_for_next_turn"] == 2
+    # every row once (the prompt: by the first), and each answer's last where it was fed
+    assert after["rows_stored"] - before["rows_stored"] == ref2["rows"] - last
+    assert after["rows_for_next_turn"] - before["rows_for_next_turn"] == last + ref2["rows_for_next_turn"]
 
 
 def test_a_turn_that_reused_rows_whose_store_then_failed_fails_naming_them_and_its_retry_computes_them(
@@ -559,9 +560,11 @@ def test_an_operators_chat_turn_answered_before_its_file_is_written_is_reused_in
         assert not any(os.path.exists(f) for f in files)  # answered while every writer waits
     finally:
         wait.release()
-    # the first turn's prompt and answer rows, in flight, and its answer's last token's: a plain turn's hit
-    assert two["meta_info"]["cached_tokens"] == len(prompt) + 12
     for path in files:
         _exact(tiny_models["tiny-dsv3"], sglang_capture.load(_file_written(path)))
+    with open(index_path(operator.capture_dir, "op-chat-1")) as f:  # its outcome record
+        last = json.load(f)["rows_for_next_turn"]  # its answer's last row, where SGLang fed it after the answer
+    # the first turn's prompt and answer rows, in flight: a plain turn's hit
+    assert two["meta_info"]["cached_tokens"] == len(prompt) + 12 - 1 + last
     first = [r[0] for r in load_records(files[0])[0]["blocks"]]
     assert len(first) == 3 and [r[0] for r in load_records(files[1])[0]["blocks"][:3]] == first

@@ -3,9 +3,12 @@
 Under the overlap schedule the scheduler launches step k+1 before it processes step k's result.
 When nothing waits to be prefilled (the end of every wave of chat turns), step k+1 is a decode step
 holding every running request, including one that step k's token ends: step k+1 feeds it that last
-token (``prepare_for_decode`` counts it in ``kv_committed_len``), so when step k's result ends the
-request, ``cache_finished_req`` puts that token's KV into the radix cache. Step k+1's result then
-skips the finished request (``process_batch_result_decode``), so the row never reaches the row seams.
+token (``prepare_for_decode`` counts it in the committed KV length), so when step k's result ends the
+request, the radix cache takes that token's KV (``cache_finished_req``; ``insert_req`` in 0.5.21,
+``checkpoint`` from 0.5.22). Step k+1's result then skips the finished request
+(``process_batch_result_decode``), so the row never reaches the row seams. From 0.5.22 SGLang leaves
+a request its length ends out of step k+1 (``_reqs_finishing_inflight``): there only an answer a
+stop or end-of-turn token ends, which it cannot foresee, is fed again, as every answer is before.
 
 A capture file has no row for that token (core/format.row_count: the last token is never fed
 back). But the next turn of the chat re-sends it, and the radix cache holds its KV: with prefix
@@ -20,12 +23,17 @@ ready once that step's copy is (``copy_done``). It goes into the capture's share
 (``share["blocks_end"]`` = rows + 1), never its file: the next turn's prefix then matches every
 token the radix cache holds. Anywhere else (no overlap, a speculative or mixed step, a copy not
 issued yet) there is no such row, and none is needed where SGLang did not count the token either.
+
+What it costs: the view keeps that step's whole host block (one row per capture request of the
+step) until the job's writer has read it, counted by the ledger as any prompt chunk's block is;
+and the hand-off waits for that step's copy, so a capture's job leaves about one decode step later
+(a client's capture, whose answer waits for its file, answers that much later).
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from sglang_capture.server.batch_rows import BatchRows, ResultRows, RowsMismatch
+from sglang_capture.server.batch_rows import BatchRows, ResultRows, RowsMismatch, wants_decode_row
 from sglang_capture.server.request_capture import RequestCapture, RowChunk
 
 
@@ -65,7 +73,7 @@ def answer_tail(launched: Optional[LaunchedStep], processing: Optional[ResultRow
         return None  # a verify pass: its rows are the draft's, and its radix keys are bigrams
     position = n_prompt + n_out - 1
     # the step counted the last token (and the radix cache took its KV); the answer was not cut short
-    if n_out != len(req.output_ids) or getattr(req, "kv_committed_len", None) != position + 1:
+    if n_out != len(req.output_ids) or _kv_committed(req) != position + 1 or not wants_decode_row(req):
         return None
     result = launched.result
     done = getattr(result, "copy_done", None)
@@ -84,3 +92,10 @@ def answer_tail(launched: Optional[LaunchedStep], processing: Optional[ResultRow
     if capture.is_fp8 and source.element_size() != 1:
         return None  # FP8 rows are packed on the device; this step's copy has them unpacked
     return RowChunk(position, source[row:row + 1], done)
+
+
+def _kv_committed(req: Any) -> Optional[int]:
+    """How many of ``req``'s tokens have their KV committed: a ``Req`` field in SGLang 0.5.17 and
+    0.5.18, its ``kv`` record's from 0.5.19 (``alloc_for_decode`` counts a decode step's token there)."""
+    committed = getattr(getattr(req, "kv", None), "kv_committed_len", None)
+    return committed if committed is not None else getattr(req, "kv_committed_len", None)

@@ -9,6 +9,7 @@ at its batch offset. Everything that decides or reads that lives here:
 - ``BatchRows.keep_for_copy``: the same selection before the copy to the host, when the forward
   did not make it (CUDA graphs); ``fp8_readers``: whether that copy is packed as FP8;
 - ``ResultRows``: where the row seams find a request's rows while the batch's result is processed;
+- ``wants_decode_row``: whether a decode step's row of a request is used at all;
 - ``fail_batch_captures``: a forward that could not give its rows fails the batch's captures.
 
 The map from batch offsets to kept rows lives in a ``BatchRows`` object, never on the tensor:
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from sglang_capture.server.aux_capture import AUX_ATTR
 from sglang_capture.server.request_capture import CAPTURE_ATTR
 
 Selection = Tuple[List[Tuple[int, int]], Dict[int, int]]  # kept row runs, batch offset -> kept offset
@@ -168,6 +170,22 @@ def _extend_lens(batch: Any) -> List[int]:
     if batch.reqs and hasattr(batch.reqs[0], "extend_range"):
         return [r.extend_range.length if r.extend_range is not None else 0 for r in batch.reqs]
     return list(batch.extend_lens)
+
+
+def wants_decode_row(req: Any) -> bool:
+    """Whether ``req`` uses the hidden state a decode step computes for it.
+
+    A capture request limited to one new token (``sglang_capture extract`` sends only those)
+    never does: its file holds the prompt's rows, and its one token is sampled by the prefill.
+    SGLang 0.5.17's overlap scheduler still puts it into the next decode batch, launched before
+    the prefill's result says the request finished (0.5.23 does not); that batch would copy its
+    row to the host and hand it to the result seams for nothing (+0.5 ms of the scheduler thread
+    per capture on the H200, bench/RESULTS.md). Nor is that row kept for a next turn
+    (answer_tail.py): such a request has none.
+    """
+    if not req.return_hidden_states:
+        return False
+    return not (getattr(req, AUX_ATTR, False) and req.sampling_params.max_new_tokens == 1)
 
 
 def fail_batch_captures(rows: Optional[BatchRows], why: str) -> None:

@@ -11,24 +11,9 @@ import contextlib
 from typing import Any
 
 from sglang_capture.server.answer_tail import LaunchedStep
-from sglang_capture.server.aux_capture import AUX_ATTR, batch_captures
-from sglang_capture.server.batch_rows import BatchRows
+from sglang_capture.server.aux_capture import batch_captures
+from sglang_capture.server.batch_rows import BatchRows, wants_decode_row
 from sglang_capture.server.scheduler_capture import SchedulerCapture
-
-
-def _wants_decode_row(req: Any) -> bool:
-    """Whether ``req`` uses the hidden state a decode step computes for it.
-
-    A capture request limited to one new token (``sglang_capture extract`` sends only those)
-    never does: its file holds the prompt's rows, and its one token is sampled by the prefill.
-    SGLang 0.5.17's overlap scheduler still puts it into the next decode batch, launched before
-    the prefill's result says the request finished (0.5.23 does not); that batch would copy its
-    row to the host and hand it to the result seams for nothing (+0.5 ms of the scheduler thread
-    per capture on the H200, bench/RESULTS.md).
-    """
-    if not req.return_hidden_states:
-        return False
-    return not (getattr(req, AUX_ATTR, False) and req.sampling_params.max_new_tokens == 1)
 
 
 def run_batch(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -37,7 +22,7 @@ def run_batch(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple,
     aux = state.aux
     captures = batch_captures(batch)
     if captures and batch.forward_mode.is_decode() and batch.return_hidden_states \
-            and not any(_wants_decode_row(req) for req in batch.reqs):
+            and not any(wants_decode_row(req) for req in batch.reqs):
         # SGLang reads these two when it copies the result and processes it (on a copy of the
         # batch taken after this call); the forward itself captures at the server's mode anyway.
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
