@@ -133,7 +133,10 @@ def run_chat(url: str, chats: Chats, s: int, capture: bool, name: str) -> Dict[s
 # The scheduler processes' counters of prefix sharing, summed over ranks: captures that waited at admission
 # for another's prompt blocks, their owners, holds that timed out (server/prompt_holds.py); jobs that put
 # blocks in flight, and captures admitted reusing rows in flight (server/shared_rows.py)
-SCHEDULER_COUNTED = {"prompt_holds": ("owners", "held", "timed_out"), "in_flight": ("jobs", "reused")}
+# the scheduler side's counters per window (None: every name its stats give, as the answers' last rows kept
+# and why not, server/answer_tail.py)
+SCHEDULER_COUNTED = {"prompt_holds": ("owners", "held", "timed_out"), "in_flight": ("jobs", "reused"),
+                     "answer_tail": None}
 # the CUDA caching allocator's counters in the scheduler process (server/writer_pool.py): a retry
 # frees every cached block and synchronizes the device, and so does each cudaFree, stalling the
 # overlap schedule; compared between a capturing server and one that captures nothing
@@ -141,7 +144,8 @@ ALLOCATOR_COUNTED = ("num_alloc_retries", "num_device_alloc", "num_device_free",
 
 
 def scheduler_counters(docs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, int]]:
-    return {key: {k: sum((d.get(key) or {}).get(k, 0) for d in docs.values()) for k in names}
+    return {key: {k: sum((d.get(key) or {}).get(k, 0) for d in docs.values())
+                  for k in (names or sorted({k for d in docs.values() for k in (d.get(key) or {})}))}
             for key, names in SCHEDULER_COUNTED.items()}
 
 
@@ -205,7 +209,7 @@ def window(server: Server, chats: Chats, capture: bool, name: str, count: Option
         after = counters(docs)
         delta = {k: after[k] - before[k] for k in COUNTED}
         for key, now in scheduler_counters(docs).items():
-            delta[key] = {k: now[k] - sched_before[key][k] for k in now}
+            delta[key] = {k: now[k] - sched_before[key].get(k, 0) for k in now}
         # rows a chat needs (its last turn's, the system prompt's counted once per window) and those stored
         unique = a.system + sum(r["rows"] - a.system for r in results)
         out.update(delta=delta, unique_rows=unique, file_rows=sum(r["file_rows"] for r in results),

@@ -13,6 +13,19 @@ USER = 40  # tokens the second turn adds after the first's answer
 STOP_IDS = list(range(10, 1000, 3))
 
 
+def _release(v: str) -> tuple:
+    return tuple(int(x) for x in v.split("."))
+
+
+def length_ended_last_row() -> int:
+    """1 where the installed SGLang feeds an answer its *length* ends to the step after it, so the radix
+    cache holds its last token and a capture keeps that row (``rows_for_next_turn``); 0 from 0.5.22,
+    which leaves such a request out of that step (``Scheduler._reqs_finishing_inflight``)."""
+    from sglang_capture.patches.version_gate import installed_sglang_version
+
+    return int(_release(installed_sglang_version()) < (0, 5, 22))
+
+
 def chat_turns(server: Any, seed: int, capture_name: Optional[str] = None, **routing: Any
                ) -> Tuple[int, Dict[str, Any], Dict[str, Any]]:
     """A chat's two turns on ``server`` (plain requests, or captures named ``capture_name-1`` and
@@ -31,6 +44,7 @@ def chat_turns(server: Any, seed: int, capture_name: Optional[str] = None, **rou
         return r.json()
 
     one = turn(prompt, 1)
-    assert one["meta_info"]["finish_reason"]["type"] == "stop", one["meta_info"]  # a stop token ended it
+    # a stop token ended it, before its length would have (where 0.5.22 on would leave it out of the next step)
+    assert one["meta_info"]["finish_reason"]["type"] == "stop" and len(one["output_ids"]) < ANSWER, one["meta_info"]
     history = prompt + one["output_ids"]
     return len(history), one, turn(history + [rng.randrange(10, 1000) for _ in range(USER)], 2)

@@ -24,7 +24,7 @@ from sglang_capture.core.capture_dir import writer_stats
 from sglang_capture.core.reader import block_names, read_meta
 from sglang_capture.patches.version_gate import installed_sglang_version
 from sglang_capture.testbed.server import Server, capture_cmd, free_port, plain_cmd, start_server, stop_server
-from tests.chats import chat_turns
+from tests.chats import chat_turns, length_ended_last_row
 from tests.reference import max_abs_diff, min_block_cosines, min_row_cosine, reference_pre_norm, reference_states
 
 LAYERS = [0, 2, 3]
@@ -244,8 +244,8 @@ def test_tp_across_two_nodes_writes_every_file_where_the_response_says(make_test
             out = _send(server, {"i": turn, "ids": ids, "capture": True, "new": 3})
             ref = out["meta_info"]["capture"]
             assert ref["status"] == "ok" and os.path.dirname(ref["path"]) == capture_dir
-            # every row of the turn before, its answer's last token's too (server/answer_tail.py)
-            assert ref["rows_shared"] == (0 if turn == 0 else len(ids) - 3)
+            # every row of the turn before, and its answer's last token's where SGLang fed it (server/answer_tail.py)
+            assert ref["rows_shared"] == (0 if turn == 0 else len(ids) - 4 + length_ended_last_row())
             data = sglang_capture.load(ref["path"])
             aux, last = reference_states(model, torch.float32, ids + out["output_ids"][:-1], LAYERS)
             assert max_abs_diff(data["aux_hidden_states"], aux) <= TOL

@@ -20,7 +20,7 @@ from sglang_capture.core.capture_dir import index_path, read_stats
 from sglang_capture.core.format import SCHEMA, SCHEMA_REFS, CaptureFileError, row_count
 from sglang_capture.core.reader import load_records
 from sglang_capture.testbed.server import capture_cmd, stop_server
-from tests.chats import chat_turns
+from tests.chats import chat_turns, length_ended_last_row
 from tests.reference import max_abs_diff, reference_states
 
 TOL = 1e-4  # against transformers, as tests/test_e2e_deepseek.py
@@ -94,6 +94,7 @@ def test_each_turn_reuses_the_stored_rows_of_the_turns_before_and_reads_as_a_pri
         # SGLang fed it after the answer: rows_for_next_turn), and computes only what is new
         assert ref["rows_shared"] == rows and ref["rows_stored"] == ref["rows"] - rows
         assert t == 0 or out["meta_info"]["cached_tokens"] == rows
+        assert ref["rows_for_next_turn"] == length_ended_last_row()
         rows = ref["rows"] + ref["rows_for_next_turn"]
         data = sglang_capture.load(ref["path"])
         assert data["schema"] == SCHEMA_REFS
@@ -210,6 +211,7 @@ def test_a_turn_whose_history_left_the_radix_cache_stores_only_its_new_rows(shar
     data1 = sglang_capture.load(ref1["path"])
     history = data1["input_ids"].tolist() + data1["output_ids"].tolist()
     ref2 = capture(shared, history + tok(" And then?")["input_ids"], "evicted-2")["meta_info"]["capture"]
+    assert ref1["rows_for_next_turn"] == length_ended_last_row()
     shared_rows = ref1["rows"] + ref1["rows_for_next_turn"]  # the first's rows (and its answer's last)
     assert ref2["status"] == "ok" and ref2["rows_shared"] == shared_rows
     assert ref2["rows_stored"] == ref2["rows"] - shared_rows
@@ -284,6 +286,7 @@ def test_two_servers_on_one_directory_and_a_restart_store_the_same_rows_once(sha
     ids = tok("Two servers on one directory store these rows once. " * 6)["input_ids"]  # no stored prefix
     one = capture(shared, ids, "two-a")["meta_info"]["capture"]
     assert one["rows_shared"] == 0 and one["rows_stored"] == one["rows"]
+    assert one["rows_for_next_turn"] == length_ended_last_row()
     other = make_test_server(_cmd(tiny_models, shared.capture_dir), shared.capture_dir)
     two = capture(other, ids, "two-b")["meta_info"]["capture"]  # no radix hit there: computed, found stored
     assert two["status"] == "ok" and two["rows_shared"] == two["rows"] and two["block_bytes"] == two["rows_stored"] == 0
@@ -493,6 +496,7 @@ def test_a_chats_next_turn_sent_before_the_last_answers_file_is_written_reuses_i
     rows1 = len(prompt) + 12 - 1
     ref1, ref2 = one["meta_info"]["capture"], two["meta_info"]["capture"]
     last = ref1["rows_for_next_turn"]  # its answer's last token's row, where SGLang fed it after the answer
+    assert last == length_ended_last_row()
     assert two["meta_info"]["cached_tokens"] == rows1 + last  # the first turn's prompt and answer rows, in flight
     assert ref1["status"] == "ok" and ref1["rows_stored"] == rows1, ref1
     assert ref2["status"] == "ok" and ref2["rows_shared"] == rows1 + last, ref2
@@ -564,6 +568,7 @@ def test_an_operators_chat_turn_answered_before_its_file_is_written_is_reused_in
         _exact(tiny_models["tiny-dsv3"], sglang_capture.load(_file_written(path)))
     with open(index_path(operator.capture_dir, "op-chat-1")) as f:  # its outcome record
         last = json.load(f)["rows_for_next_turn"]  # its answer's last row, where SGLang fed it after the answer
+    assert last == length_ended_last_row()
     # the first turn's prompt and answer rows, in flight: a plain turn's hit
     assert two["meta_info"]["cached_tokens"] == len(prompt) + 12 - 1 + last
     first = [r[0] for r in load_records(files[0])[0]["blocks"]]

@@ -11,7 +11,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-from sglang_capture.server.answer_tail import LaunchedStep, answer_tail
+from sglang_capture.server.answer_tail import KEPT, WHY_NOT, LaunchedStep, answer_tail
 from sglang_capture.server.aux_capture import AUX_ATTR
 from sglang_capture.server.batch_rows import BatchRows, ResultRows
 from sglang_capture.server.ledger import HostMemoryLedger
@@ -63,32 +63,63 @@ def _tail(launched, req, processing=None, n_out=ANSWER):
     return answer_tail(launched, processing or _processing(), req, getattr(req, CAPTURE_ATTR), PROMPT, n_out)
 
 
+def _packed_step(reqs):
+    """A decode step whose FP8 readers share it with a model-dtype one: the copy packed beside the rows."""
+    launched = _step(reqs)
+    launched.rows.packed = torch.tensor([[i] * WIDTH for i in range(len(reqs))], dtype=torch.uint8)
+    return launched
+
+
 @pytest.mark.parametrize("kv_record", [False, True])
 def test_the_row_of_the_step_launched_after_the_answer_is_kept_at_the_answers_last_position(kv_record):
     reqs = [_req("a"), _req("plain", capture=False), _req("b", kv_record=kv_record)]
     launched = _step(reqs)
-    tail = _tail(launched, reqs[2])
-    assert tail.start == PROMPT + ANSWER - 1  # one past its file's rows
+    tail, why = _tail(launched, reqs[2])
+    assert why == KEPT and tail.start == PROMPT + ANSWER - 1  # one past its file's rows
     assert torch.equal(tail.rows, torch.full((1, WIDTH), 2.0))  # its own row, past the plain request's
     assert tail.ready is launched.result.copy_done
-    assert torch.equal(_tail(launched, reqs[0]).rows, torch.zeros(1, WIDTH))
+    assert torch.equal(_tail(launched, reqs[0])[0].rows, torch.zeros(1, WIDTH))
 
 
-@pytest.mark.parametrize("why", ["its own result", "a prefill", "a mixed batch", "a verify pass", "rows on the device",
-                                 "no copy issued", "not in the batch", "the token not counted", "an answer cut short",
-                                 "one-token request", "no answer", "fp8 rows not packed"])
-def test_no_row_is_kept_where_the_launched_step_did_not_compute_it_for_this_capture(why):
-    req = _req("a", max_new_tokens=1 if why == "one-token request" else 16,
-               committed=PROMPT + ANSWER - 1 if why == "the token not counted" else PROMPT + ANSWER)
+def test_an_fp8_capture_keeps_the_row_its_steps_copy_packed():
+    reqs = [_req("fp8"), _req("model")]
+    getattr(reqs[0], CAPTURE_ATTR).fp8_block = WIDTH
+    tail, why = _tail(_packed_step(reqs), reqs[0])
+    assert why == KEPT and tail.rows.dtype == torch.uint8 and torch.equal(tail.rows, torch.zeros(1, WIDTH, dtype=torch.uint8))
+
+
+CASES = {  # what the launched step or the request is like, and the reason answer_tail gives
+    "its own result": "no_later_step", "no step launched": "no_later_step", "a prefill": "not_a_decode_step",
+    "a mixed batch": "not_a_decode_step", "a step copying no rows": "not_a_decode_step",
+    "a verify pass": "speculative", "the token not counted": "token_not_fed", "an answer cut short": "token_not_fed",
+    "a one-token request": "token_not_fed", "no answer": "token_not_fed", "not in the batch": "not_in_step",
+    "rows on the device": "rows_not_on_host", "no copy issued": "rows_not_on_host",
+    "rows not the step's kept ones": "rows_mismatch", "fp8 rows not packed": "fp8_not_packed"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_no_row_is_kept_where_the_launched_step_did_not_compute_it_for_this_capture(case):
+    answer = 0 if case == "no answer" else ANSWER
+    req = _req("a", max_new_tokens=1 if case == "a one-token request" else 16,
+               committed=PROMPT + answer - (1 if case == "the token not counted" else 0))
+    if case == "no answer":
+        req.output_ids = []
     step = {"a prefill": dict(mode=ForwardMode.EXTEND), "a mixed batch": dict(mode=ForwardMode.MIXED),
             "a verify pass": dict(spec=SpeculativeAlgorithm.EAGLE3), "rows on the device": dict(device="meta"),
-            "no copy issued": dict(done=False)}.get(why, {})
-    launched = _step([_req("other")] if why == "not in the batch" else [req], **step)
-    if why == "fp8 rows not packed":
+            "no copy issued": dict(done=False)}.get(case, {})
+    others = {"not in the batch": [_req("other")], "rows not the step's kept ones": [req, _req("plain", capture=False)]}
+    launched = _step(others.get(case, [req]), **step)
+    if case == "rows not the step's kept ones":  # the whole batch's rows, where only the capture's were kept
+        launched.result.logits_output.hidden_states = torch.zeros(2, WIDTH)
+    if case == "a step copying no rows":
+        launched.rows.captures = False
+    if case == "no step launched":
+        launched = None
+    if case == "fp8 rows not packed":
         getattr(req, CAPTURE_ATTR).fp8_block = WIDTH
-    processing = ResultRows(launched.rows.batch, launched.rows) if why == "its own result" else None
-    if why == "an answer cut short":
+    processing = ResultRows(launched.rows.batch, launched.rows) if case == "its own result" else None
+    if case == "an answer cut short":
         req.output_ids.append(9)  # a stop found inside the last step's tokens: finished_len below them
-    n_out = 0 if why == "no answer" else ANSWER
-    assert _tail(launched, req, processing, n_out) is None
-    assert answer_tail(None, _processing(), req, getattr(req, CAPTURE_ATTR), PROMPT, ANSWER) is None
+    tail, why = _tail(launched, req, processing, answer)
+    assert tail is None and why == CASES[case]
+    assert set(CASES.values()) | {KEPT} == {KEPT, *WHY_NOT}  # every reason the stats count is met here

@@ -31,7 +31,7 @@ and the hand-off waits for that step's copy, so a capture's job leaves about one
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from sglang_capture.server.batch_rows import BatchRows, ResultRows, RowsMismatch, wants_decode_row
 from sglang_capture.server.request_capture import RequestCapture, RowChunk
@@ -56,42 +56,52 @@ class LaunchedStep:
         return self._index.get(id(req))
 
 
+KEPT = "kept"
+# Why no row was kept, as ``answer_tail`` says it (counted in the stats' ``answer_tail``): no step was
+# launched after the one being processed (overlap off, or an idle loop); the step launched was a
+# prefill, a mixed batch or copies no rows; a verify pass; the step did not feed the last token (a
+# prefill ran instead, the answer was cut short, a one-token request, no answer); the step holds
+# no such request; its rows are not on the host yet (delayed sampling); FP8 rows not packed
+WHY_NOT = ("no_later_step", "not_a_decode_step", "speculative", "token_not_fed", "not_in_step", "rows_not_on_host",
+           "rows_mismatch", "fp8_not_packed")
+
+
 def answer_tail(launched: Optional[LaunchedStep], processing: Optional[ResultRows], req: Any,
-                capture: RequestCapture, n_prompt: int, n_out: int) -> Optional[RowChunk]:
+                capture: RequestCapture, n_prompt: int, n_out: int) -> Tuple[Optional[RowChunk], str]:
     """The row of ``req``'s last answer token (position ``n_prompt + n_out - 1``, one past its file's
-    rows) in the step launched after the one whose result is being processed, or None where that
-    step did not compute it for a capture to take."""
-    if launched is None or processing is None or launched.rows is processing.rows or n_out == 0:
-        return None
+    rows) in the step launched after the one whose result is being processed, and ``KEPT``; or None
+    and which of ``WHY_NOT`` kept that step from computing it for a capture to take."""
+    if launched is None or processing is None or launched.rows is processing.rows:
+        return None, "no_later_step"
     rows = launched.rows
     mode = rows.mode
     if not rows.captures or mode is None or not mode.is_decode():
-        return None
+        return None, "not_a_decode_step"
     batch = rows.batch
     spec = getattr(batch, "spec_algorithm", None)
     if spec is not None and not spec.is_none():
-        return None  # a verify pass: its rows are the draft's, and its radix keys are bigrams
+        return None, "speculative"  # a verify pass: its rows are the draft's, and its radix keys are bigrams
     position = n_prompt + n_out - 1
     # the step counted the last token (and the radix cache took its KV); the answer was not cut short
-    if n_out != len(req.output_ids) or _kv_committed(req) != position + 1 or not wants_decode_row(req):
-        return None
+    if n_out == 0 or n_out != len(req.output_ids) or _kv_committed(req) != position + 1 or not wants_decode_row(req):
+        return None, "token_not_fed"
+    offset = launched.offset_of(req)
+    if offset is None:
+        return None, "not_in_step"
     result = launched.result
     done = getattr(result, "copy_done", None)
     out = getattr(result, "logits_output", None)
     hidden = getattr(out, "hidden_states", None)
     if done is None or hidden is None or hidden.device.type != "cpu":
-        return None  # no copy to the host was issued with the launch (delayed sampling): none to wait on
-    offset = launched.offset_of(req)
-    if offset is None:
-        return None
+        return None, "rows_not_on_host"  # no copy to the host was issued with the launch: none to wait on
     try:
         row = ResultRows(batch, rows).row(hidden, offset, 1)
     except RowsMismatch:
-        return None
+        return None, "rows_mismatch"
     source = rows.packed if capture.is_fp8 and rows.packed is not None else hidden
     if capture.is_fp8 and source.element_size() != 1:
-        return None  # FP8 rows are packed on the device; this step's copy has them unpacked
-    return RowChunk(position, source[row:row + 1], done)
+        return None, "fp8_not_packed"  # FP8 rows are packed on the device; this step's copy has them unpacked
+    return RowChunk(position, source[row:row + 1], done), KEPT
 
 
 def _kv_committed(req: Any) -> Optional[int]:

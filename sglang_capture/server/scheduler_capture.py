@@ -26,7 +26,7 @@ from sglang_capture.core.fp8 import FP8_DTYPE, packed_layout
 from sglang_capture.core.layers import LAYER_CONVENTION, resolve_layers
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.patches.version_gate import installed_sglang_version
-from sglang_capture.server.answer_tail import LaunchedStep, answer_tail
+from sglang_capture.server.answer_tail import KEPT, WHY_NOT, LaunchedStep, answer_tail
 from sglang_capture.server.aux_capture import AUX_ATTR, AuxCapture
 from sglang_capture.server.batch_rows import BatchRows, ResultRows
 from sglang_capture.server.block_index import joined, prompt_ids
@@ -104,6 +104,7 @@ class SchedulerCapture:
         self.launching: Optional[BatchRows] = None
         self.processing: Optional[ResultRows] = None
         self.launched: Optional[LaunchedStep] = None  # the batch launched last, with its result (answer_tail.py)
+        self.answer_tails = dict.fromkeys((KEPT, *WHY_NOT), 0)  # sharing captures sealed, by what became of that row
         self.decode_rows: Optional[DecodeRows] = None  # with the pool: the decode rows of the result being processed
         self.copier: Optional[RowCopier] = None  # with the pool: copies decode rows off the scheduler thread
         self._is_writer: Optional[bool] = None
@@ -222,7 +223,8 @@ class SchedulerCapture:
                 "aux_capture": self.aux.stats() if self.aux else None, "scheduler_thread": self.clock.stats(),
                 "gc_pauses": self.gc_pauses.stats(),
                 "prompt_holds": dict(self.shared.holds.counts) if self.shared is not None else None,
-                "in_flight": dict(self.shared.in_flight_counts) if self.shared is not None else None}
+                "in_flight": dict(self.shared.in_flight_counts) if self.shared is not None else None,
+                "answer_tail": dict(self.answer_tails) if self.shared is not None else None}
 
     def begin(self, req: Any) -> None:
         """Mark a new request for capture when its custom_params ask for it (all ranks alike)."""
@@ -307,7 +309,8 @@ class SchedulerCapture:
             return ref
         meta = self._meta(req.rid, capture, len(input_ids), len(output_ids), reason)
         if share is not None:
-            tail = answer_tail(self.launched, self.processing, req, capture, len(input_ids), len(output_ids))
+            tail, why = answer_tail(self.launched, self.processing, req, capture, len(input_ids), len(output_ids))
+            self.answer_tails[why] += 1
             if tail is not None:  # its blocks hold the last token's row too: the next turn's match reaches it
                 capture.keep(tail.start, tail.rows, tail.ready)
                 share["blocks_end"] = n_rows + 1
