@@ -186,6 +186,12 @@ class BlockRef:
         return cls(name, start, first, last)
 
 
+def blocks_end(share: Optional[Mapping[str, Any]], n_rows: int) -> int:
+    """The row a capture job's blocks end at: its file's ``n_rows``, or one more where they also hold
+    its answer's last token's row (``share["blocks_end"]``, server/answer_tail.py)."""
+    return share.get("blocks_end", n_rows) if share else n_rows
+
+
 def refs_upto(refs: Sequence[BlockRef], end: int) -> List[BlockRef]:
     """``refs`` (in row order) cut at row ``end``: a capture's blocks may hold one row past its file's,
     its answer's last token's (server/answer_tail.py), which only the chat's next turn references."""

@@ -31,7 +31,7 @@ and the hand-off waits for that step's copy, so a capture's job leaves about one
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from sglang_capture.server.batch_rows import BatchRows, ResultRows, RowsMismatch, wants_decode_row
 from sglang_capture.server.request_capture import RequestCapture, RowChunk
@@ -39,21 +39,15 @@ from sglang_capture.server.request_capture import RequestCapture, RowChunk
 
 class LaunchedStep:
     """The batch ``Scheduler.run_batch`` launched last and its result object (hooks/batch.py keeps
-    it on the ``SchedulerCapture``; the request list is the one launched: SGLang rebinds, never edits it)."""
+    it on the ``SchedulerCapture``), with where its requests' rows lie (``ResultRows``, over the
+    request list as launched)."""
 
-    __slots__ = ("rows", "result", "reqs", "_index")
+    __slots__ = ("rows", "result", "at")
 
     def __init__(self, rows: BatchRows, result: Any) -> None:
         self.rows = rows
         self.result = result
-        self.reqs = rows.batch.reqs if rows.batch is not None else ()
-        self._index: Optional[Dict[int, int]] = None
-
-    def offset_of(self, req: Any) -> Optional[int]:
-        """``req``'s place in the launched batch (a decode step's row offset), or None."""
-        if self._index is None:
-            self._index = {id(r): i for i, r in enumerate(self.reqs)}
-        return self._index.get(id(req))
+        self.at = ResultRows(rows.batch, rows)
 
 
 KEPT = "kept"
@@ -85,7 +79,7 @@ def answer_tail(launched: Optional[LaunchedStep], processing: Optional[ResultRow
     # the step counted the last token (and the radix cache took its KV); the answer was not cut short
     if n_out == 0 or n_out != len(req.output_ids) or _kv_committed(req) != position + 1 or not wants_decode_row(req):
         return None, "token_not_fed"
-    offset = launched.offset_of(req)
+    offset = launched.at.index_of(req)
     if offset is None:
         return None, "not_in_step"
     result = launched.result
@@ -95,7 +89,7 @@ def answer_tail(launched: Optional[LaunchedStep], processing: Optional[ResultRow
     if done is None or hidden is None or hidden.device.type != "cpu":
         return None, "rows_not_on_host"  # no copy to the host was issued with the launch: none to wait on
     try:
-        row = ResultRows(batch, rows).row(hidden, offset, 1)
+        row = launched.at.row(hidden, offset, 1)
     except RowsMismatch:
         return None, "rows_mismatch"
     source = rows.packed if capture.is_fp8 and rows.packed is not None else hidden

@@ -93,17 +93,22 @@ class ResultRows:
     def __init__(self, batch: Any, rows: Optional[BatchRows]) -> None:
         self.batch = batch  # the snapshot SGLang took at launch (its prefix_lens are each chunk's start)
         self.rows = rows
+        self.reqs = getattr(batch, "reqs", ())  # the list as made now: SGLang rebinds a batch's list, never edits it
         self._index: Optional[Dict[int, int]] = None
 
     @classmethod
     def of(cls, batch: Any, result: Any) -> ResultRows:
         return cls(batch, getattr(result, RESULT_ATTR, None))
 
+    def index_of(self, req: Any) -> Optional[int]:
+        """``req``'s place in the batch (a decode step's row offset), or None when it is not in it."""
+        if self._index is None:
+            self._index = {id(r): i for i, r in enumerate(self.reqs)}
+        return self._index.get(id(req))
+
     def chunk_start(self, req: Any) -> int:
         """Absolute position of ``req``'s first row in this prefill batch."""
-        if self._index is None:
-            self._index = {id(r): i for i, r in enumerate(self.batch.reqs)}
-        return self.batch.prefix_lens[self._index[id(req)]]
+        return self.batch.prefix_lens[self.index_of(req)]
 
     def source(self, hidden: Any, capture: Any) -> Any:
         """The host rows ``capture`` takes: the packed copy for an FP8 capture where there is one."""

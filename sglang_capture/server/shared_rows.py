@@ -51,6 +51,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 from sglang_capture.core.blocks import (
     BLOCK_LEASE_S,
     BLOCK_TOKENS,
+    blocks_end,
     extend_hashes,
     layout_root,
     plan_blocks,
@@ -398,11 +399,8 @@ class SharedRows:
         so that a capture admitted meanwhile reuses their rows (its file waits for this job). Called on
         the scheduler thread, which finished the request: a chat's next turn, sent once this answer is
         out, finds them. Hashes only the slots its stored rows did not reach (``job.hashes``)."""
-        share = job.share
-        if share is None:
-            return
-        n = share.get("blocks_end", job.n_rows)  # the answer's last row too, where there is one (answer_tail.py)
-        if share["start"] >= n:
+        share, n = job.share, blocks_end(job.share, job.n_rows)
+        if share is None or share["start"] >= n:
             return
         hashes = job.hashes if job.hashes is not None else [bytes.fromhex(share["root"])]
         tokens = joined(job.input_ids, job.output_ids)

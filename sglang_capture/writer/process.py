@@ -25,6 +25,7 @@ from sglang_capture.core.blocks import (
     BLOCK_TOKENS,
     BLOCKS_KEY,
     BlockRef,
+    blocks_end,
     check_coverage,
     plan_blocks,
     refs_upto,
@@ -88,7 +89,7 @@ class WriterProcess:
         # rows from the first one the capture computed: those it computed again although stored are
         # stored once more only where their block is gone by the time the file is written
         first = share["computed"] if share else 0
-        end = _blocks_end(msg)
+        end = blocks_end(share, msg["n_rows"])
         try:
             try:
                 rows = assemble_rows(chunk_arrays(msg["chunks"], self.pool), end,
@@ -183,7 +184,7 @@ class WriterProcess:
         timings, and what the outcome adds: the blocks stored (for the scheduler's index), those of
         ``share`` the file does not reference (``blocks_cut``, for the index to forget) and what they cost."""
         t0 = time.monotonic()
-        n_rows, computed, end = msg["n_rows"], share["computed"], _blocks_end(msg)
+        n_rows, computed, end = msg["n_rows"], share["computed"], blocks_end(share, msg["n_rows"])
         seq = numpy.concatenate([tensors["input_ids"], tensors["output_ids"]])[:end]
         with gc_lock(self.dirs):
             share, cut, stored = self._put_new(msg, share, rows, seq, end, beat)
@@ -214,13 +215,6 @@ class WriterProcess:
                  "own_ahead": share["ahead"] if share.get("ahead") and not cut else None,
                  "raw_bytes": sum(t.nbytes for t in tensors.values()) + row_bytes * all_rows}
         return nbytes, checksum, {**stage, "blocks_s": blocks_s}, extra
-
-
-def _blocks_end(msg: Dict[str, Any]) -> int:
-    """The row a job's rows end at: its file's, or one more where its blocks also hold its answer's
-    last token's row (server/answer_tail.py)."""
-    share = msg.get("share")
-    return share.get("blocks_end", msg["n_rows"]) if share else msg["n_rows"]
 
 
 def _stored_counts(stored: List[StoredBlock]) -> Dict[str, Any]:
