@@ -3,8 +3,10 @@
     python bench/handoff_cost.py [--jobs 2000] [--rows 64] [--width 4096] [--writers 4] [--every 2] [--split-cpus]
 
 A stand-in for SGLang's scheduler thread runs pure Python work (the host-bound step) and, every
-``--every`` work units (about 1 ms each), puts a request's rows in a real ``HostPool`` and submits
-it to the package's ``WriterPool``, as the finish seam does. It reports the work units per second
+``--every`` work units (a fraction of a millisecond each), takes a block of a real ``HostPool`` for a
+request's rows (not written: on a GPU host the device copies them) and submits it to the package's
+``WriterPool``, as the finish seam does; after each unit it pumps the link, as the scheduler's loop
+does once per turn (hooks/prefix.py). It reports the work units per second
 against the same loop freeing the rows instead of submitting them (the GIL share the hand-off takes
 from the scheduler thread), and the CPU seconds per job of every other thread of this process
 (what runs in the scheduler process besides its thread; torch runs on this thread alone).
@@ -59,7 +61,7 @@ def run(a: argparse.Namespace, submit: bool) -> Dict[str, float]:
         writer = WriterPool(CaptureConfig(capture_dir=d, writers=a.writers, codec="none", durability="none",
                                           writer_cpus=cpus[1:] if a.split_cpus else None), ledger)
         writer.start(pool)
-        rows = torch.randn(a.rows, a.width).to(torch.bfloat16)
+        shape = (a.rows, a.width)
         meta = {"layers": [1], "layer_convention": "c", "hidden_size": a.width // 2, "model": "m",
                 "sglang_version": "0.5.17", "schema": "sglang_capture/v1"}
         stored = {"aux_hidden_states": (0, a.width // 2), "last_hidden_states": (a.width // 2, a.width)}
@@ -70,9 +72,13 @@ def run(a: argparse.Namespace, submit: bool) -> Dict[str, float]:
         while made < a.jobs if submit else time.monotonic() - t0 < a.seconds:
             work(1)
             units += 1
+            if submit:
+                writer.pump()
             if units % a.every == 0:
                 cap = RequestCapture(rid=f"r{made}", name=f"r{made}", ledger=ledger, pool=pool)
-                cap.add(0, pool.take(rows))  # a prefill's rows: a view of their block in the pool
+                # a prefill's rows: a block of the pool, not written here (on a GPU host the device copies
+                # them, not the scheduler thread; a CPU copy into cold pool memory would be most of the loop)
+                cap.add(0, pool.alloc(shape, torch.bfloat16))
                 cap.seal()
                 made += 1
                 if not submit:

@@ -13,6 +13,9 @@ the package's request and response hooks) per answered request, and the answers'
 difference between a capture kind and ``plain`` is what the package adds to the HTTP process
 (the writers' and the scheduler's work are other processes). ``--py-spy`` samples the HTTP
 process in each kind's last window and reports the share of its on-CPU samples in package frames.
+The same windows count the scheduler process's CPU per request by thread (issue 51 item 1: what
+the scheduler process pays per capture): SGLang's scheduler thread, the package's threads there
+(``sglang-capture-*``, named by ``py-spy dump``) and the rest (torch, ZMQ).
 
 ``--waits`` isolates the wait for the outcome record, without a server: responses start waiting at
 ``--rate`` per second while another process renames each one's record into ``.index/`` ``--write-after``
@@ -54,6 +57,42 @@ def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) of process ``pid``."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scheduler_pid(root: int) -> Optional[int]:
+    """SGLang's scheduler process (``sglang::scheduler``) under the server ``root``."""
+    import psutil
+
+    for p in psutil.Process(root).children(recursive=True):
+        if "scheduler" in p.name():
+            return p.pid
+    return None
+
+
+def thread_groups(pid: int) -> Dict[int, str]:
+    """The scheduler process's threads by native id: ``scheduler`` (its main thread), the package's
+    threads by their Python names (``py-spy dump``), ``other`` for the rest (unnamed, native)."""
+    groups = {int(tid): "other" for tid in os.listdir(f"/proc/{pid}/task")}
+    groups[pid] = "scheduler"
+    exe = find_py_spy()
+    if exe is not None:
+        out = subprocess.run([exe, "dump", "--pid", str(pid), "--json", "--nonblocking"], capture_output=True, text=True)
+        for t in json.loads(out.stdout or "[]"):
+            if t.get("os_thread_id") in groups and t["thread_name"].startswith("sglang-capture"):
+                groups[t["os_thread_id"]] = t["thread_name"].rstrip("0123456789-")
+    return groups
+
+
+def threads_cpu_s(pid: int, groups: Dict[int, str]) -> Dict[str, float]:
+    """CPU seconds so far of the process's threads, summed by ``groups`` (threads not in it: ``other``)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), collections.Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[groups.get(int(tid), "other")] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(out)
 
 
 def body(kind: str, i: int) -> Dict:
@@ -195,6 +234,8 @@ def main() -> None:
     res: Dict = {"rate": args.rate, "seconds": args.seconds, "windows": []}
     try:
         asyncio.run(window(server.url, "client", args.rate, 2.0, 10**6))  # warm-up
+        sched = scheduler_pid(server.proc.pid)
+        groups = thread_groups(sched) if sched is not None else {}
         first = 0
         for r in range(args.rounds):
             for kind in KINDS:
@@ -202,9 +243,15 @@ def main() -> None:
                 if args.py_spy and r == args.rounds - 1:
                     spy = py_spy_share(server.proc.pid, args.seconds, os.path.join(work, f"{kind}.txt"))
                 cpu0 = process_cpu_s(server.proc.pid)
+                sched0 = threads_cpu_s(sched, groups) if sched is not None else {}
                 w = asyncio.run(window(server.url, kind, args.rate, args.seconds, first))
+                n = max(w["requests"], 1)
                 w.update(kind=kind, round=r, http_cpu_ms_per_request=round(
-                    1e3 * (process_cpu_s(server.proc.pid) - cpu0) / max(w["requests"], 1), 3))
+                    1e3 * (process_cpu_s(server.proc.pid) - cpu0) / n, 3))
+                if sched is not None:
+                    sched1 = threads_cpu_s(sched, groups)
+                    w["scheduler_cpu_ms_per_request"] = {k: round(1e3 * (v - sched0.get(k, 0.0)) / n, 3)
+                                                         for k, v in sorted(sched1.items())}
                 if spy is not None:
                     spy["proc"].wait()
                     w["py_spy"] = summarize_py_spy(spy["out"]) if os.path.exists(spy["out"]) else None
@@ -217,6 +264,11 @@ def main() -> None:
     res["summary"] = {k: {"http_cpu_ms_per_request_median": statistics.median(v),
                           "over_plain_ms": round(statistics.median(v) - statistics.median(per["plain"]), 3)}
                       for k, v in per.items()}
+    for k in KINDS:  # the scheduler process, per thread group: the median window of each kind
+        by_group = [w.get("scheduler_cpu_ms_per_request", {}) for w in res["windows"] if w["kind"] == k]
+        names = sorted({g for d in by_group for g in d})
+        res["summary"][k]["scheduler_cpu_ms_per_request_median"] = {
+            g: statistics.median(d.get(g, 0.0) for d in by_group) for g in names}
     print(json.dumps(res["summary"], indent=1))
     if args.out:
         with open(args.out, "w") as f:

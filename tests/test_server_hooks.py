@@ -246,3 +246,39 @@ def test_an_operators_capture_is_sealed_after_its_answer_is_sent_and_a_clients_b
     with pytest.raises(RuntimeError):
         seal_finished(state, broken, None, ([again], False), {})
     assert events == ["seal again answered"]  # its rows still go to a writer
+
+
+def test_the_writer_rank_pumps_its_link_before_pulling_requests_and_its_block_events_go_first():
+    """Issue 51: the link's answers (blocks a writer stored among them) are read on the scheduler
+    thread before it pulls new requests, so a chat's next turn, let in by an outcome recorded after
+    its blocks were written, comes after their events; a rank that does not write pumps nothing."""
+    from types import SimpleNamespace
+
+    from sglang_capture.server.hooks.prefix import post_block_events
+
+    order = []
+    events = []
+
+    def pump():
+        order.append("pump")
+        events.append("blocks of turn 1")  # what the answers read make: the index's events
+
+    def take_events():
+        out = list(events)
+        events.clear()
+        return out
+
+    def pull():
+        order.append("pull")
+        return ["turn 2"]
+
+    writer_rank = SimpleNamespace(is_writer=True, writer=SimpleNamespace(pump=pump),
+                                  shared=SimpleNamespace(take_events=take_events))
+    assert post_block_events(writer_rank, pull, None, (), {}) == ["blocks of turn 1", "turn 2"]
+    assert order == ["pump", "pull"]
+    order.clear()
+    other_rank = SimpleNamespace(is_writer=False, writer=SimpleNamespace(pump=pump), shared=None)
+    assert post_block_events(other_rank, pull, None, (), {}) == ["turn 2"] and order == ["pull"]
+    order.clear()
+    sharing_off = SimpleNamespace(is_writer=True, writer=SimpleNamespace(pump=pump), shared=None)
+    assert post_block_events(sharing_off, pull, None, (), {}) == ["turn 2"] and order == ["pump", "pull"]

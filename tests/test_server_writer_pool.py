@@ -203,9 +203,9 @@ def test_a_writer_shows_progress_after_every_frame_payload_and_every_step_of_its
 
 
 def test_the_scheduler_process_only_sends_jobs_the_supervisor_records_outcomes_and_stats(tmp_path, monkeypatch):
-    """Issue 51 item 1: in the scheduler process a job costs a message out and two in, on the link's
-    two threads; the hand-off threads, the outcome records and the stats file live in the
-    supervisor process."""
+    """Issue 51 item 1: in the scheduler process a job costs a message out and two in, sent and read
+    by pumps (here the idle pump's thread, the one thread the link adds); the hand-off threads, the
+    outcome records and the stats file live in the supervisor process."""
     import json
 
     import sglang_capture.core.capture_dir as capture_dir
@@ -228,7 +228,7 @@ def test_the_scheduler_process_only_sends_jobs_the_supervisor_records_outcomes_a
         assert outcome["status"] == "ok" and ledger.held_bytes == 0
         assert json.load(open(index_path(str(tmp_path), "moved")))["status"] == "ok"
         ours = {t.name for t in set(threading.enumerate()) - before}
-        assert ours == {"sglang-capture-link", "sglang-capture-link-replies"}, ours
+        assert ours == {"sglang-capture-link"}, ours
         supervisor = writer.supervisor_pid()
         assert supervisor not in (None, os.getpid()) and len(writer.writer_pids()) == 2
     finally:
@@ -236,6 +236,54 @@ def test_the_scheduler_process_only_sends_jobs_the_supervisor_records_outcomes_a
     [stats] = writer_stats(str(tmp_path)).values()
     assert stats["supervisor_pid"] == supervisor and stats["written"] == 1
     assert stats["peak_held_bytes"] == rows.numel() * 4  # this side's counters reach the file too
+
+
+def test_the_scheduler_threads_pumps_send_each_job_once_its_copies_are_done_and_read_its_answers(tmp_path, monkeypatch):
+    """Issue 51 item 1: the link runs on the thread that pumps it (SGLang's scheduler thread, once
+    per turn of its loop). A job goes out only once its rows' copies are done, and the job behind
+    it waits (the order kept); its answers are read by the next pumps. Here the idle pump never
+    runs: nothing else moves the jobs."""
+    import sglang_capture.server.writer_pool as writer_module
+
+    monkeypatch.setattr(writer_module, "IDLE_PUMP_S", 3600.0)
+    monkeypatch.setattr(writer_module, "IDLE_READ_S", 3600.0)
+
+    class Copy:  # a device-to-host copy's event, done when the test says so
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            assert self.done, "waited for a copy the link should not have sent yet"
+
+    copy = Copy()
+    first, ledger = make_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="first")
+    first.capture.chunks[0].ready = copy
+    second, _ = make_job(tmp_path, [(0, torch.ones(2, 4))], 2, name="second")
+    sent = []
+    real = writer_module.job_message
+    monkeypatch.setattr(writer_module, "job_message", lambda job, pool: (sent.append(job.capture.name), real(job, pool))[1])
+    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), ledger)
+    try:
+        writer.start()  # the supervisor's ready read by start's own pumps
+        writer.submit(first)
+        writer.submit(second)
+        writer.pump()
+        assert sent == [] and writer.pending() == 2
+        copy.done = True
+        writer.pump()
+        assert sent == ["first", "second"]
+        time.sleep(0.5)
+        assert not first.done.is_set() and not second.done.is_set()  # written by now, but no pump read the answers
+        deadline = time.monotonic() + 30
+        while not (first.done.is_set() and second.done.is_set()):
+            assert time.monotonic() < deadline, "the pumps never read the answers"
+            writer.pump()
+            time.sleep(0.01)
+        assert first.outcome["status"] == second.outcome["status"] == "ok" and writer.pending() == 0
+    finally:
+        writer.close()
 
 
 def test_a_supervisor_that_dies_fails_only_the_jobs_it_held_and_another_takes_the_next(tmp_path):
@@ -284,8 +332,9 @@ def test_a_supervisor_that_dies_fails_only_the_jobs_it_held_and_another_takes_th
 
 def test_jobs_described_while_the_supervisor_dies_go_to_the_next_one_never_failed_and_then_written(tmp_path, monkeypatch):
     """A batch being described when the supervisor dies: its jobs were not yet sent, so its death
-    fails none of them, and the next supervisor writes them all (a job failed by the death and sent
-    to the next one anyway would have its error record overwritten by a file)."""
+    fails none of them; the send finds the pipe broken, they go back to the outbox, and the next
+    supervisor (started once a pump reads the dead one's EOF) writes them all (a job failed by the
+    death and sent to the next one anyway would have its error record overwritten by a file)."""
     import json
     import signal
 
@@ -302,12 +351,9 @@ def test_jobs_described_while_the_supervisor_dies_go_to_the_next_one_never_faile
     def describing(job, pool):
         if job.capture.name == "A":
             time.sleep(0.3)  # B queues up behind A: one batch
-        else:
+        elif writer.supervisor_pid() == dead:
             os.kill(dead, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while writer.supervisor_pid() in (None, dead):
-                assert time.monotonic() < deadline, "no supervisor started after the first died"
-                time.sleep(0.01)
+            writer._supervisor.proc.wait(30)  # its end of the pipe is closed before the batch is sent
         return real(job, pool)
 
     monkeypatch.setattr(writer_module, "job_message", describing)

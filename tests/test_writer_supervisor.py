@@ -261,6 +261,31 @@ def test_a_name_flush_that_does_not_end_in_time_fails_the_capture_and_removes_th
         os.close(fd)
 
 
+def test_a_frame_reader_returns_whole_messages_keeps_one_still_being_written_and_sees_eof():
+    """The scheduler side reads the supervisor's pipe without waiting (server/writer_pool.py)."""
+    import struct
+
+    import msgpack
+
+    from sglang_capture.core.handoff import FrameReader
+
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    reader = FrameReader(r)
+    try:
+        assert reader.read() == ([], False)  # nothing yet: no wait
+        a, b = msgpack.packb({"op": "a"}), msgpack.packb({"op": "b", "rows": b"y" * 100})
+        data = struct.pack(">Q", len(a)) + a + struct.pack(">Q", len(b)) + b
+        os.write(w, data[:-10])
+        assert reader.read() == ([{"op": "a"}], False)
+        os.write(w, data[-10:])
+        assert reader.read() == ([{"op": "b", "rows": b"y" * 100}], False)
+        os.close(w)
+        assert reader.read() == ([], True)
+    finally:
+        os.close(r)
+
+
 def _replies(fd, want, timeout=30.0):
     """Messages from the supervisor's side of the pipe (``many`` unpacked) until ``want`` of them are ``done``."""
     from sglang_capture.core.handoff import recv
@@ -310,9 +335,10 @@ def test_the_supervisor_takes_jobs_sent_together_and_answers_copied_then_done_fo
     assert not server.is_alive()
 
 
-def test_a_jobs_outcome_waits_until_the_scheduler_side_has_indexed_its_blocks(tmp_path):
-    """``blocks`` goes out, and the hand-off thread waits for ``indexed`` before the outcome record
-    (which lets a chat's next turn in) is written; once the scheduler side is gone it waits no more."""
+def test_a_jobs_outcome_waits_until_its_blocks_message_is_on_the_pipe_to_the_scheduler(tmp_path):
+    """``blocks`` returns (and the outcome record, which lets a chat's next turn in, is written) only
+    once its message is on the pipe: the scheduler thread reads the pipe before it pulls that turn.
+    Nothing answers it: with the pipe full, it waits for the scheduler side to read."""
     from sglang_capture.core.handoff import recv
     from sglang_capture.writer.supervisor import SchedulerLink
 
@@ -320,24 +346,27 @@ def test_a_jobs_outcome_waits_until_the_scheduler_side_has_indexed_its_blocks(tm
     link = SchedulerLink(to_link)
     job, _ = make_wire_job(tmp_path, [(0, torch.zeros(2, 4))], 2, name="shared")
     job.id = 7
-    waited = threading.Thread(target=link.blocks, args=(job, [["b" * 32, 0, 2]], [], True))
     try:
-        waited.start()
+        link.blocks(job, [["b" * 32, 0, 2]], [], True)  # room on the pipe: written at once
         assert recv(from_sup, 10) == {"op": "blocks", "id": 7, "stored": [["b" * 32, 0, 2]], "missing": [], "ok": True}
-        time.sleep(0.2)
-        assert waited.is_alive()  # not indexed yet: the outcome is not recorded
-        link.indexed(7)
-        waited.join(10)
-        assert not waited.is_alive()
+        os.set_blocking(to_link, False)
+        filled = 0
+        try:
+            while True:
+                filled += os.write(to_link, b"x" * 4096)
+        except BlockingIOError:
+            pass
+        os.set_blocking(to_link, True)
         waiting = threading.Thread(target=link.blocks, args=(job, [], ["d" * 32], True))
         waiting.start()
-        assert recv(from_sup, 10)["op"] == "blocks"
-        link.close()  # the scheduler side is gone: nobody answers, what waits goes on, nothing waits again
+        time.sleep(0.3)
+        assert waiting.is_alive()  # not on the pipe yet: the outcome is not recorded
+        got = 0
+        while got < filled:
+            got += len(os.read(from_sup, filled - got))
         waiting.join(10)
         assert not waiting.is_alive()
-        t0 = time.monotonic()
-        link.blocks(job, [], ["c" * 32], False)
-        assert time.monotonic() - t0 < 1
+        assert recv(from_sup, 10) == {"op": "blocks", "id": 7, "stored": [], "missing": ["d" * 32], "ok": True}
     finally:
         link.flush()
         os.close(from_sup)

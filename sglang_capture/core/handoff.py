@@ -3,10 +3,10 @@ messages on pipes, rows by reference.
 
 Scheduler process to supervisor (server/writer_pool.py, writer/supervisor.py): ``hello`` (the
 configuration, the pool, how many writers), then ``job`` (a finished request, below), ``outcome``
-(an aborted capture's), ``stats`` (the scheduler side's counters), ``indexed``, ``sweep``,
-``query``; back: ``ready``, then per job ``copied`` and ``done`` (its outcome), and ``blocks``
-(what it stored, answered by ``indexed`` before its outcome is recorded). Messages queued while
-another was sent travel as one ``many``.
+(an aborted capture's), ``stats`` (the scheduler side's counters), ``sweep``, ``query``; back:
+``ready``, then per job ``copied`` and ``done`` (its outcome), and ``blocks`` (what it stored,
+written to the pipe before its outcome is recorded). Messages queued while another was sent
+travel as one ``many``; the scheduler side reads its pipe without blocking (``FrameReader``).
 
 A job's message says where each captured chunk lies in the shared host pool (host_pool.py):
 offset, shape and dtype, a few dozen bytes per chunk. Only rows outside the pool (it was full,
@@ -107,6 +107,43 @@ def recv_many(fd: int) -> Optional[List[Dict[str, Any]]]:
     if message is None:
         return None
     return message["messages"] if message.get("op") == "many" else [message]
+
+
+class FrameReader:
+    """Messages from a non-blocking descriptor as they arrive, never waiting: whole messages only,
+    a message still being written kept for the next ``read``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._buf = bytearray()
+
+    def read(self) -> Tuple[List[Dict[str, Any]], bool]:
+        """Every whole message written so far, and whether the other side closed its end (EOF)."""
+        eof = False
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 20)
+            except BlockingIOError:
+                break
+            except OSError:  # closed here, or the other side is gone
+                eof = True
+                break
+            if not data:
+                eof = True
+                break
+            self._buf += data
+        messages, at, buf = [], 0, self._buf
+        with memoryview(buf) as view:  # released before the bytearray is cut below
+            while len(buf) - at >= _HEADER.size:
+                n = _HEADER.unpack_from(buf, at)[0]
+                if len(buf) - at - _HEADER.size < n:
+                    break
+                messages.append(msgpack.unpackb(view[at + _HEADER.size:at + _HEADER.size + n], raw=False,
+                                                strict_map_key=False))
+                at += _HEADER.size + n
+        if at:
+            del buf[:at]
+        return messages, eof
 
 
 class Stalled(TimeoutError):

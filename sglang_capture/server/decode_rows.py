@@ -13,9 +13,9 @@ the scheduler goes on with the next batch. Noting rather than placing per reques
 scheduler thread's cost per request and step to the seam's call (on the EAGLE-3 24 x 2048 pair
 the chain of placing calls per request was ~4% of that thread: bench/RESULTS.md, r76).
 
-A run that took rows this way carries a ``CopyTicket`` as its chunk's ``ready``: the hand-off
-thread waits on it (``describe_chunks``) before a writer process reads the run, as it waits on a
-device copy's event. The copies run in submission order; a failed copy fails only the runs that
+A run that took rows this way carries a ``CopyTicket`` as its chunk's ``ready``: the link sends
+its job only once it is done (``query``), as for a device copy's event, before a writer process
+reads the run. The copies run in submission order; a failed copy fails only the runs that
 had rows in it (their tickets), wherever it ran. The copier falls at most ``MAX_BEHIND`` flushes
 behind: then the scheduler waits (``decode_copy_waits`` in the writer stats), so pending rows stay
 bounded.
@@ -83,6 +83,13 @@ class CopyTicket:
         self.seqs: Set[int] = set()
         self.error: Optional[str] = None
 
+    def query(self) -> bool:
+        """Whether the run's rows are all in place, or can no longer be (never waits: the link
+        sends a job only then, as for a device copy's event)."""
+        if self.error is not None or not self.seqs or self.copier is None:
+            return True
+        return self.copier.copied(max(self.seqs))
+
     def synchronize(self) -> None:
         """Wait until the run's rows are all in place (``describe_chunks``, as for a device copy's
         event); raises naming why when they cannot be."""
@@ -132,6 +139,10 @@ class RowCopier:
             self._queue.append((self._submitted, sources, tickets))
             self._cond.notify_all()
             return self._submitted
+
+    def copied(self, seq: int) -> bool:
+        """Whether flush ``seq`` is copied or failed, or the copier is gone (never waits)."""
+        return self._done >= seq or not self._thread.is_alive()
 
     def wait(self, seqs: Set[int], poll_s: float = 1.0) -> None:
         """Return once every flush in ``seqs`` is copied or failed (the writer link, before a

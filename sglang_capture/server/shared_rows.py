@@ -32,7 +32,7 @@ What each part does:
 - ``held`` and ``admitted`` (SGLang's admission, every rank): a capture admitted with prompt slots
   to store ahead owns them, and a sharing capture whose next slot one owns waits in the queue until
   the writer rank releases the owner (server/prompt_holds.py).
-- ``stored`` (the writer link's reply thread): the blocks a writer stored or found missing become a
+- ``stored`` (the writer link's pump, server/writer_pool.py): the blocks a writer stored or found missing become a
   ``BlockEvent``; ``take_events`` (the writer rank's scheduler thread) puts the events into
   SGLang's request broadcast, with one dropping the blocks no capture used for ``BLOCK_LEASE_S``
   (``gc`` may take them after twice that), and ``apply`` (every rank) applies them, so every rank
@@ -103,7 +103,7 @@ class RequestShare:
         self._checked = 0  # the index version at which ``coverage`` last held
         self.ahead_asked = False  # its prefill ended: its prompt blocks were stored ahead, or need not be
         # the blocks stored ahead of its file (``[name, slot_hash hex, start, end, size]`` each, in
-        # order), and the rows and bytes of them that job wrote, set by the writer link's reply thread
+        # order), and the rows and bytes of them that job wrote, set by the writer link's pump
         self.ahead: Optional[Tuple[List[list], List[int]]] = None
         # the writer rank: the done event of the job storing them, once queued (not the job: it refers
         # to this share, and a cycle would outlive the request until a full collection)
@@ -373,7 +373,7 @@ class SharedRows:
                        req)
 
     def stored(self, job: Any, stored: List[list], missing: List[str], ok: bool = True) -> None:
-        """The writer link's reply thread (server/writer_pool.py): the blocks a writer stored or reused
+        """The writer link's pump (server/writer_pool.py: the scheduler thread, or the idle pump): the blocks a writer stored or reused
         for ``job`` (or found gone), for every rank's index. The lease of the blocks before the job's rows
         is renewed only when its file was published: only then were they touched on the disk, which is
         what ``gc`` goes by."""

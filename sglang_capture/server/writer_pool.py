@@ -1,34 +1,44 @@
 """The writer pool, scheduler side: hand finished requests to the writer supervisor process.
 
-``submit`` (the only call made on SGLang's scheduler thread) queues a job. One thread here
-(``sglang-capture-link``) waits for the job's device-to-host copies, describes where its rows lie
-in the shared host pool (core/handoff.py) and sends that to the writer supervisor
-(writer/supervisor.py), a process of its own that runs the writer processes, records outcomes,
-keeps the stats file and sweeps old records. A second thread (``sglang-capture-link-replies``)
-reads its answers: ``copied`` frees the rows' pool blocks, ``blocks`` hands the shared-rows index
-what a writer stored (``blocks_outcome``) and answers ``indexed``, ``done`` ends the job. So a job
-costs this process one message out and two in; none of the hand-off work takes its GIL.
+The writer supervisor (writer/supervisor.py) is a process of its own that runs the writer
+processes, records outcomes, keeps the stats file and sweeps old records. This side is the link to
+it, and it runs on SGLang's scheduler thread: ``submit`` puts a job in the outbox, and ``pump``,
+called once per turn of the scheduler's loop (before it pulls new requests: hooks/prefix.py),
+reads the supervisor's answers without blocking and sends the jobs whose device-to-host copies are
+done, described by where their rows lie in the shared host pool (core/handoff.py), as one message.
+The answers: ``copied`` frees the rows' pool blocks, ``blocks`` hands the shared-rows index what a
+writer stored (``blocks_outcome``), ``done`` ends the job. A job costs a few tens of microseconds
+of Python here and no thread wake-up: threads of this process doing that work would each wake
+per message and take the GIL from the scheduler thread while it runs (issue 51).
+
+Since the scheduler thread reads every answer the supervisor wrote before it pulls the next
+requests, a chat's next turn, let in by an outcome recorded after its ``blocks`` were written,
+finds them in the index without a reply from here. One thread (``sglang-capture-link``) pumps only
+while something is due and the scheduler thread has not pumped for ``IDLE_PUMP_S`` (``IDLE_READ_S``
+when only answers are due): an idle server, a long forward, a wait for host memory
+(``HostMemoryLedger.hold``), tests without a scheduler. With nothing due it pumps once a second.
 
 A supervisor that dies fails only the jobs it held (their outcomes recorded from here, the one
 time this process writes one) and is started again.
 """
 from __future__ import annotations
 
+import collections
+import fcntl
 import itertools
 import logging
 import os
-import queue
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from sglang_capture.core.capture_dir import STATS_MIN_INTERVAL_S, DirFds, error_text, index_path, read_outcome, record_outcome
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.durable import unlink_if_same
-from sglang_capture.core.handoff import SLOW_STATS, describe_chunks, ids_bytes, recv_many, send, send_many, take_queued
+from sglang_capture.core.handoff import MAX_BATCH, SLOW_STATS, FrameReader, describe_chunks, ids_bytes, send, send_many
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.request_capture import RequestCapture, RowChunk
@@ -70,6 +80,14 @@ class CaptureJob:
     @property
     def chunks(self) -> List[RowChunk]:
         return self.ahead_rows if self.ahead_rows is not None else self.capture.chunks
+
+    def copied(self) -> bool:
+        """Whether every device-to-host copy of its rows is done (never waits): only then is it sent."""
+        for chunk in self.chunks:
+            query = getattr(chunk.ready, "query", None)
+            if query is not None and not query():
+                return False
+        return True
 
     def free_rows(self) -> None:
         """A writer has read the rows (or none will): their host memory may go."""
@@ -137,6 +155,13 @@ _DEVICE_ALLOCATOR_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_f
 # The scheduler side's counters reach the supervisor at most this often while jobs come and go.
 STATS_PUSH_S = 2 * STATS_MIN_INTERVAL_S
 QUERY_TIMEOUT_S = 30.0
+# The idle pump's periods while the scheduler thread does not pump: a job waiting to be sent (its
+# copies finishing), answers still due, and neither (a supervisor that died is noticed then).
+IDLE_PUMP_S = 0.005
+IDLE_READ_S = 0.02
+IDLE_CHECK_S = 1.0
+CLOSE_PUMP_S = 0.002  # the period of ``start``'s and ``close``'s own pumps, while they wait for the supervisor
+PIPE_BYTES = 1 << 20  # the pipes' buffers (where the kernel allows): a burst of jobs is written without waiting
 READY_TIMEOUT_S = 60.0
 STOPPING = "the server is stopping; the capture was not written"
 YOUNG_DEATH_S = 5.0  # a supervisor that dies younger than this is replaced after a pause, not at once
@@ -145,19 +170,27 @@ SUMMED_HERE = ("supervisor_restarts", "failed_in_scheduler", "back_pressure_wait
 
 
 class _Supervisor:
-    """One supervisor process, the thread reading its answers, and what was sent to it."""
+    """One supervisor process, its answers read so far, and what was sent to it."""
 
     def __init__(self, proc: subprocess.Popen, started: float) -> None:
         self.proc, self.started = proc, started
-        self.reader: Optional[threading.Thread] = None
+        self.replies = FrameReader(proc.stdout.fileno())
+        self.gone: Optional[threading.Thread] = None  # the thread cleaning up after its EOF
         self.outcomes: Dict[str, Dict[str, Any]] = {}  # aborted captures' outcomes sent, not yet recorded
 
 
-class WriterPool:
-    """The link to the writer supervisor; ``submit`` is the only call made on the scheduler thread.
+def _widen_pipe(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (OSError, AttributeError):  # above /proc/sys/fs/pipe-max-size, or not Linux: the default
+        pass
 
-    Locks: ``_send_lock`` (the supervisor in hand, what is sent to it, replacing it) is taken before
-    ``_lock`` (the counters and the jobs in flight), never after it."""
+
+class WriterPool:
+    """The link to the writer supervisor; ``submit`` and ``pump`` run on the scheduler thread.
+
+    Locks: ``_pump_lock`` (one pump at a time) before ``_send_lock`` (the supervisor in hand, what is
+    sent to it, replacing it) before ``_lock`` (the counters and the jobs in flight), never after."""
 
     def __init__(self, config: CaptureConfig, ledger: HostMemoryLedger) -> None:
         self.config = config
@@ -165,8 +198,11 @@ class WriterPool:
         self.pool: Optional[HostPool] = None  # rows in it travel by offset (given to ``start``)
         self.processes = config.writer_processes()
         ledger.draining = lambda: self.pending() > 0
-        self._queue: queue.Queue[Union[CaptureJob, Dict[str, Any], None]] = queue.Queue()
+        # jobs and messages for the supervisor, in order, until a pump sends them
+        self._outbox: Deque[Union[CaptureJob, Dict[str, Any]]] = collections.deque()
         self._lock = threading.Lock()
+        self._pump_lock = threading.Lock()
+        self._last_pump = 0.0  # when the last pump ended (monotonic)
         self._send_lock = threading.Lock()
         self._start_lock = threading.Lock()
         self._submit_lock = threading.Lock()  # the closed flag and what goes into the queue, together
@@ -176,7 +212,9 @@ class WriterPool:
         self._asked: Dict[int, Tuple[threading.Event, Dict[str, Any]]] = {}  # queries and sweeps, by id
         self._supervisor: Optional[_Supervisor] = None
         self._ready = threading.Event()  # the first supervisor said it runs
-        self._sender: Optional[threading.Thread] = None
+        self._idle: Optional[threading.Thread] = None  # the idle pump (started by ``start``)
+        self._stop_idle = threading.Event()
+        self._wake = threading.Condition(threading.Lock())  # the idle pump sleeps on it while nothing is due
         self._closed = False  # close() began: nothing more is taken
         self._closing = False  # the supervisor is being stopped: its EOF is not a death
         self._dirs_lock = threading.Lock()
@@ -210,32 +248,39 @@ class WriterPool:
         ``processes`` this rank's share of the node's writers (node_budget.py), and ``extra_stats``
         the scheduler's counters for the stats file."""
         with self._start_lock:
-            if self._sender is not None or self._closed:
+            if self._idle is not None or self._closed:
                 return
             self.pool = pool
             self.processes = processes or self.processes
             self._cuda_device = _current_cuda_device()
             self._extra_stats = extra_stats or dict
             if self.config.switch_interval_ms > 0:
-                # The link's threads wake on pipe replies; behind SGLang's busy scheduler thread each
-                # wake-up waits up to a whole switch interval (5 ms by default) for the GIL.
+                # Capture's threads here (the row copier, the idle pump) wake now and then; behind SGLang's
+                # busy scheduler thread each wake-up waits up to a whole switch interval (5 ms by default) for the GIL.
                 sys.setswitchinterval(self.config.switch_interval_ms / 1000.0)
             with self._send_lock:
                 self._supervisor = self._spawn()
-            self._sender = threading.Thread(target=self._send_loop, name="sglang-capture-link", daemon=True)
-            self._sender.start()
+            self._idle = threading.Thread(target=self._idle_loop, name="sglang-capture-link", daemon=True)
+            self._idle.start()
         self._push_stats(force=True)  # monitoring sees the server's counters from its start
         # Ready: the capture dir checked and cleaned up after stopped servers, as before the first job.
-        if not self._ready.wait(READY_TIMEOUT_S):
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._ready.is_set() and time.monotonic() < deadline:
+            self.pump()  # its answer read here (the scheduler thread, at model load), not by the idle pump
+            self._ready.wait(CLOSE_PUMP_S)
+        if not self._ready.is_set():
             logger.warning("sglang_capture: the writer supervisor did not start within %g s; jobs queue for it",
                            READY_TIMEOUT_S)
 
     def _spawn(self) -> _Supervisor:
-        """Start a supervisor process and its reader thread (the caller holds the send lock); raises
-        OSError when no process can be started."""
+        """Start a supervisor process (the caller holds the send lock); raises OSError when no
+        process can be started."""
         pool = self.pool
         proc = subprocess.Popen([sys.executable, "-m", "sglang_capture.writer.supervisor"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, pass_fds=(pool.fd,) if pool is not None else ())
+        for fd in (proc.stdin.fileno(), proc.stdout.fileno()):
+            _widen_pipe(fd)
+        os.set_blocking(proc.stdout.fileno(), False)  # read by pumps, which never wait
         sup = _Supervisor(proc, time.monotonic())
         with self._lock:  # what the last supervisor's file counted already
             self._baseline = {k: self._pushed.get(k, 0) for k in SUMMED_HERE}
@@ -244,11 +289,8 @@ class WriterPool:
                                        "pool_fd": pool.fd if pool is not None else None,
                                        "pool_size": pool.size_bytes if pool is not None else 0,
                                        "processes": self.processes, "predecessors": self._dead})
-        except OSError as e:  # gone at once: its reader fails what is sent to it and starts another
+        except OSError as e:  # gone at once: the pump that reads its EOF fails what is sent to it, starts another
             logger.error("sglang_capture: the writer supervisor process %d did not start: %s", proc.pid, e)
-        sup.reader = threading.Thread(target=self._read_loop, args=(sup,), daemon=True,
-                                      name="sglang-capture-link-replies")
-        sup.reader.start()
         return sup
 
     def pending(self) -> int:
@@ -257,8 +299,9 @@ class WriterPool:
             return self._open
 
     def submit(self, job: CaptureJob) -> None:
-        """Queue a job (never blocks; back-pressure happens in ``HostMemoryLedger.hold``)."""
-        if self._sender is None:
+        """Queue a job (never blocks; back-pressure happens in ``HostMemoryLedger.hold``); the next
+        pump sends it once its rows are copied."""
+        if self._idle is None:
             self.start()
         job.id = next(self._ids)
         try:
@@ -270,17 +313,19 @@ class WriterPool:
             self._open += 1
         with self._submit_lock:
             if not self._closed:
-                self._queue.put(job)
+                self._outbox.append(job)
+                self._due()
                 return
         self._fail(job, STOPPING, None)  # the server is stopping: no writer will take it
 
     def submit_outcome(self, rid: str, outcome: Dict[str, Any]) -> None:
         """Have the supervisor record ``outcome`` for ``rid`` (never blocks, no file I/O here)."""
-        if self._sender is None:
+        if self._idle is None:
             self.start()
         with self._submit_lock:
             if not self._closed:
-                self._queue.put({"op": "outcome", "rid": rid, "outcome": outcome})
+                self._outbox.append({"op": "outcome", "rid": rid, "outcome": outcome})
+                self._due()
                 return
         self._record_here(rid, outcome)  # the server is stopping: recorded here, the last time it matters
 
@@ -292,7 +337,8 @@ class WriterPool:
         event, answer = self._ask(job_id)
         threading.Thread(target=lambda: (event.wait(), setattr(job, "removed", answer.get("removed", 0)),
                                          job.done.set()), daemon=True, name="sglang-capture-sweep-wait").start()
-        self._queue.put({"op": "sweep", "id": job_id})
+        self._outbox.append({"op": "sweep", "id": job_id})
+        self._due()
         return job
 
     def writer_pids(self) -> List[int]:
@@ -311,7 +357,13 @@ class WriterPool:
         event, answer = threading.Event(), {}
         with self._lock:
             self._asked[job_id] = (event, answer)
+        self._due()
         return event, answer
+
+    def _due(self) -> None:
+        """Something is due from the supervisor or for it: wake the idle pump if it sleeps."""
+        with self._wake:
+            self._wake.notify()
 
     def _query(self) -> Dict[str, Any]:
         if self._supervisor is None or self._closing:
@@ -329,60 +381,66 @@ class WriterPool:
         a job submitted from now on fails at once."""
         with self._start_lock, self._submit_lock:
             self._closed = True
-            sender = self._sender
-            if sender is not None:
-                self._queue.put(None)
-        if sender is None:
+            idle = self._idle
+        if idle is None:
             return
         deadline = time.monotonic() + timeout
-        sender.join(max(0.0, deadline - time.monotonic()))
-        self._fail_queued()
-        with self._lock:
-            jobs = [job for job, _ in self._jobs.values()]
-        for job in jobs:
-            job.done.wait(max(0.0, deadline - time.monotonic()))
-        self._push_stats(force=True)  # the final counters, written by the supervisor as it stops
-        with self._send_lock:
-            self._closing = True
-            sup = self._supervisor
-            if sup is None:
-                return
-            try:
-                sup.proc.stdin.close()  # EOF: it finishes what it holds and exits
-            except OSError:
-                pass
         try:
-            sup.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            sup.proc.kill()
-            sup.proc.wait(5.0)
-        if sup.reader is not None:
-            sup.reader.join(5.0)
-        with self._lock:
-            left = [job for job, where in self._jobs.values() if where is sup]
-        for job in left:  # not answered in time: what the supervisor recorded, or an error
-            self._fail(job, "the server stopped before the file was written", sup)
+            while time.monotonic() < deadline:  # the outbox sent as copies finish, the answers read
+                self.pump()
+                with self._lock:
+                    answered = not self._jobs
+                if answered and not self._outbox:
+                    break
+                time.sleep(CLOSE_PUMP_S)
+            self._fail_queued()
+            self._push_stats(force=True)  # the final counters, written by the supervisor as it stops
+            with self._send_lock:
+                self._closing = True
+                sup = self._supervisor
+                if sup is None:
+                    return
+                try:
+                    sup.proc.stdin.close()  # EOF: it finishes what it holds and exits
+                except OSError:
+                    pass
+            try:
+                sup.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                sup.proc.kill()
+                sup.proc.wait(5.0)
+            self.pump()  # its last answers, up to its EOF
+            with self._lock:
+                left = [job for job, where in self._jobs.values() if where is sup]
+            for job in left:  # not answered in time: what the supervisor recorded, or an error
+                self._fail(job, "the server stopped before the file was written", sup)
+        finally:
+            self._stop_idle.set()
+            self._due()
+            idle.join(5.0)
 
     def _fail_queued(self) -> None:
-        """What is still queued once the sender stopped (it ran out of time): failed or recorded here."""
+        """What is still in the outbox once ``close`` ran out of time: failed or recorded here."""
         while True:
             try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
+                with self._pump_lock:
+                    item = self._outbox.popleft()
+            except IndexError:
                 return
             if isinstance(item, CaptureJob):
                 self._fail(item, STOPPING, None)
             elif isinstance(item, dict) and item.get("op") == "outcome":
                 self._record_here(item["rid"], item["outcome"])
 
-    def _send(self, messages: List[Dict[str, Any]], jobs: Sequence[CaptureJob] = ()) -> bool:
+    def _send(self, messages: List[Dict[str, Any]], jobs: Sequence[CaptureJob] = ()) -> Optional[bool]:
         """Send ``messages`` as one to the supervisor in hand, ``jobs`` (theirs) counted as sent to it
         in the same step: a supervisor replaced meanwhile never gets a job its death already failed.
-        False when there is none, or the messages cannot be packed (the caller ends the jobs)."""
+        False when there is none, or the messages cannot be packed (the caller ends the jobs); None
+        when it is gone (the caller may send them to the next one)."""
         with self._send_lock:
             return self._send_locked(messages, jobs)
 
-    def _send_locked(self, messages: List[Dict[str, Any]], jobs: Sequence[CaptureJob] = ()) -> bool:
+    def _send_locked(self, messages: List[Dict[str, Any]], jobs: Sequence[CaptureJob] = ()) -> Optional[bool]:
         sup = self._supervisor
         if sup is None or self._closing:
             return False
@@ -403,30 +461,65 @@ class WriterPool:
                 for message in messages:
                     if message["op"] == "outcome":
                         sup.outcomes.pop(message["rid"], None)
-            if not isinstance(e, OSError):
-                logger.error("sglang_capture: a message to the writer supervisor could not be packed: %s", e)
+            if isinstance(e, OSError):
+                return None
+            logger.error("sglang_capture: a message to the writer supervisor could not be packed: %s", e)
             return False
 
-    def _send_loop(self) -> None:
-        """Send what is queued; what queued up while the last send ran goes as one message (``many``):
-        under load the supervisor's main thread, and this one, wake once per batch, not per job."""
-        while True:
+    def pump(self) -> None:
+        """Scheduler thread, once per turn of its loop (and the idle pump): apply the supervisor's
+        answers that arrived, then send what the outbox holds up to the first job whose rows are
+        still being copied, as one message per ``MAX_BATCH``. Never waits for the supervisor."""
+        with self._pump_lock:
             try:
-                items, stop = take_queued(self._queue, self._queue.get(timeout=STATS_PUSH_S))
-            except queue.Empty:
+                sup = self._supervisor
+                if sup is not None and sup.gone is None:
+                    self._read_answers(sup)
+                self._send_ready()
                 self._push_stats()
-                continue
-            try:
-                self._send_items(items)
-                self._push_stats()
-            except Exception as e:  # noqa: BLE001 - no failure may end the link
-                logger.error("sglang_capture: the link to the writer supervisor failed a batch: %s", error_text(e))
-            if stop:
+            except Exception as e:  # noqa: BLE001 - never the scheduler's failure: the next pump goes on
+                logger.error("sglang_capture: the link to the writer supervisor failed a step: %s", error_text(e))
+            finally:
+                self._last_pump = time.monotonic()
+
+    def _idle_loop(self) -> None:
+        """Pump while the scheduler thread does not (idle, in a long forward, waiting for host memory),
+        as long as anything is due; else once a second, or when something is (``_due``)."""
+        while not self._stop_idle.is_set():
+            with self._wake:
+                period = self._idle_period()
+                if period is None and self._wake.wait(IDLE_CHECK_S):
+                    continue  # something came: pumped at its period
+            if period is not None and self._stop_idle.wait(period):
+                return
+            if time.monotonic() - self._last_pump >= (period or IDLE_CHECK_S):
+                self.pump()  # with nothing due, once a second: a supervisor that died meanwhile is replaced
+
+    def _idle_period(self) -> Optional[float]:
+        """How often the idle pump pumps now: None while nothing is due."""
+        if self._outbox:
+            return IDLE_PUMP_S
+        sup = self._supervisor
+        with self._lock:
+            waiting = bool(self._jobs or self._asked or (sup is not None and sup.outcomes))
+        return IDLE_READ_S if waiting or not self._ready.is_set() else None
+
+    def _send_ready(self) -> None:
+        outbox = self._outbox
+        while outbox:
+            items: List[Union[CaptureJob, Dict[str, Any]]] = []
+            while outbox and len(items) < MAX_BATCH:
+                item = outbox[0]
+                if isinstance(item, CaptureJob) and not item.copied():
+                    break
+                items.append(outbox.popleft())
+            if not items or not self._send_items(items):
                 return
 
-    def _send_items(self, items: List[Union[CaptureJob, Dict[str, Any]]]) -> None:
+    def _send_items(self, items: List[Union[CaptureJob, Dict[str, Any]]]) -> bool:
         """Send a batch; when it cannot go as one, each item alone, so that one unpackable job
-        fails only itself."""
+        fails only itself. False when the supervisor is gone: what was not sent is back at the front
+        of the outbox, for the next pump (by then its EOF was read, and another one started)."""
         described: List[Tuple[Dict[str, Any], Optional[CaptureJob]]] = []
         for item in items:
             if isinstance(item, CaptureJob):
@@ -439,16 +532,27 @@ class WriterPool:
             # this side's counters as of these jobs, ahead of them: the stats file written after their
             # outcomes counts everything the scheduler did for them (the batches they ran in)
             self._push_stats(force=True)
-        if not described or self._send([m for m, _ in described], [j for _, j in described if j is not None]):
-            return
-        for message, job in described if len(described) > 1 else []:
+        if not described:
+            return True
+        sent = self._send([m for m, _ in described], [j for _, j in described if j is not None])
+        if sent is None:
+            self._outbox.extendleft(reversed([job if job is not None else m for m, job in described]))
+            return False
+        if sent:
+            return True
+        for k, (message, job) in enumerate(described if len(described) > 1 else []):
             try:
-                if not self._send([message], [job] if job is not None else []):
+                sent = self._send([message], [job] if job is not None else [])
+                if sent is None:
+                    self._outbox.extendleft(reversed([j if j is not None else m for m, j in described[k:]]))
+                    return False
+                if not sent:
                     self._unsent(message, job)
             except Exception as e:  # noqa: BLE001 - one item's failure must not drop the rest
                 logger.error("sglang_capture: a message to the writer supervisor was lost: %s", error_text(e))
         if len(described) == 1:
             self._unsent(*described[0])
+        return True
 
     def _unsent(self, message: Dict[str, Any], job: Optional[CaptureJob]) -> None:
         """A message no supervisor took: its job fails, an outcome is recorded from here."""
@@ -544,13 +648,22 @@ class WriterPool:
         except Exception as e:  # noqa: BLE001 - an unwritable dir, or an outcome JSON cannot hold
             logger.error("sglang_capture: cannot record the outcome of %s: %s", rid, error_text(e))
 
-    def _read_loop(self, sup: _Supervisor) -> None:
-        while (messages := recv_many(sup.proc.stdout.fileno())) is not None:
-            for message in messages:
+    def _read_answers(self, sup: _Supervisor) -> None:
+        """Apply every answer ``sup`` has written so far; at its EOF, clean up after it on a thread of its own."""
+        messages, eof = sup.replies.read()
+        for message in messages:
+            for one in message["messages"] if message.get("op") == "many" else [message]:
                 try:
-                    self._answer(message, sup)
-                except Exception as e:  # noqa: BLE001 - no failure may end this reader
-                    logger.error("sglang_capture: handling the writer supervisor's %r failed: %s", message.get("op"), e)
+                    self._answer(one, sup)
+                except Exception as e:  # noqa: BLE001 - one answer's failure must not drop the rest
+                    logger.error("sglang_capture: handling the writer supervisor's %r failed: %s", one.get("op"), e)
+        if eof:
+            sup.gone = threading.Thread(target=self._gone, args=(sup,), daemon=True, name="sglang-capture-link-gone")
+            sup.gone.start()
+
+    def _gone(self, sup: _Supervisor) -> None:
+        """``sup`` closed its end (it exited, or is exiting): fail what it held and start another,
+        unless the link is closing."""
         sup.proc.wait()
         sup.proc.stdout.close()
         with self._send_lock:
@@ -621,12 +734,9 @@ class WriterPool:
         elif op == "blocks":
             with self._lock:
                 entry = self._jobs.get(message["id"])
-            try:
-                if entry is not None:
-                    entry[0].written = message.get("written")
-                    self.blocks_outcome(entry[0], message["stored"], message["missing"], message["ok"])
-            finally:
-                self._send([{"op": "indexed", "id": message["id"]}])
+            if entry is not None:
+                entry[0].written = message.get("written")
+                self.blocks_outcome(entry[0], message["stored"], message["missing"], message["ok"])
         elif op == "done":
             job = self._take(message["id"], sup)
             if job is not None:

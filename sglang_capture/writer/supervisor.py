@@ -6,9 +6,9 @@ message (where the rows lie in the shared host pool, core/handoff.py) and hears 
 outside the scheduler's GIL: one hand-off thread per writer process (writer/process.py) that sends
 it the job and follows its messages, replacing a process that dies or stalls (child.py); the
 outcome records ``.index/<rid>.json`` (core/capture_dir.py); this server's stats file; sweeps of old
-records. A job whose writer stored shared-rows blocks waits for the scheduler to index them
-(``blocks`` -> ``indexed``) before its outcome is recorded: the next turn of a chat, let in by that
-record, must find them.
+records. The ``blocks`` a job's writer stored are on the pipe to the scheduler before its outcome is
+recorded: the scheduler thread reads its pipe before it pulls new requests, so the next turn of a
+chat, let in by that record, finds them indexed.
 
 A writer process that dies fails only the job in hand (status ``error``) and is restarted. EOF from
 the scheduler side means it is stopping (or gone): queued jobs are finished, then the process exits.
@@ -632,27 +632,28 @@ class Supervisor:
 class SchedulerLink:
     """The supervisor's side of its pipes to the scheduler process: jobs in, ``copied``, ``blocks`` and
     ``done`` out. Any hand-off thread may send; one thread writes, and what queued up meanwhile goes
-    as one message (``many``), so under load the scheduler side's reader wakes once per batch."""
+    as one message (``many``), read by the scheduler thread's next pump."""
 
     def __init__(self, out_fd: int) -> None:
         self.out_fd = out_fd
-        self._out: queue.Queue[Optional[Dict[str, Any]]] = queue.Queue()
+        # messages, and events set once everything queued before them is written
+        self._out: queue.Queue[Union[Dict[str, Any], threading.Event, None]] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="sglang-capture-to-scheduler", daemon=True)
         self._writer.start()
-        self._lock = threading.Lock()
-        self._indexed: Dict[int, threading.Event] = {}
-        self.closed = False  # the scheduler side is gone or stopping: nobody will answer ``blocks``
 
     def send(self, message: Dict[str, Any]) -> None:
         self._out.put(message)
 
     def _write_loop(self) -> None:
         while True:
-            messages, stop = take_queued(self._out, self._out.get())
+            items, stop = take_queued(self._out, self._out.get())
             try:
-                send_many(self.out_fd, messages)
+                send_many(self.out_fd, [m for m in items if isinstance(m, dict)])
             except OSError:  # the scheduler process is gone: its EOF ends the main loop
                 pass
+            for item in items:
+                if isinstance(item, threading.Event):
+                    item.set()
             if stop:
                 return
 
@@ -674,43 +675,26 @@ class SchedulerLink:
         return WireJob(**{k: message[k] for k in JOB_FIELDS}, release=release)
 
     def blocks(self, job: WireJob, stored: List[list], missing: List[str], ok: bool) -> None:
-        """Have the scheduler side index the blocks ``job`` stored (or found gone), and wait until it
-        has: its outcome record, written next, lets the chat's next turn in."""
-        event = threading.Event()
-        with self._lock:
-            if self.closed:
-                return
-            self._indexed[job.id] = event
+        """Tell the scheduler side the blocks ``job`` stored (or found gone), and return once the
+        message is on the pipe: its outcome record, written next, lets the chat's next turn in, and
+        the scheduler thread reads the pipe before it pulls that turn."""
         message = {"op": "blocks", "id": job.id, "stored": stored, "missing": missing, "ok": ok}
         if job.ahead:
             message["written"] = job.written
-        self.send(message)
-        if not event.wait(INDEXED_WAIT_S):
-            logger.warning("sglang_capture: the scheduler did not index the blocks of request %s within %g s", job.rid,
-                           INDEXED_WAIT_S)
-        with self._lock:
-            self._indexed.pop(job.id, None)
-
-    def indexed(self, job_id: int) -> None:
-        with self._lock:
-            event = self._indexed.get(job_id)
-        if event is not None:
-            event.set()
-
-    def close(self) -> None:
-        with self._lock:
-            self.closed = True
-            waiting = list(self._indexed.values())
-        for event in waiting:
-            event.set()
+        written = threading.Event()
+        self._out.put(message)
+        self._out.put(written)
+        if not written.wait(BLOCKS_WRITE_S):
+            logger.warning("sglang_capture: the blocks of request %s were not written to the scheduler within %g s",
+                           job.rid, BLOCKS_WRITE_S)
 
     def finished(self, job: WireJob) -> None:
         self.send({"op": "done", "id": job.id, "outcome": job.outcome})
 
 
-# How long a job's outcome waits for the scheduler to index its blocks (it answers within milliseconds
-# unless it is gone, and then EOF ends the wait first).
-INDEXED_WAIT_S = 120.0
+# How long a job's outcome waits for its blocks' message to be written (the scheduler side reads its pipe
+# every few milliseconds, and its pipe holds a megabyte; a write to a gone side fails at once).
+BLOCKS_WRITE_S = 120.0
 
 
 def serve(supervisor: Supervisor, link: SchedulerLink, in_fd: int) -> None:
@@ -721,7 +705,6 @@ def serve(supervisor: Supervisor, link: SchedulerLink, in_fd: int) -> None:
     while (messages := recv_many(in_fd)) is not None:
         for message in messages:
             _take(supervisor, link, message)
-    link.close()
     supervisor.close()
     link.flush()
 
@@ -733,8 +716,6 @@ def _take(supervisor: Supervisor, link: SchedulerLink, message: Dict[str, Any]) 
         supervisor.submit(link.job(message))
     elif op == "outcome":
         supervisor.submit_outcome(message["rid"], message["outcome"])
-    elif op == "indexed":
-        link.indexed(message["id"])
     elif op == "stats":
         supervisor.scheduler_stats(message["stats"])
     elif op == "sweep":

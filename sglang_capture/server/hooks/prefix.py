@@ -10,8 +10,11 @@ every rank.
   capture's blocks are queued to be stored (in flight); a capture admitted becomes such an owner
   (server/prompt_holds.py). Every rank decides alike.
 - ``post_block_events`` (``SchedulerRequestReceiver._pull_raw_reqs``): on the rank that receives
-  the requests (the writer rank), the index's events join them, first, and SGLang's own broadcast
-  carries them to the group's other ranks.
+  the requests (the writer rank), the link to the writers is pumped first (writer_pool.py: the
+  supervisor's answers read, the blocks it stored indexed, finished jobs sent), then the index's
+  events join the requests, first, and SGLang's own broadcast carries them to the group's other
+  ranks. So a chat's next turn, let in by an outcome recorded after its blocks were written to
+  the pipe, is pulled after they are indexed. With sharing off the pump still runs here.
 - ``keep_block_events_with_work`` (``SchedulerRequestReceiver._split_work_and_control_reqs``):
   under DP attention those events go with the requests, to the ranks of their own DP group.
 - ``apply_block_events`` (``Scheduler.process_input_requests``): every rank applies the events,
@@ -67,9 +70,13 @@ def hold_shared_prompt(state: SchedulerCapture, wrapped: Any, instance: Any, arg
 
 
 def post_block_events(state: SchedulerCapture, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """After ``_pull_raw_reqs``: the writer rank's block events go first among the requests pulled."""
+    """Around ``_pull_raw_reqs``, on the writer rank: the link is pumped before the requests are
+    pulled, and the block events go first among them."""
+    if not state.is_writer:
+        return wrapped(*args, **kwargs)
+    state.writer.pump()
     reqs = wrapped(*args, **kwargs)
-    if reqs is None or state.shared is None or not state.is_writer:
+    if reqs is None or state.shared is None:
         return reqs
     events = state.shared.take_events()
     return events + list(reqs) if events else reqs
