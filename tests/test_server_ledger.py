@@ -32,12 +32,15 @@ def test_ledger_never_exceeds_the_cap_while_writes_are_pending():
         ledger.release(first)
         pending.clear()
 
+    told = []
+    ledger.on_wait = lambda: told.append(ledger.waiting)  # the writer link's idle pump, woken to read what frees it
     ledger.hold(first)
     threading.Thread(target=writer_finishes_first).start()
     start = time.monotonic()
     ledger.hold(second)  # the scheduler waits here until the pending write frees memory
     assert time.monotonic() - start >= 0.15 and ledger.waits == 1
     assert ledger.peak_bytes == 400 <= ledger.cap_bytes
+    assert told == [True] and not ledger.waiting  # told once, as the wait began
 
 
 def test_ledger_goes_over_the_cap_rather_than_deadlock_when_nothing_is_pending():

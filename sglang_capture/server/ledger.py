@@ -37,6 +37,8 @@ class HostMemoryLedger:
         self.held_bytes = 0
         self.peak_bytes = 0
         self.waits = 0
+        self.waiting = False  # a producer waits now (the writer link then reads its answers at once)
+        self.on_wait: Callable[[], None] = lambda: None  # told as a wait begins
 
     def hold(self, t: torch.Tensor) -> None:
         key, nbytes = t.untyped_storage().data_ptr(), self.block_bytes(t)
@@ -69,7 +71,13 @@ class HostMemoryLedger:
         def over() -> bool:
             return self.held_bytes > 0 and self.held_bytes + incoming > self.cap_bytes and self.draining()
 
-        if over():
-            self.waits += 1
-        while over():
-            self._cond.wait(0.05)
+        if not over():
+            return
+        self.waits += 1
+        self.waiting = True
+        self.on_wait()
+        try:
+            while over():
+                self._cond.wait(0.05)
+        finally:
+            self.waiting = False

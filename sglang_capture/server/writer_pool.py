@@ -198,6 +198,7 @@ class WriterPool:
         self.pool: Optional[HostPool] = None  # rows in it travel by offset (given to ``start``)
         self.processes = config.writer_processes()
         ledger.draining = lambda: self.pending() > 0
+        ledger.on_wait = self._due  # the scheduler thread waits for memory: the idle pump reads what frees it
         # jobs and messages for the supervisor, in order, until a pump sends them
         self._outbox: Deque[Union[CaptureJob, Dict[str, Any]]] = collections.deque()
         self._lock = threading.Lock()
@@ -497,7 +498,7 @@ class WriterPool:
 
     def _idle_period(self) -> Optional[float]:
         """How often the idle pump pumps now: None while nothing is due."""
-        if self._outbox:
+        if self._outbox or self.ledger.waiting:
             return IDLE_PUMP_S
         sup = self._supervisor
         with self._lock:
