@@ -407,3 +407,31 @@ def test_a_runs_ticket_holds_the_hand_off_until_its_rows_are_copied_and_an_in_pl
     late.seal()
     with pytest.raises(RuntimeError, match="could not be copied into their run: OSError: injected"):
         late.chunks[0].ready.synchronize()
+
+
+def test_a_runs_ticket_says_without_waiting_whether_its_rows_are_copied_and_rows_so_far_wait_for_no_later_flush():
+    """The writer link sends a job only once its rows are copied (``query``, never waiting); a job
+    storing a request's rows ahead of its file holds the run as it is (``rows_so_far``): the flushes
+    into the run after that are not its own and do not hold it back."""
+    from sglang_capture.server.request_capture import RequestCapture
+
+    pool, ledger, counts, copier, rows, go = _gated_copier()
+    cap = RequestCapture(rid="c", name="c", ledger=ledger, pool=pool)
+    first = _decode_step(pool, rows, [cap], 0)  # flush 1, gated
+    ticket = cap.chunks[0].ready
+    assert not ticket.query()
+    ahead = cap.rows_so_far()
+    assert [c.rows.shape[0] for c in ahead] == [1] and not ahead[0].ready.query()
+    go.set()
+    deadline = time.monotonic() + 10
+    while not ahead[0].ready.query():
+        assert time.monotonic() < deadline, "flush 1 never copied"
+        time.sleep(0.01)
+    go.clear()
+    _decode_step(pool, rows, [cap], 1)  # flush 2 into the same run, gated
+    assert not ticket.query() and ahead[0].ready.query()  # the run waits for it; the rows so far do not
+    ahead[0].ready.synchronize()
+    assert torch.equal(ahead[0].rows, first)
+    go.set()
+    copier.close()
+    assert ticket.query()

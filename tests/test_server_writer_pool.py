@@ -286,6 +286,38 @@ def test_the_scheduler_threads_pumps_send_each_job_once_its_copies_are_done_and_
         writer.close()
 
 
+def test_a_supervisor_that_stops_reading_never_stops_the_scheduler_threads_pump(tmp_path):
+    """Jobs whose rows travel inline (outside the pool) to a supervisor stopped (SIGSTOP): each pump
+    returns at once, the bytes the pipe cannot take wait for later pumps, and once it reads again
+    every job is written."""
+    import signal
+
+    jobs, ledger = [], None
+    for i in range(3):
+        job, ledger_i = make_job(tmp_path, [(0, torch.full((1024, 1024), float(i)))], 1024, name=f"big-{i}")
+        jobs.append(job)
+        ledger = ledger or ledger_i
+    writer = WriterPool(CaptureConfig(capture_dir=str(tmp_path), writers=1), ledger)
+    writer.start()
+    supervisor = writer.supervisor_pid()
+    os.kill(supervisor, signal.SIGSTOP)
+    try:
+        for job in jobs:
+            writer.submit(job)
+        for _ in range(5):
+            t0 = time.monotonic()
+            writer.pump()
+            assert time.monotonic() - t0 < 0.5
+        assert writer._supervisor.out.pending_bytes > 0  # 12 MiB inline: the pipe holds 1 MiB
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+    try:
+        for job in jobs:
+            assert job.done.wait(60) and job.outcome["status"] == "ok", job.outcome
+    finally:
+        writer.close()
+
+
 def test_a_supervisor_that_dies_fails_only_the_jobs_it_held_and_another_takes_the_next(tmp_path):
     """The supervisor is killed while a writer holds a job: that job's outcome says so (recorded by
     the scheduler side), its rows are freed, its writer dies with the supervisor (nothing is

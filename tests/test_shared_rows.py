@@ -564,7 +564,7 @@ def test_a_prompt_is_stored_ahead_once_when_a_whole_slot_of_it_is_new_and_its_an
     getattr(longer, SHARE_ATTR).coverage = Coverage(100, (BlockRef("c" * 32, 0, 0, 100),), (5,))
     ahead = shared.ahead_share(longer, 100, 3 * B + 100)
     assert (ahead["start"], ahead["computed"], ahead["refs"]) == (100, 100, [["c" * 32, 0, 0, 100]])
-    # the blocks stored ahead, as the writer link's reply thread records them: the file references them
+    # the blocks stored ahead, as the writer link's pump records them: the file references them
     getattr(chat, SHARE_ATTR).ahead = ([["a" * 32, "00", 0, B, 10], ["b" * 32, "00", B, 2 * B, 11]], [2 * B, 21])
     out, why = shared.share_of(chat, 0, 700)
     assert why is None and (out["computed"], out["start"], out["ahead"]) == (0, 2 * B, [2 * B, 21])
@@ -638,7 +638,7 @@ def test_a_capture_admitted_with_prompt_slots_to_store_ahead_holds_those_sharing
     cover = getattr(same, SHARE_ATTR)
     assert cover.cap(writer.index, same.full_untruncated_fill_ids, 2 * B + 50) == 2 * B  # in flight, reused
     assert writer.index.in_flight_jobs(r.name for r in cover.coverage.refs) == [7]
-    # the writer link's reply thread: the blocks stored (with their sizes), the job settled in the same event
+    # the writer link's pump: the blocks stored (with their sizes), the job settled in the same event
     writer.stored(job, [[b.name, b.slot_hash.hex(), b.start, b.end, 5] for b in events[0].in_flight], [])
     share.ahead_done.set()
     [stored] = writer.take_events()

@@ -300,7 +300,7 @@ def _replies(fd, want, timeout=30.0):
 
 
 def test_the_supervisor_takes_jobs_sent_together_and_answers_copied_then_done_for_each(tmp_path):
-    """What the link sends as one message (``many``: what queued up while it was sending) is taken
+    """What the link sends as one message (``many``: what a pump found ready in the outbox) is taken
     job by job, and each job's ``copied`` comes before its ``done``, which carries the outcome."""
     from sglang_capture.core.handoff import send
     from sglang_capture.server.writer_pool import job_message
@@ -459,3 +459,28 @@ def test_a_file_that_reuses_rows_in_flight_is_written_only_once_the_job_storing_
         release.set()
         release6.set()
         supervisor.close()
+
+
+def test_a_frame_writer_never_waits_keeps_what_the_pipe_cannot_take_in_order_and_says_when_the_reader_is_gone():
+    """The scheduler thread writes to the supervisor without waiting (server/writer_pool.py): a
+    supervisor that stops reading never stops it."""
+    from sglang_capture.core.handoff import FrameWriter, recv
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    out = FrameWriter(w)
+    try:
+        big = {"op": "job", "rows": b"r" * (1 << 20)}  # more than the pipe holds
+        t0 = time.monotonic()
+        assert out.send_many([big]) and out.send_many([{"op": "a"}, {"op": "b"}])
+        assert time.monotonic() - t0 < 0.5 and out.pending_bytes > 0
+        got = []
+        reader = threading.Thread(target=lambda: got.extend(recv(r, 10) for _ in range(2)))
+        reader.start()
+        out.flush(timeout=10)
+        reader.join(10)
+        assert out.pending_bytes == 0 and got == [big, {"op": "many", "messages": [{"op": "a"}, {"op": "b"}]}]
+    finally:
+        os.close(r)
+    assert out.send_many([{"op": "c"}]) is False  # the reader is gone and nothing was pending: none of it went
+    os.close(w)

@@ -25,6 +25,7 @@ records. EOF on either side ends it.
 """
 from __future__ import annotations
 
+import collections
 import mmap
 import os
 import queue
@@ -144,6 +145,61 @@ class FrameReader:
         if at:
             del buf[:at]
         return messages, eof
+
+
+class FrameWriter:
+    """Messages to a non-blocking descriptor, never waiting: what the pipe cannot take now is kept,
+    in order, and written by the next ``flush`` (the scheduler thread writes to the supervisor so,
+    and a supervisor that stops reading never stops it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._pending: collections.deque = collections.deque()  # bytes (views) not written yet, in order
+        self.pending_bytes = 0
+
+    def send_many(self, messages: List[Dict[str, Any]]) -> bool:
+        """Queue ``messages`` as one and write what the pipe takes now. False when the other side
+        is gone and nothing of them was written; raises ValueError, TypeError or OverflowError
+        (nothing queued) when msgpack cannot pack them."""
+        message = messages[0] if len(messages) == 1 else {"op": "many", "messages": messages}
+        body = msgpack.packb(message, use_bin_type=True)
+        data = memoryview(_HEADER.pack(len(body)) + body)
+        if not self._pending:
+            try:
+                data = data[os.write(self.fd, data):]
+            except BlockingIOError:
+                pass
+            except OSError:  # the other side is gone: none of it went
+                return False
+            if not data:
+                return True
+        self._pending.append(data)
+        self.pending_bytes += len(data)
+        try:
+            self.flush()
+        except OSError:  # gone after part of what was queued before went: its EOF tells the reader
+            pass
+        return True
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        """Write what is pending that the pipe takes now; with ``timeout``, wait up to that long for
+        it to take all of it. Raises OSError when the other side is gone."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._pending:
+            chunk = self._pending[0]
+            try:
+                n = os.write(self.fd, chunk)
+            except BlockingIOError:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is None or left <= 0:
+                    return
+                select.select([], [self.fd], [], left)
+                continue
+            self.pending_bytes -= n
+            if n == len(chunk):
+                self._pending.popleft()
+            else:
+                self._pending[0] = chunk[n:]
 
 
 class Stalled(TimeoutError):

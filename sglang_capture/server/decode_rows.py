@@ -98,6 +98,31 @@ class CopyTicket:
         if self.error is not None:
             raise RuntimeError(f"decode rows could not be copied into their run: {self.error}")
 
+    def so_far(self) -> Any:
+        """This ticket as of now, for the rows in the run so far (a job storing them ahead of the
+        request's file): the flushes to come fill rows that are not theirs, and are not waited for."""
+        return TicketSoFar(self, max(self.seqs, default=0))
+
+
+class TicketSoFar:
+    """A ``CopyTicket`` up to one flush: ready once that flush is copied."""
+
+    __slots__ = ("ticket", "upto")
+
+    def __init__(self, ticket: CopyTicket, upto: int) -> None:
+        self.ticket, self.upto = ticket, upto
+
+    def query(self) -> bool:
+        t = self.ticket
+        return t.error is not None or t.copier is None or self.upto == 0 or t.copier.copied(self.upto)
+
+    def synchronize(self) -> None:
+        t = self.ticket
+        if self.upto and t.copier is not None:
+            t.copier.wait({self.upto})
+        if t.error is not None:  # a failed flush of the run, maybe a later one: the ahead job fails alone
+            raise RuntimeError(f"decode rows could not be copied into their run: {t.error}")
+
 
 def copy_sources(pool: HostPool, counts: CopyCounts, sources: List[_Source]) -> None:
     """One ``scatter_rows`` per source tensor: every reserved row to its place in its run."""

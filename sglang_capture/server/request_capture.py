@@ -211,7 +211,9 @@ class RequestCapture:
         run = self.run
         if run is None or run.used == 0:
             return [c for c in self.chunks if c is not (run.chunk if run else None)]
-        return [c if c is not run.chunk else RowChunk(c.start, run.buffer[:run.used], c.ready) for c in self.chunks]
+        so_far = getattr(run.chunk.ready, "so_far", None)  # decode rows copied into it: those flushed so far
+        ready = so_far() if so_far is not None else run.chunk.ready
+        return [c if c is not run.chunk else RowChunk(c.start, run.buffer[:run.used], ready) for c in self.chunks]
 
     def seal(self) -> None:
         """The request finished: its rows now belong to the writer job, whatever becomes of the Req."""

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Se
 from sglang_capture.core.capture_dir import STATS_MIN_INTERVAL_S, DirFds, error_text, index_path, read_outcome, record_outcome
 from sglang_capture.core.config import CaptureConfig
 from sglang_capture.core.durable import unlink_if_same
-from sglang_capture.core.handoff import MAX_BATCH, SLOW_STATS, FrameReader, describe_chunks, ids_bytes, send, send_many
+from sglang_capture.core.handoff import MAX_BATCH, SLOW_STATS, FrameReader, FrameWriter, describe_chunks, ids_bytes, send
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.server.ledger import HostMemoryLedger
 from sglang_capture.server.request_capture import RequestCapture, RowChunk
@@ -175,8 +175,18 @@ class _Supervisor:
     def __init__(self, proc: subprocess.Popen, started: float) -> None:
         self.proc, self.started = proc, started
         self.replies = FrameReader(proc.stdout.fileno())
+        self.out = FrameWriter(proc.stdin.fileno())  # non-blocking once its hello is written
         self.gone: Optional[threading.Thread] = None  # the thread cleaning up after its EOF
         self.outcomes: Dict[str, Dict[str, Any]] = {}  # aborted captures' outcomes sent, not yet recorded
+
+
+def _copied(job: CaptureJob) -> bool:
+    """``job.copied()``, True when asking raises: its description then waits for the copy, which
+    fails only it (the jobs behind it go on)."""
+    try:
+        return job.copied()
+    except Exception:  # noqa: BLE001 - a CUDA event's query that fails: left to describe_chunks
+        return True
 
 
 def _widen_pipe(fd: int) -> None:
@@ -198,7 +208,8 @@ class WriterPool:
         self.pool: Optional[HostPool] = None  # rows in it travel by offset (given to ``start``)
         self.processes = config.writer_processes()
         ledger.draining = lambda: self.pending() > 0
-        ledger.on_wait = self._due  # the scheduler thread waits for memory: the idle pump reads what frees it
+        # the scheduler thread waits for memory: the idle pump reads what frees it, from now
+        ledger.on_wait = lambda: self._due(urgent=True)
         # jobs and messages for the supervisor, in order, until a pump sends them
         self._outbox: Deque[Union[CaptureJob, Dict[str, Any]]] = collections.deque()
         self._lock = threading.Lock()
@@ -215,7 +226,8 @@ class WriterPool:
         self._ready = threading.Event()  # the first supervisor said it runs
         self._idle: Optional[threading.Thread] = None  # the idle pump (started by ``start``)
         self._stop_idle = threading.Event()
-        self._wake = threading.Condition(threading.Lock())  # the idle pump sleeps on it while nothing is due
+        self._wake = threading.Condition(threading.Lock())  # the idle pump sleeps on it
+        self._idle_resting = False  # it sleeps because nothing is due (a submit wakes it)
         self._closed = False  # close() began: nothing more is taken
         self._closing = False  # the supervisor is being stopped: its EOF is not a death
         self._dirs_lock = threading.Lock()
@@ -292,6 +304,7 @@ class WriterPool:
                                        "processes": self.processes, "predecessors": self._dead})
         except OSError as e:  # gone at once: the pump that reads its EOF fails what is sent to it, starts another
             logger.error("sglang_capture: the writer supervisor process %d did not start: %s", proc.pid, e)
+        os.set_blocking(proc.stdin.fileno(), False)  # written by pumps, which never wait
         return sup
 
     def pending(self) -> int:
@@ -361,10 +374,13 @@ class WriterPool:
         self._due()
         return event, answer
 
-    def _due(self) -> None:
-        """Something is due from the supervisor or for it: wake the idle pump if it sleeps."""
+    def _due(self, urgent: bool = False) -> None:
+        """Something is due from the supervisor or for it: wake the idle pump if it rests (nothing
+        was due), or at once when ``urgent`` (the scheduler thread waits for host memory, or the
+        link is closing); a pump then comes within its period anyway."""
         with self._wake:
-            self._wake.notify()
+            if urgent or self._idle_resting:
+                self._wake.notify()
 
     def _query(self) -> Dict[str, Any]:
         if self._supervisor is None or self._closing:
@@ -389,9 +405,9 @@ class WriterPool:
         try:
             while time.monotonic() < deadline:  # the outbox sent as copies finish, the answers read
                 self.pump()
-                with self._lock:
-                    answered = not self._jobs
-                if answered and not self._outbox:
+                with self._pump_lock, self._lock:  # not between a pump's taking items and sending them
+                    done = not self._jobs and not self._outbox
+                if done:
                     break
                 time.sleep(CLOSE_PUMP_S)
             self._fail_queued()
@@ -402,6 +418,7 @@ class WriterPool:
                 if sup is None:
                     return
                 try:
+                    sup.out.flush(max(0.1, deadline - time.monotonic()))
                     sup.proc.stdin.close()  # EOF: it finishes what it holds and exits
                 except OSError:
                     pass
@@ -417,7 +434,7 @@ class WriterPool:
                 self._fail(job, "the server stopped before the file was written", sup)
         finally:
             self._stop_idle.set()
-            self._due()
+            self._due(urgent=True)
             idle.join(5.0)
 
     def _fail_queued(self) -> None:
@@ -452,20 +469,22 @@ class WriterPool:
             for message in messages:
                 if message["op"] == "outcome":
                     sup.outcomes[message["rid"]] = message["outcome"]
+        error = None
         try:
-            send_many(sup.proc.stdin.fileno(), messages)
-            return True
-        except (OSError, ValueError, TypeError, OverflowError) as e:  # gone, or a value msgpack cannot pack
-            with self._lock:
-                for job in jobs:
-                    self._jobs.pop(job.id, None)
-                for message in messages:
-                    if message["op"] == "outcome":
-                        sup.outcomes.pop(message["rid"], None)
-            if isinstance(e, OSError):
-                return None
-            logger.error("sglang_capture: a message to the writer supervisor could not be packed: %s", e)
-            return False
+            if sup.out.send_many(messages):  # what the pipe cannot take now goes with the next pump
+                return True
+        except (ValueError, TypeError, OverflowError) as e:  # a value msgpack cannot pack
+            error = e
+        with self._lock:
+            for job in jobs:
+                self._jobs.pop(job.id, None)
+            for message in messages:
+                if message["op"] == "outcome":
+                    sup.outcomes.pop(message["rid"], None)
+        if error is None:
+            return None  # gone before any of it was written
+        logger.error("sglang_capture: a message to the writer supervisor could not be packed: %s", error)
+        return False
 
     def pump(self) -> None:
         """Scheduler thread, once per turn of its loop (and the idle pump): apply the supervisor's
@@ -476,6 +495,11 @@ class WriterPool:
                 sup = self._supervisor
                 if sup is not None and sup.gone is None:
                     self._read_answers(sup)
+                    with self._send_lock:
+                        try:
+                            sup.out.flush()  # what the pipe could not take at the last send
+                        except OSError:  # gone: its EOF is read
+                            pass
                 self._send_ready()
                 self._push_stats()
             except Exception as e:  # noqa: BLE001 - never the scheduler's failure: the next pump goes on
@@ -489,11 +513,14 @@ class WriterPool:
         while not self._stop_idle.is_set():
             with self._wake:
                 period = self._idle_period()
-                if period is None and self._wake.wait(IDLE_CHECK_S):
-                    continue  # something came: pumped at its period
-            if period is not None and self._stop_idle.wait(period):
+                self._idle_resting = period is None
+                woken = self._wake.wait(IDLE_CHECK_S if period is None else period)
+                self._idle_resting = False
+            if self._stop_idle.is_set():
                 return
-            if time.monotonic() - self._last_pump >= (period or IDLE_CHECK_S):
+            if woken and period is None:
+                continue  # something came: pumped at its period from now
+            if woken or time.monotonic() - self._last_pump >= (period or IDLE_CHECK_S):
                 self.pump()  # with nothing due, once a second: a supervisor that died meanwhile is replaced
 
     def _idle_period(self) -> Optional[float]:
@@ -511,7 +538,7 @@ class WriterPool:
             items: List[Union[CaptureJob, Dict[str, Any]]] = []
             while outbox and len(items) < MAX_BATCH:
                 item = outbox[0]
-                if isinstance(item, CaptureJob) and not item.copied():
+                if isinstance(item, CaptureJob) and not _copied(item):
                     break
                 items.append(outbox.popleft())
             if not items or not self._send_items(items):
@@ -520,7 +547,8 @@ class WriterPool:
     def _send_items(self, items: List[Union[CaptureJob, Dict[str, Any]]]) -> bool:
         """Send a batch; when it cannot go as one, each item alone, so that one unpackable job
         fails only itself. False when the supervisor is gone: what was not sent is back at the front
-        of the outbox, for the next pump (by then its EOF was read, and another one started)."""
+        of the outbox, for a later pump (once its EOF is read and another one runs; until then each
+        pump finds it gone again)."""
         described: List[Tuple[Dict[str, Any], Optional[CaptureJob]]] = []
         for item in items:
             if isinstance(item, CaptureJob):

@@ -285,8 +285,12 @@ class Extractor:
             try:
                 self._work(todo, servers, encoder, manifest)
             finally:
-                manifest.close()
-                self._runs.remove_leftovers([self.out, *capture_dirs], own=True)
+                try:
+                    manifest.close()  # every line on disk
+                except OSError as e:
+                    raise ExtractError(f"{e}; the samples' files are whole: a re-run adopts them") from None
+                finally:
+                    self._runs.remove_leftovers([self.out, *capture_dirs], own=True)
         finally:
             self._runs.release()
 
@@ -330,7 +334,11 @@ class Extractor:
                     reason = f"the server's file is unreadable: {e}"
                     break
                 else:
-                    manifest.append(entry)
+                    try:
+                        manifest.append(entry)
+                    except OSError as e:  # the manifest cannot be written: a re-run adopts the file
+                        stop.append(str(e))
+                        return Failure(sample.id, sample.line, f"not in the manifest: {e}")
                     return entry
                 time.sleep(min(0.5 * 2 ** attempt, 10.0))
             return Failure(sample.id, sample.line, reason)
