@@ -491,31 +491,29 @@ def test_a_run_lock_held_elsewhere_fails_within_its_bound_naming_the_lock(tmp_pa
 
 def test_manifest_appenders_never_wait_for_the_disk_share_fsyncs_and_close_returns_once_every_line_is_on_it(
         tmp_path, monkeypatch):
-    """32 threads appending at once while each fsync takes 50 ms: no append waits for one (extract's
-    workers go on with their next sample), far fewer than 32 fsyncs are made, and ``close`` returns
-    only after an fsync that began once the last line was written."""
+    """32 threads append at once while the disk takes no fsync at all: every append returns (extract's
+    workers go on with their next sample); once the disk moves again far fewer than 32 fsyncs are
+    made, and ``close`` returns only after an fsync that began once the last line was written."""
     import threading
 
     from sglang_capture.tools.manifest import Entry, ManifestWriter
 
     writer = ManifestWriter(str(tmp_path))
-    real_fsync, fsyncs = os.fsync, []  # (lines in the file when it began, when it ended)
+    real_fsync, fsyncs, disk = os.fsync, [], threading.Event()  # (lines in the file when it began, when it ended)
 
-    def slow_fsync(fd):
+    def stuck_fsync(fd):
         lines = open(tmp_path / MANIFEST).read().count("\n")
-        time.sleep(0.05)
+        disk.wait(30)
         real_fsync(fd)
         fsyncs.append((lines, time.monotonic()))
 
-    monkeypatch.setattr(os, "fsync", slow_fsync)
-    start, took, errors = threading.Barrier(32), [], []
+    monkeypatch.setattr(os, "fsync", stuck_fsync)
+    start, errors = threading.Barrier(32), []
 
     def append(i):
         try:
             start.wait()
-            t0 = time.monotonic()
             writer.append(Entry(f"s{i}", f"s{i}.capture.msgpack", i, i, "xxh3_128:0", i))
-            took.append(time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - reported by the assertion below
             errors.append(e)
 
@@ -523,14 +521,15 @@ def test_manifest_appenders_never_wait_for_the_disk_share_fsyncs_and_close_retur
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert not errors and len(took) == 32 and max(took) < 0.04, took  # none waited out an fsync
+        t.join(10)
+    assert not errors and not any(t.is_alive() for t in threads) and not fsyncs  # all returned, none on disk yet
+    disk.set()
     writer.close()
     closed = time.monotonic()
     entries, problems = read_manifest(str(tmp_path))
     assert not problems and sorted(e.id for e in entries) == sorted(f"s{i}" for i in range(32))
     assert any(lines == 32 and ended <= closed for lines, ended in fsyncs), fsyncs
-    assert len(fsyncs) <= 8
+    assert len(fsyncs) <= 3
 
 
 def test_a_manifest_fsync_that_fails_is_raised_by_close_and_by_the_next_append(tmp_path, monkeypatch):

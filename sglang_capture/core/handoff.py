@@ -156,28 +156,42 @@ class FrameWriter:
         self.fd = fd
         self._pending: collections.deque = collections.deque()  # bytes (views) not written yet, in order
         self.pending_bytes = 0
+        self.broken = False  # the other side is gone (or ``close``d here): nothing more is written
 
     def send_many(self, messages: List[Dict[str, Any]]) -> bool:
         """Queue ``messages`` as one and write what the pipe takes now. False when the other side
-        is gone and nothing of them was written; raises ValueError, TypeError or OverflowError
-        (nothing queued) when msgpack cannot pack them."""
+        is gone (none of them will be read); raises ValueError, TypeError or OverflowError (nothing
+        queued) when msgpack cannot pack them."""
         message = messages[0] if len(messages) == 1 else {"op": "many", "messages": messages}
         body = msgpack.packb(message, use_bin_type=True)
-        data = memoryview(_HEADER.pack(len(body)) + body)
+        if self.broken:
+            return False
+        header = _HEADER.pack(len(body))
+        # a large body (rows inline) is not copied once more to prepend its header
+        parts = [memoryview(header + body)] if len(body) < (1 << 16) else [memoryview(header), memoryview(body)]
         if not self._pending:
+            wrote = False
             try:
-                data = data[os.write(self.fd, data):]
+                while parts:
+                    n = os.write(self.fd, parts[0])
+                    wrote = wrote or n > 0
+                    if n < len(parts[0]):
+                        parts[0] = parts[0][n:]
+                        break
+                    parts.pop(0)
             except BlockingIOError:
                 pass
-            except OSError:  # the other side is gone: none of it went
-                return False
-            if not data:
+            except OSError:  # gone: a message cut short is the reader's EOF, one not begun is not sent
+                self.broken = True
+                return wrote
+            if not parts:
                 return True
-        self._pending.append(data)
-        self.pending_bytes += len(data)
+        for part in parts:
+            self._pending.append(part)
+            self.pending_bytes += len(part)
         try:
             self.flush()
-        except OSError:  # gone after part of what was queued before went: its EOF tells the reader
+        except OSError:  # gone: the reader sees its EOF; this message is lost with the rest
             pass
         return True
 
@@ -185,7 +199,8 @@ class FrameWriter:
         """Write what is pending that the pipe takes now; with ``timeout``, wait up to that long for
         it to take all of it. Raises OSError when the other side is gone."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._pending:
+        poller = None
+        while self._pending and not self.broken:
             chunk = self._pending[0]
             try:
                 n = os.write(self.fd, chunk)
@@ -193,13 +208,25 @@ class FrameWriter:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is None or left <= 0:
                     return
-                select.select([], [self.fd], [], left)
+                if poller is None:
+                    poller = select.poll()  # not select(): a server's descriptors go past 1024
+                    poller.register(self.fd, select.POLLOUT)
+                poller.poll(left * 1000)
                 continue
+            except OSError:
+                self.broken = True
+                raise
             self.pending_bytes -= n
             if n == len(chunk):
                 self._pending.popleft()
             else:
                 self._pending[0] = chunk[n:]
+
+    def close(self) -> None:
+        """Write nothing more (the descriptor is about to be closed); what is pending is dropped."""
+        self.broken = True
+        self._pending.clear()
+        self.pending_bytes = 0
 
 
 class Stalled(TimeoutError):

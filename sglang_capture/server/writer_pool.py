@@ -419,6 +419,10 @@ class WriterPool:
                     return
                 try:
                     sup.out.flush(max(0.1, deadline - time.monotonic()))
+                except OSError:  # gone: its jobs are failed below
+                    pass
+                sup.out.close()  # nothing more is written to the descriptor closed next
+                try:
                     sup.proc.stdin.close()  # EOF: it finishes what it holds and exits
                 except OSError:
                     pass

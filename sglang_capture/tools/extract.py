@@ -283,14 +283,20 @@ class Extractor:
             todo = self._resume(samples, encoder)
             manifest = ManifestWriter(self.out)
             try:
-                self._work(todo, servers, encoder, manifest)
-            finally:
+                try:
+                    self._work(todo, servers, encoder, manifest)
+                except BaseException:
+                    try:
+                        manifest.close()
+                    except OSError:  # the run's own error is the one to tell; a re-run adopts the files
+                        pass
+                    raise
                 try:
                     manifest.close()  # every line on disk
                 except OSError as e:
                     raise ExtractError(f"{e}; the samples' files are whole: a re-run adopts them") from None
-                finally:
-                    self._runs.remove_leftovers([self.out, *capture_dirs], own=True)
+            finally:
+                self._runs.remove_leftovers([self.out, *capture_dirs], own=True)
         finally:
             self._runs.release()
 

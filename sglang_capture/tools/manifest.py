@@ -75,7 +75,7 @@ class ManifestWriter:
         self._written = 0  # lines written and flushed to the kernel
         self._synced = 0  # lines known to be on disk
         self._closing = False
-        self._error: Optional[OSError] = None  # an fsync that failed: raised by ``close``
+        self._error: Optional[Tuple[int, str]] = None  # an fsync that failed (errno, why): raised by ``close``
         self._committer = threading.Thread(target=self._commit_loop, name="manifest-fsync", daemon=True)
         self._committer.start()
 
@@ -83,8 +83,7 @@ class ManifestWriter:
         """Write ``entry``'s line (never waits for the disk); raises when an earlier fsync failed."""
         line = json.dumps(asdict(entry), sort_keys=True) + "\n"
         with self._cond:
-            if self._error is not None:
-                raise self._error
+            self._raise_error()
             self._f.write(line)
             self._f.flush()
             self._written += 1
@@ -102,7 +101,7 @@ class ManifestWriter:
                 os.fsync(self._f.fileno())
             except OSError as e:
                 with self._cond:
-                    self._error = OSError(e.errno, f"the manifest could not be put on disk: {e.strerror}")
+                    self._error = (e.errno or 0, f"the manifest could not be put on disk: {e.strerror or e}")
                     self._cond.notify_all()
                 return
             with self._cond:
@@ -116,8 +115,11 @@ class ManifestWriter:
             self._cond.notify_all()
         self._committer.join()
         self._f.close()
-        if self._error is not None:
-            raise self._error
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:  # a new exception each time: no traceback keeps another thread's frames
+            raise OSError(*self._error)
 
 
 def sample_files(directory: str) -> List[str]:
