@@ -53,10 +53,15 @@ PACKAGE = "/sglang_capture/"
 LAUNCHERS = ("/sglang_capture/launch.py", "/sglang_capture/server/launch.py")  # the root of every HTTP-process stack
 
 
+def stat_cpu_s(path: str) -> float:
+    """CPU seconds (user + system) in a ``/proc`` stat file: a process's (all threads) or a thread's."""
+    fields = open(path).read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) of process ``pid``."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stat_cpu_s(f"/proc/{pid}/stat")
 
 
 def scheduler_pid(root: int) -> Optional[int]:
@@ -85,13 +90,12 @@ def thread_groups(pid: int) -> Dict[int, str]:
 
 def threads_cpu_s(pid: int, groups: Dict[int, str]) -> Dict[str, float]:
     """CPU seconds so far of the process's threads, summed by ``groups`` (threads not in it: ``other``)."""
-    tick, out = os.sysconf("SC_CLK_TCK"), collections.Counter()
+    out: collections.Counter = collections.Counter()
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
+            out[groups.get(int(tid), "other")] += stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
+        except OSError:  # the thread ended meanwhile
             continue
-        out[groups.get(int(tid), "other")] += (int(fields[11]) + int(fields[12])) / tick
     return dict(out)
 
 

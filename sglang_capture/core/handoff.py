@@ -56,15 +56,18 @@ class Pool(Protocol):
     def offset_of(self, t: Any) -> Optional[int]: ...
 
 
-def send(fd: int, message: Dict[str, Any]) -> None:
-    """Write one message (raises BrokenPipeError when the other side is gone)."""
+def _frame(message: Dict[str, Any]) -> List[memoryview]:
+    """``message`` as written: its length, then its msgpack body; a large body (rows inline) is
+    not copied once more to prepend the length."""
     body = msgpack.packb(message, use_bin_type=True)
     header = _HEADER.pack(len(body))
-    if len(body) < (1 << 16):  # one write
-        _write_all(fd, memoryview(header + body))
-    else:  # a large inline chunk: not copied once more to prepend the header
-        _write_all(fd, memoryview(header))
-        _write_all(fd, memoryview(body))
+    return [memoryview(header + body)] if len(body) < (1 << 16) else [memoryview(header), memoryview(body)]
+
+
+def send(fd: int, message: Dict[str, Any]) -> None:
+    """Write one message (raises BrokenPipeError when the other side is gone)."""
+    for part in _frame(message):
+        _write_all(fd, part)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -93,10 +96,20 @@ def take_queued(q: "queue.Queue[Any]", first: Any) -> Tuple[List[Any], bool]:
     return (items[:-1], True) if items[-1] is None else (items, False)
 
 
+def _together(messages: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """``messages`` as one message (``many``; a single one as itself)."""
+    return messages[0] if len(messages) == 1 else {"op": "many", "messages": messages}
+
+
+def _apart(message: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The messages ``message`` carries: those sent together, or itself."""
+    return message["messages"] if message.get("op") == "many" else [message]
+
+
 def send_many(fd: int, messages: List[Dict[str, Any]]) -> None:
     """Send ``messages`` as one (nothing when there are none)."""
     if messages:
-        send(fd, messages[0] if len(messages) == 1 else {"op": "many", "messages": messages})
+        send(fd, _together(messages))
 
 
 def recv_many(fd: int) -> Optional[List[Dict[str, Any]]]:
@@ -105,9 +118,7 @@ def recv_many(fd: int) -> Optional[List[Dict[str, Any]]]:
         message = recv(fd)
     except OSError:
         return None
-    if message is None:
-        return None
-    return message["messages"] if message.get("op") == "many" else [message]
+    return None if message is None else _apart(message)
 
 
 class FrameReader:
@@ -119,7 +130,8 @@ class FrameReader:
         self._buf = bytearray()
 
     def read(self) -> Tuple[List[Dict[str, Any]], bool]:
-        """Every whole message written so far, and whether the other side closed its end (EOF)."""
+        """Every whole message written so far (those sent together, apart), and whether the other
+        side closed its end (EOF)."""
         eof = False
         while True:
             try:
@@ -139,8 +151,8 @@ class FrameReader:
                 n = _HEADER.unpack_from(buf, at)[0]
                 if len(buf) - at - _HEADER.size < n:
                     break
-                messages.append(msgpack.unpackb(view[at + _HEADER.size:at + _HEADER.size + n], raw=False,
-                                                strict_map_key=False))
+                messages.extend(_apart(msgpack.unpackb(view[at + _HEADER.size:at + _HEADER.size + n], raw=False,
+                                                       strict_map_key=False)))
                 at += _HEADER.size + n
         if at:
             del buf[:at]
@@ -162,13 +174,9 @@ class FrameWriter:
         """Queue ``messages`` as one and write what the pipe takes now. False when the other side
         is gone (none of them will be read); raises ValueError, TypeError or OverflowError (nothing
         queued) when msgpack cannot pack them."""
-        message = messages[0] if len(messages) == 1 else {"op": "many", "messages": messages}
-        body = msgpack.packb(message, use_bin_type=True)
+        parts = _frame(_together(messages))
         if self.broken:
             return False
-        header = _HEADER.pack(len(body))
-        # a large body (rows inline) is not copied once more to prepend its header
-        parts = [memoryview(header + body)] if len(body) < (1 << 16) else [memoryview(header), memoryview(body)]
         if not self._pending:
             wrote = False
             try:

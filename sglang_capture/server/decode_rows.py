@@ -86,17 +86,13 @@ class CopyTicket:
     def query(self) -> bool:
         """Whether the run's rows are all in place, or can no longer be (never waits: the link
         sends a job only then, as for a device copy's event)."""
-        if self.error is not None or not self.seqs or self.copier is None:
-            return True
-        return self.copier.copied(max(self.seqs))
+        return self.so_far().query()
 
     def synchronize(self) -> None:
         """Wait until the run's rows are all in place (``describe_chunks``, as for a device copy's
-        event); raises naming why when they cannot be."""
-        if self.seqs and self.copier is not None:
-            self.copier.wait(self.seqs)
-        if self.error is not None:
-            raise RuntimeError(f"decode rows could not be copied into their run: {self.error}")
+        event); raises naming why when they cannot be. The copies run in order: its last flush's
+        is the one to wait for."""
+        self.so_far().synchronize()
 
     def so_far(self) -> Any:
         """This ticket as of now, for the rows in the run so far (a job storing them ahead of the
@@ -105,7 +101,7 @@ class CopyTicket:
 
 
 class TicketSoFar:
-    """A ``CopyTicket`` up to one flush: ready once that flush is copied."""
+    """A ``CopyTicket`` up to one flush (0: none): ready once that flush is copied."""
 
     __slots__ = ("ticket", "upto")
 

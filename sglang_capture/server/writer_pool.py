@@ -82,12 +82,13 @@ class CaptureJob:
         return self.ahead_rows if self.ahead_rows is not None else self.capture.chunks
 
     def copied(self) -> bool:
-        """Whether every device-to-host copy of its rows is done (never waits): only then is it sent."""
-        for chunk in self.chunks:
-            query = getattr(chunk.ready, "query", None)
-            if query is not None and not query():
-                return False
-        return True
+        """Whether every device-to-host copy of its rows is done (never waits): only then is it sent.
+        True when asking raises: its description then waits for the copy, which fails only it (the
+        jobs behind it go on)."""
+        try:
+            return all(chunk.ready.query() for chunk in self.chunks if hasattr(chunk.ready, "query"))
+        except Exception:  # noqa: BLE001 - a CUDA event's query that fails: left to describe_chunks
+            return True
 
     def free_rows(self) -> None:
         """A writer has read the rows (or none will): their host memory may go."""
@@ -178,15 +179,6 @@ class _Supervisor:
         self.out = FrameWriter(proc.stdin.fileno())  # non-blocking once its hello is written
         self.gone: Optional[threading.Thread] = None  # the thread cleaning up after its EOF
         self.outcomes: Dict[str, Dict[str, Any]] = {}  # aborted captures' outcomes sent, not yet recorded
-
-
-def _copied(job: CaptureJob) -> bool:
-    """``job.copied()``, True when asking raises: its description then waits for the copy, which
-    fails only it (the jobs behind it go on)."""
-    try:
-        return job.copied()
-    except Exception:  # noqa: BLE001 - a CUDA event's query that fails: left to describe_chunks
-        return True
 
 
 def _widen_pipe(fd: int) -> None:
@@ -542,7 +534,7 @@ class WriterPool:
             items: List[Union[CaptureJob, Dict[str, Any]]] = []
             while outbox and len(items) < MAX_BATCH:
                 item = outbox[0]
-                if isinstance(item, CaptureJob) and not _copied(item):
+                if isinstance(item, CaptureJob) and not item.copied():
                     break
                 items.append(outbox.popleft())
             if not items or not self._send_items(items):
@@ -569,16 +561,14 @@ class WriterPool:
             return True
         sent = self._send([m for m, _ in described], [j for _, j in described if j is not None])
         if sent is None:
-            self._outbox.extendleft(reversed([job if job is not None else m for m, job in described]))
-            return False
+            return self._back_to_outbox(described)
         if sent:
             return True
         for k, (message, job) in enumerate(described if len(described) > 1 else []):
             try:
                 sent = self._send([message], [job] if job is not None else [])
                 if sent is None:
-                    self._outbox.extendleft(reversed([j if j is not None else m for m, j in described[k:]]))
-                    return False
+                    return self._back_to_outbox(described[k:])
                 if not sent:
                     self._unsent(message, job)
             except Exception as e:  # noqa: BLE001 - one item's failure must not drop the rest
@@ -586,6 +576,11 @@ class WriterPool:
         if len(described) == 1:
             self._unsent(*described[0])
         return True
+
+    def _back_to_outbox(self, described: List[Tuple[Dict[str, Any], Optional[CaptureJob]]]) -> bool:
+        """Items the gone supervisor never got, back at the front of the outbox in order; False."""
+        self._outbox.extendleft(reversed([job if job is not None else message for message, job in described]))
+        return False
 
     def _unsent(self, message: Dict[str, Any], job: Optional[CaptureJob]) -> None:
         """A message no supervisor took: its job fails, an outcome is recorded from here."""
@@ -685,11 +680,10 @@ class WriterPool:
         """Apply every answer ``sup`` has written so far; at its EOF, clean up after it on a thread of its own."""
         messages, eof = sup.replies.read()
         for message in messages:
-            for one in message["messages"] if message.get("op") == "many" else [message]:
-                try:
-                    self._answer(one, sup)
-                except Exception as e:  # noqa: BLE001 - one answer's failure must not drop the rest
-                    logger.error("sglang_capture: handling the writer supervisor's %r failed: %s", one.get("op"), e)
+            try:
+                self._answer(message, sup)
+            except Exception as e:  # noqa: BLE001 - one answer's failure must not drop the rest
+                logger.error("sglang_capture: handling the writer supervisor's %r failed: %s", message.get("op"), e)
         if eof:
             sup.gone = threading.Thread(target=self._gone, args=(sup,), daemon=True, name="sglang-capture-link-gone")
             sup.gone.start()
