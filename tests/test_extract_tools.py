@@ -491,23 +491,42 @@ def test_a_run_lock_held_elsewhere_fails_within_its_bound_naming_the_lock(tmp_pa
 
 def test_manifest_appenders_never_wait_for_the_disk_share_fsyncs_and_close_returns_once_every_line_is_on_it(
         tmp_path, monkeypatch):
-    """32 threads append at once while the disk takes no fsync at all: every append returns (extract's
-    workers go on with their next sample); once the disk moves again far fewer than 32 fsyncs are
-    made, and ``close`` returns only after an fsync that began once the last line was written."""
+    """32 threads append at once while the disk takes no fsync at all, and a write to the manifest
+    waits for the fsync running on it (as a file system's inode lock makes it): every append returns
+    (extract's workers go on with their next sample); once the disk moves again far fewer than 32
+    fsyncs are made, and ``close`` returns only after an fsync that began once the last line was written."""
     import threading
 
     from sglang_capture.tools.manifest import Entry, ManifestWriter
 
     writer = ManifestWriter(str(tmp_path))
     real_fsync, fsyncs, disk = os.fsync, [], threading.Event()  # (lines in the file when it began, when it ended)
+    syncing = threading.Event()
+
+    class InodeLocked:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            if syncing.is_set():
+                disk.wait(30)
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    writer._f = InodeLocked(writer._f)
 
     def stuck_fsync(fd):
+        syncing.set()
         lines = open(tmp_path / MANIFEST).read().count("\n")
         disk.wait(30)
         real_fsync(fd)
         fsyncs.append((lines, time.monotonic()))
 
     monkeypatch.setattr(os, "fsync", stuck_fsync)
+    writer.append(Entry("first", "first.capture.msgpack", 1, 1, "xxh3_128:0", 0))
+    assert syncing.wait(10)  # its fsync runs, and holds the manifest's writes
     start, errors = threading.Barrier(32), []
 
     def append(i):
@@ -527,12 +546,13 @@ def test_manifest_appenders_never_wait_for_the_disk_share_fsyncs_and_close_retur
     writer.close()
     closed = time.monotonic()
     entries, problems = read_manifest(str(tmp_path))
-    assert not problems and sorted(e.id for e in entries) == sorted(f"s{i}" for i in range(32))
-    assert any(lines == 32 and ended <= closed for lines, ended in fsyncs), fsyncs
+    assert not problems and sorted(e.id for e in entries) == sorted(["first"] + [f"s{i}" for i in range(32)])
+    assert any(lines == 33 and ended <= closed for lines, ended in fsyncs), fsyncs
     assert len(fsyncs) <= 3
 
 
 def test_a_manifest_fsync_that_fails_is_raised_by_close_and_by_the_next_append(tmp_path, monkeypatch):
+    """The committer's failure reaches the workers: their next append raises it, and so does ``close``."""
     from sglang_capture.tools.manifest import Entry, ManifestWriter
 
     writer = ManifestWriter(str(tmp_path))

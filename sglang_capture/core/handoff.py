@@ -40,6 +40,7 @@ import numpy
 from sglang_capture.core.format import HostTensor, host_tensor
 
 _HEADER = struct.Struct(">Q")
+READ_CHUNK = 1 << 20  # bytes a FrameReader asks of its descriptor at once (pipes are widened to this)
 
 
 class Chunk(Protocol):
@@ -135,7 +136,7 @@ class FrameReader:
         eof = False
         while True:
             try:
-                data = os.read(self.fd, 1 << 20)
+                data = os.read(self.fd, READ_CHUNK)
             except BlockingIOError:
                 break
             except OSError:  # closed here, or the other side is gone
@@ -145,6 +146,8 @@ class FrameReader:
                 eof = True
                 break
             self._buf += data
+            if len(data) < READ_CHUNK:  # the pipe is drained: no second system call to hear so
+                break
         messages, at, buf = [], 0, self._buf
         with memoryview(buf) as view:  # released before the bytearray is cut below
             while len(buf) - at >= _HEADER.size:

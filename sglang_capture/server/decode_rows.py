@@ -266,18 +266,25 @@ class DecodeRows:
         the others are still handed on."""
         pending: Dict[int, _Source] = {}
         tickets: List[CopyTicket] = []
-        last, src, batch, packed = None, None, None, None
+        last, src, batch, packed, row_map, width = None, None, None, None, None, -1
         for capture, position, hidden, offset, n, processing in notes:
             if capture.failure is not None:
                 continue
             if processing is not batch:
                 batch = processing
-                packed = processing.rows.packed if processing.rows is not None else None  # ResultRows.source's choice
+                kept = processing.rows
+                packed = kept.packed if kept is not None else None  # ResultRows.source's choice
+                row_map = kept.row_map if kept is not None else None
             try:
-                row = processing.row(hidden, offset, n)
+                if row_map is None and hidden is last:  # the common case, ResultRows.row inlined
+                    if offset + n > width:
+                        raise RowsMismatch(f"rows {offset}-{offset + n - 1} asked of {width}")
+                    row = offset
+                else:
+                    row = processing.row(hidden, offset, n)
                 source = packed if packed is not None and capture.fp8_block is not None else hidden
                 if source is not last:
-                    last = source
+                    last, width = source, (source.shape[0] if source is hidden else -1)
                     src = pending.get(id(source))
                     if src is None:
                         src = pending[id(source)] = _Source.of(source)
@@ -285,8 +292,12 @@ class DecodeRows:
                     capture.add(position, source[row:row + n])
                     continue
                 run = capture.run
-                if run is not None and run.offset is not None and run.takes(position, n, src.dtype, src.row_shape):
-                    buffer, at, chunk = run.buffer, run.reserve(n), run.chunk
+                # a continued run (Run.takes, Run.reserve inlined: once per capture request and step)
+                if run is not None and run.offset is not None and run.chunk.start + run.used == position \
+                        and run.used + n <= run.capacity and run.dtype is src.dtype and run.row_shape == src.row_shape:
+                    at = run.offset + run.used * run.row_bytes
+                    run.used += n
+                    buffer, chunk = run.buffer, run.chunk
                 else:
                     placed = capture.place(position, n, src.dtype, src.row_shape)
                     if placed is None:  # no room in the pool for a run (counted there): the view of the step's block

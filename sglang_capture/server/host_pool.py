@@ -181,11 +181,13 @@ class HostPool:
     def stats(self) -> Dict[str, Any]:
         """Counters for the writer's stats file; the free list's length and largest segment show
         fragmentation (a pool with room in total that cannot fit a batch falls back to SGLang's copy)."""
-        free = self.free_segments()
+        with self._lock:
+            self._reclaim_locked()
+            segments, largest = len(self._free), max((b - a for a, b in self._free), default=0)
         return {"size_bytes": self.size_bytes, "pinned": self.pinned, "setup_s": round(self.setup_s, 3),
                 "used_bytes": self.used_bytes, "peak_used_bytes": self.peak_used_bytes,
-                "blocks": self.blocks, "fallbacks": self.fallbacks, "free_segments": len(free),
-                "largest_free_bytes": max((b - a for a, b in free), default=0)}
+                "blocks": self.blocks, "fallbacks": self.fallbacks, "free_segments": segments,
+                "largest_free_bytes": largest}
 
     def _reclaim_locked(self) -> None:
         while self._returned:

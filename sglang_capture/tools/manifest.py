@@ -62,51 +62,50 @@ def rewrite_manifest(directory: str, entries: List[Entry]) -> None:
 class ManifestWriter:
     """Appends entries, and a thread of its own puts them on disk; safe to call from several threads.
 
-    ``append`` writes its line to the kernel and returns: extract's workers go on with their next
-    sample. The committer fsyncs whatever was appended since its last fsync, many lines at once
-    (under a load of concurrent file writes an fsync waits for their writeback: r103's SmolLM2
-    ``extract`` on an H100 spent 65% of its workers' time waiting for manifest fsyncs when each
-    append waited for one). ``close`` returns once every line is on disk, and raises when one
-    could not be put there."""
+    ``append`` only queues its line and returns: extract's workers go on with their next sample.
+    The committer writes whatever was appended since its last turn and fsyncs it, many lines at
+    once. Neither the write nor the fsync happens in ``append``: under a load of concurrent file
+    writes an fsync waits for their writeback, and a write to the manifest waits for the fsync
+    running on it (r103's SmolLM2 ``extract`` on an H100 spent 65% of its workers' time waiting
+    for fsyncs when each append waited for one; r105, with the fsync apart but the write still in
+    ``append``, 70% waiting for the writes). ``close`` returns once every line is on disk, and
+    raises when one could not be put there. A line queued or written but not yet on disk when the
+    process dies is lost; its file is published and the next run adopts it (tools/extract.py)."""
 
     def __init__(self, directory: str) -> None:
         self._f = open(os.path.join(directory, MANIFEST), "a", encoding="utf-8")
-        self._cond = threading.Condition()  # guards the file object and the counts below
-        self._written = 0  # lines written and flushed to the kernel
-        self._synced = 0  # lines known to be on disk
+        self._cond = threading.Condition()  # guards the queue and the flags below, never held for I/O
+        self._queued: List[str] = []  # lines appended, not yet taken by the committer
         self._closing = False
-        self._error: Optional[Tuple[int, str]] = None  # an fsync that failed (errno, why): raised by ``close``
+        self._error: Optional[Tuple[int, str]] = None  # a write or fsync that failed (errno, why): raised by ``append``, ``close``
         self._committer = threading.Thread(target=self._commit_loop, name="manifest-fsync", daemon=True)
         self._committer.start()
 
     def append(self, entry: Entry) -> None:
-        """Write ``entry``'s line (never waits for the disk); raises when an earlier fsync failed."""
+        """Queue ``entry``'s line (never waits for the disk); raises when an earlier write or fsync failed."""
         line = json.dumps(asdict(entry), sort_keys=True) + "\n"
         with self._cond:
             self._raise_error()
-            self._f.write(line)
-            self._f.flush()
-            self._written += 1
+            self._queued.append(line)
             self._cond.notify()
 
     def _commit_loop(self) -> None:
         while True:
             with self._cond:
-                while self._synced == self._written and not self._closing:
+                while not self._queued and not self._closing:
                     self._cond.wait()
-                if self._synced == self._written:
+                if not self._queued:
                     return
-                upto = self._written
+                lines, self._queued = self._queued, []
             try:
+                self._f.write("".join(lines))
+                self._f.flush()
                 os.fsync(self._f.fileno())
             except OSError as e:
                 with self._cond:
                     self._error = (e.errno or 0, f"the manifest could not be put on disk: {e.strerror or e}")
                     self._cond.notify_all()
                 return
-            with self._cond:
-                self._synced = upto
-                self._cond.notify_all()
 
     def close(self) -> None:
         """Return once every appended line is on disk (raises OSError naming why when it cannot be)."""
@@ -114,7 +113,11 @@ class ManifestWriter:
             self._closing = True
             self._cond.notify_all()
         self._committer.join()
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError as e:  # a line the failed commit left buffered: its error is the one raised
+            if self._error is None:
+                self._error = (e.errno or 0, f"the manifest could not be put on disk: {e.strerror or e}")
         self._raise_error()
 
     def _raise_error(self) -> None:
