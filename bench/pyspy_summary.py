@@ -10,6 +10,7 @@ Other threads of the process (the package's hand-off threads, SGLang's own) are 
 their on-CPU share: what they take of the GIL the scheduler thread needs.
 
     python bench/pyspy_summary.py ACTIVE.txt ALL.txt SECONDS RATE    # the JSON summary
+    python bench/pyspy_summary.py diff A.all.txt A_BATCHES_PER_S B.all.txt B_BATCHES_PER_S [TOP]   # us per batch, A against B
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ KEY_FRAMES = ("event_loop_overlap", "recv_requests", "process_input_requests", "
               "forward_batch_generation", "copy_to_cpu", "process_batch_result", "process_batch_result_prefill",
               "process_batch_result_decode", "_stream_output_generation", "synchronize")
 PACKAGE = "/sglang_capture/"  # in a frame's file path: this package (installed or editable)
+# Waits for the GPU that a seam of the package makes for SGLang (``result_wait`` times a batch's copy-done
+# event inside ``batch_result_context``): not the package's own work, though no SGLang frame is between
+WAITS = ("synchronize",)
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
 Stacks = Dict[str, Counter[Tuple[str, ...]]]
@@ -71,13 +75,58 @@ def _inclusive(stacks: Counter[Tuple[str, ...]]) -> Counter[str]:
                 seen.add(name)
             if PACKAGE in "/" + path:
                 own = True
-            elif path.startswith("sglang/"):
+            elif path.startswith("sglang/") or name in WAITS:
                 own = False
         if own:
             seen.add("[sglang_capture]")
         for key in seen:
             out[key] += n
     return out
+
+
+def _own_seam(stack: Tuple[str, ...]) -> str:
+    """The package hook a sample of its own code runs in (the package frame SGLang called last), or ''."""
+    own, seam = False, ""
+    for frame in stack:
+        func, path = _short(frame)
+        if PACKAGE in "/" + path:
+            if not own:
+                seam = func
+            own = True
+        elif path.startswith("sglang/") or func.rsplit(".", 1)[-1] in WAITS:
+            own = False
+    return seam if own else ""
+
+
+def per_batch(stacks: Counter[Tuple[str, ...]], batches_per_s: float) -> Tuple[Counter[str], Counter[str]]:
+    """Microseconds of wall time per batch (from the ``--idle`` recording of one window): each
+    function's inclusive time, and the package's own code by the hook it runs under."""
+    total = max(sum(stacks.values()), 1)
+    us = 1e6 / total / batches_per_s
+    frames: Counter[str] = collections.Counter()
+    seams: Counter[str] = collections.Counter()
+    for stack, n in stacks.items():
+        for name in {"{} ({})".format(*_short(f)) for f in stack}:
+            frames[name] += n * us
+        seam = _own_seam(stack)
+        if seam:
+            seams[seam] += n * us
+    return frames, seams
+
+
+def diff(a: Stacks, a_batches_per_s: float, b: Stacks, b_batches_per_s: float, top: int = 40,
+         main: str = "MainThread") -> Dict:
+    """Where one server's batch takes longer than another's (a capture window against a none
+    window, each sampled with ``--idle``): per function, microseconds per batch in each and the
+    difference, largest first; and the package's own code per batch by hook (bench/RESULTS.md,
+    r104). ``*_batches_per_s``: batches the scheduler ran per second in that window (the seam
+    clock's calls of ``run_batch/*`` over the window's seconds)."""
+    fa, sa = per_batch(a.get(main, collections.Counter()), a_batches_per_s)
+    fb, sb = per_batch(b.get(main, collections.Counter()), b_batches_per_s)
+    rows = sorted(set(fa) | set(fb), key=lambda k: -abs(fa[k] - fb[k]))[:top]
+    return {"us_per_batch": [round(1e6 / a_batches_per_s), round(1e6 / b_batches_per_s)],  # a batch's wall time
+            "own_by_hook": {k: [round(sa[k]), round(sb[k])] for k in sorted(set(sa) | set(sb), key=lambda k: -sa[k])},
+            "frames": [{"frame": k, "us": [round(fa[k]), round(fb[k])], "delta": round(fa[k] - fb[k])} for k in rows]}
 
 
 def _leaves(stacks: Counter[Tuple[str, ...]]) -> Counter[str]:
@@ -133,4 +182,8 @@ def rows(summaries: Dict[str, Dict]) -> List[str]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(summarize(load(sys.argv[1]), load(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])), indent=1))
+    if sys.argv[1] == "diff":  # diff A.all.txt A_BATCHES_PER_S B.all.txt B_BATCHES_PER_S [TOP]
+        print(json.dumps(diff(load(sys.argv[2]), float(sys.argv[3]), load(sys.argv[4]), float(sys.argv[5]),
+                              *(int(x) for x in sys.argv[6:7])), indent=1))
+    else:
+        print(json.dumps(summarize(load(sys.argv[1]), load(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])), indent=1))

@@ -107,6 +107,28 @@ def test_pyspy_samples_split_wall_time_into_key_frames_and_the_packages_own_code
     assert any(r.startswith("| d_mixed | 58.0 |") for r in table) and any("no py-spy executable" in r for r in table)
 
 
+def test_pyspy_diff_gives_microseconds_per_batch_and_the_packages_own_code_by_hook_without_its_gpu_waits(tmp_path):
+    """Two windows of 100 samples each at 10 batches a second (1 ms a sample per batch): the capture
+    window's 20 samples in the copy hook are its own code (20 ms a batch, the hook SGLang called last); the 30
+    it spends in a GPU wait that ``batch_result_context`` times for SGLang are not, though no SGLang
+    frame lies between."""
+    forward = WRAPPED + ";TpModelWorker.forward_batch_generation (/opt/sglang/srt/managers/tp_worker.py:5)"
+    capture = _raw(tmp_path / "capture.txt", [
+        (forward, 50),
+        (WRAPPED + ";copy_hidden_to_pool (/tmp/sc/sglang_capture/server/hooks/transfer.py:6);"
+                   "Event.record (/t/torch/cuda/streams.py:7)", 20),
+        (LOOP + ";batch_result_context (/tmp/sc/sglang_capture/server/hooks/results.py:9);"
+                "Event.synchronize (/t/site-packages/torch/cuda/streams.py:8)", 30)])
+    none = _raw(tmp_path / "none.txt", [(forward, 50), (LOOP + ";Event.synchronize (/t/site-packages/torch/cuda/streams.py:8)", 50)])
+    d = pyspy_summary.diff(capture, 10.0, none, 10.0)
+    assert d["us_per_batch"] == [100_000, 100_000]
+    assert d["own_by_hook"] == {"copy_hidden_to_pool": [20_000, 0]}  # the wait is not the package's
+    frames = {f["frame"]: f for f in d["frames"]}
+    assert frames["copy_hidden_to_pool (/tmp/sc/sglang_capture/server/hooks/transfer.py)"]["delta"] == 20_000
+    assert frames["Event.synchronize (torch/cuda/streams.py)"]["us"] == [30_000, 50_000]
+    assert frames["TpModelWorker.forward_batch_generation (sglang/srt/managers/tp_worker.py)"]["delta"] == 0
+
+
 @pytest.mark.parametrize("text,cpus", [("8-11", [8, 9, 10, 11]), ("0,2-3", [0, 2, 3])])
 def test_the_writer_cpu_list_is_parsed_as_the_kernel_writes_it(text, cpus):
     from sglang_capture.core.config import parse_cpu_list
