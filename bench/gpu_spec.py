@@ -2,7 +2,7 @@
 
     python bench/gpu_spec.py PAIR_DIR OUT_DIR [--prompts 24] [--tokens 160] [--windows 6]
                              [--concurrency 64] [--window-tokens 128] [--window-seconds 12] [--warmup-seconds 4]
-                             [--settings chain,tree] [--throughput-on chain[,ref]]
+                             [--settings chain,tree] [--throughput-on chain[,ref]] [--launcher-args "..."]
 
 PAIR_DIR holds the test bed's EAGLE-3 pair (``python -m sglang_capture.testbed.tiny_models PAIR_DIR
 --arch llama_eagle3``: a random Llama whose layers add little, ``target/``, and a one-layer draft,
@@ -37,12 +37,13 @@ import glob
 import json
 import os
 import random
+import shlex
 import shutil
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import requests
 import torch
@@ -72,13 +73,13 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def start(name: str, target: str, work: str, captures: str, extra: List[str]) -> Server:
+def start(name: str, target: str, work: str, captures: str, extra: List[str], launcher: Sequence[str] = ()) -> Server:
     capture_dir = os.path.join(captures, name)
     shutil.rmtree(capture_dir, ignore_errors=True)  # an earlier run's files: names would collide
     os.makedirs(capture_dir)
     if has_nvidia_driver():
         cmd = [sys.executable, "-m", "sglang_capture.launch", "--capture-dir", capture_dir, "--capture-fraction", "1",
-               "--model-path", target, *GPU_ARGS, *extra]
+               "--model-path", target, *GPU_ARGS, *extra, *launcher]
         env = dict(os.environ)
     else:  # a dry run of this script on the CPU test bed (its EAGLE-3 flags; float32)
         from sglang_capture.testbed.once import cache_dir
@@ -88,6 +89,7 @@ def start(name: str, target: str, work: str, captures: str, extra: List[str]) ->
         spec = extra[0] == "--speculative-algorithm"
         cmd = capture_cmd(target, capture_dir, "--capture-fraction", "1")
         cmd += eagle3_server_args(extra[3], 1, 3, 4) if spec else ["--dtype", "float32", *extra]
+        cmd += list(launcher)
         env = server_env(cache_dir())
     return start_server(cmd, env, os.path.join(work, f"{name}.log"), capture_dir)
 
@@ -332,7 +334,8 @@ def main(a: argparse.Namespace) -> int:
     t0 = time.time()
     with ThreadPoolExecutor(len(settings) + 1) as pool:
         futures = {s: pool.submit(start, s, target, work, a.captures, ["--speculative-algorithm", "EAGLE3",
-                                                           "--speculative-draft-model-path", draft, *SETTINGS[s]])
+                                                           "--speculative-draft-model-path", draft, *SETTINGS[s]],
+                                  shlex.split(a.launcher_args))
                    for s in settings}
         futures["ref"] = pool.submit(start, "ref", target, work, a.captures, ["--capture-layers", ",".join(map(str, layers))])
         servers = {k: f.result() for k, f in futures.items()}
@@ -386,4 +389,6 @@ if __name__ == "__main__":
     ap.add_argument("--freeze-gc", action="store_true", help="POST /freeze_gc to each measured server after its "
                     "warm-up windows")
     ap.add_argument("--captures", default="/tmp/gpu-spec-captures", help="capture dirs, one per server (outside OUT)")
+    ap.add_argument("--launcher-args", default="", help="more options for the speculating servers' launchers, one string "
+                    "(e.g. \"--capture-writer-cpus 8-15 --capture-writers 4\": what the host's other work costs the step)")
     sys.exit(main(ap.parse_args()))

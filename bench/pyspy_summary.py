@@ -26,9 +26,16 @@ KEY_FRAMES = ("event_loop_overlap", "recv_requests", "process_input_requests", "
               "forward_batch_generation", "copy_to_cpu", "process_batch_result", "process_batch_result_prefill",
               "process_batch_result_decode", "_stream_output_generation", "synchronize")
 PACKAGE = "/sglang_capture/"  # in a frame's file path: this package (installed or editable)
-# Waits for the GPU that a seam of the package makes for SGLang (``result_wait`` times a batch's copy-done
-# event inside ``batch_result_context``): not the package's own work, though no SGLang frame is between
-WAITS = ("synchronize",)
+# A wait for the GPU that the seam clock makes for SGLang (``result_wait`` times a batch's copy-done event,
+# ``SeamClock.timed`` calling its ``synchronize``): not the package's own work, though no SGLang frame is
+# between. The package's own waits (a job's copies, before it is described) stay its own.
+CLOCK, WAITS = "SeamClock.timed", ("synchronize",)
+
+
+def _hands_back(func: str, path: str, caller: str) -> bool:
+    """Whether this frame runs SGLang's work again, not the package's: SGLang's code, or its GPU wait
+    called by the seam clock."""
+    return path.startswith("sglang/") or (caller == CLOCK and func.rsplit(".", 1)[-1] in WAITS)
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
 Stacks = Dict[str, Counter[Tuple[str, ...]]]
@@ -68,6 +75,7 @@ def _inclusive(stacks: Counter[Tuple[str, ...]]) -> Counter[str]:
     for stack, n in stacks.items():
         seen = set()
         own = False  # in this package's code (and what it calls), not back in SGLang through a wrapper
+        caller = ""
         for frame in stack:
             func, path = _short(frame)
             name = func.rsplit(".", 1)[-1]  # py-spy names methods Class.method
@@ -75,8 +83,9 @@ def _inclusive(stacks: Counter[Tuple[str, ...]]) -> Counter[str]:
                 seen.add(name)
             if PACKAGE in "/" + path:
                 own = True
-            elif path.startswith("sglang/") or name in WAITS:
+            elif _hands_back(func, path, caller):
                 own = False
+            caller = func
         if own:
             seen.add("[sglang_capture]")
         for key in seen:
@@ -86,15 +95,16 @@ def _inclusive(stacks: Counter[Tuple[str, ...]]) -> Counter[str]:
 
 def _own_seam(stack: Tuple[str, ...]) -> str:
     """The package hook a sample of its own code runs in (the package frame SGLang called last), or ''."""
-    own, seam = False, ""
+    own, seam, caller = False, "", ""
     for frame in stack:
         func, path = _short(frame)
         if PACKAGE in "/" + path:
             if not own:
                 seam = func
             own = True
-        elif path.startswith("sglang/") or func.rsplit(".", 1)[-1] in WAITS:
+        elif _hands_back(func, path, caller):
             own = False
+        caller = func
     return seam if own else ""
 
 

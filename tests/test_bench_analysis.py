@@ -111,16 +111,22 @@ def test_pyspy_diff_gives_microseconds_per_batch_and_the_packages_own_code_by_ho
     """Two windows of 100 samples each at 10 batches a second (1 ms a sample per batch): the capture
     window's 20 samples in the copy hook are its own code (20 ms a batch, the hook SGLang called last); the 30
     it spends in a GPU wait that ``batch_result_context`` times for SGLang are not, though no SGLang
-    frame lies between."""
+    frame lies between. A wait the package makes for itself (a job's copies) stays its own."""
     forward = WRAPPED + ";TpModelWorker.forward_batch_generation (/opt/sglang/srt/managers/tp_worker.py:5)"
     capture = _raw(tmp_path / "capture.txt", [
         (forward, 50),
         (WRAPPED + ";copy_hidden_to_pool (/tmp/sc/sglang_capture/server/hooks/transfer.py:6);"
                    "Event.record (/t/torch/cuda/streams.py:7)", 20),
         (LOOP + ";batch_result_context (/tmp/sc/sglang_capture/server/hooks/results.py:9);"
+                "SeamClock.timed (/tmp/sc/sglang_capture/server/seam_clock.py:2);"
                 "Event.synchronize (/t/site-packages/torch/cuda/streams.py:8)", 30)])
     none = _raw(tmp_path / "none.txt", [(forward, 50), (LOOP + ";Event.synchronize (/t/site-packages/torch/cuda/streams.py:8)", 50)])
     d = pyspy_summary.diff(capture, 10.0, none, 10.0)
+    assert pyspy_summary.summarize(capture, capture, 1.0, 100)["frames"]["[sglang_capture]"]["wall_pct"] == 20.0
+    own_wait = _raw(tmp_path / "own_wait.txt", [(LOOP + ";post_block_events (/tmp/sc/sglang_capture/server/hooks/prefix.py:1);"
+                                                        "describe_chunks (/tmp/sc/sglang_capture/core/handoff.py:3);"
+                                                        "Event.synchronize (/t/site-packages/torch/cuda/streams.py:8)", 1)])
+    assert pyspy_summary.summarize(own_wait, own_wait, 1.0, 1)["frames"]["[sglang_capture]"]["wall_pct"] == 100.0
     assert d["us_per_batch"] == [100_000, 100_000]
     assert d["own_by_hook"] == {"copy_hidden_to_pool": [20_000, 0]}  # the wait is not the package's
     frames = {f["frame"]: f for f in d["frames"]}

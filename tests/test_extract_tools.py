@@ -539,8 +539,9 @@ def test_manifest_appenders_never_wait_for_the_disk_share_fsyncs_and_close_retur
     threads = [threading.Thread(target=append, args=(i,)) for i in range(32)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 10
     for t in threads:
-        t.join(10)
+        t.join(max(0.0, deadline - time.monotonic()))
     assert not errors and not any(t.is_alive() for t in threads) and not fsyncs  # all returned, none on disk yet
     disk.set()
     writer.close()
@@ -573,6 +574,33 @@ def test_a_manifest_fsync_that_fails_is_raised_by_close_and_by_the_next_append(t
         time.sleep(0.01)
     with pytest.raises(OSError, match="the manifest could not be put on disk"):
         writer.close()
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), MemoryError("injected")])
+def test_a_manifest_write_that_fails_is_raised_by_close_and_no_line_goes_after_it(tmp_path, failure):
+    """Whatever stops the committer (a full disk, or an error that is not an OSError) reaches
+    ``close``; an append after ``close`` is refused rather than lost."""
+    from sglang_capture.tools.manifest import Entry, ManifestWriter
+
+    writer = ManifestWriter(str(tmp_path))
+
+    class Failing:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            raise failure
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    writer._f = Failing(writer._f)
+    writer.append(Entry("a", "a.capture.msgpack", 1, 1, "xxh3_128:0", 1))
+    with pytest.raises(OSError, match="the manifest could not be put on disk: " + str(failure.args[-1])):
+        writer.close()
+    with pytest.raises(ValueError, match="the manifest is closed"):
+        writer._error = None  # the closed state alone refuses it
+        writer.append(Entry("b", "b.capture.msgpack", 1, 1, "xxh3_128:0", 2))
 
 
 def test_extract_keeps_one_connection_per_worker_thread(server, conversations, tmp_path, env):

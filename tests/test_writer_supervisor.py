@@ -262,7 +262,8 @@ def test_a_name_flush_that_does_not_end_in_time_fails_the_capture_and_removes_th
 
 
 def test_a_frame_reader_returns_whole_messages_keeps_one_still_being_written_and_sees_eof():
-    """The scheduler side reads the supervisor's pipe without waiting (server/writer_pool.py)."""
+    """The scheduler side reads the supervisor's pipe without waiting (server/writer_pool.py), one
+    system call a read when the pipe holds less than a read's worth."""
     import struct
 
     import msgpack
@@ -280,7 +281,10 @@ def test_a_frame_reader_returns_whole_messages_keeps_one_still_being_written_and
         assert reader.read() == ([{"op": "a"}], False)
         os.write(w, data[-10:])
         assert reader.read() == ([{"op": "b", "rows": b"y" * 100}], False)
-        os.close(w)
+        c = msgpack.packb({"op": "c"})
+        os.write(w, struct.pack(">Q", len(c)) + c)
+        os.close(w)  # the last frame and the close arrive together: the frame now, the EOF at the next read
+        assert reader.read() == ([{"op": "c"}], False)
         assert reader.read() == ([], True)
     finally:
         os.close(r)

@@ -34,7 +34,7 @@ class SeamClock:
     def stats(self) -> Dict[str, Dict[str, float]]:
         """Per account: calls, total seconds, microseconds per call, and the thread's CPU seconds."""
         out = {}  # a plain loop, in the order the accounts were opened: this runs ahead of every batch of jobs sent
-        for k, (n, s, cpu) in self._totals.items():
+        for k, (n, s, cpu) in tuple(self._totals.items()):  # the idle pump may read while the scheduler thread adds
             out[k] = {"calls": int(n), "s": round(s, 6), "us_per_call": round(1e6 * s / n, 1) if n else 0.0,
                       "cpu_s": round(cpu, 6)}
         return out

@@ -31,7 +31,6 @@ from sglang_capture.core.fp8 import CAPTURE_DTYPES
 from sglang_capture.core.loss_mask import spans_from_mask
 from sglang_capture.core.names import FILE_SUFFIX
 from sglang_capture.core.reader import block_names, blocks_dir, load, read_meta
-from sglang_capture.tools import tokenizer_cache
 from sglang_capture.tools.attempts import RunLocks
 from sglang_capture.tools.client import ServerError, ServerInfo, capture_prefill, discover_servers
 from sglang_capture.tools.conversations import BadLine, Sample, read_samples
@@ -247,8 +246,6 @@ class Extractor:
             raise ExtractError(str(e)) from None
         self.report.bad_lines = read.bad
         self.report.total = len(read.samples)
-        if any(s.messages for s in read.samples):
-            tokenizer_cache.warm_renderer()  # while the servers are asked and the output dir is checked
         try:
             servers = discover_servers(self.server_urls, api_key=self.api_key, say=self.say)
             self._server_count = len(servers)

@@ -86,6 +86,8 @@ class ManifestWriter:
         line = json.dumps(asdict(entry), sort_keys=True) + "\n"
         with self._cond:
             self._raise_error()
+            if self._closing:
+                raise ValueError("the manifest is closed: no line can be added")
             self._queued.append(line)
             self._cond.notify()
 
@@ -101,9 +103,10 @@ class ManifestWriter:
                 self._f.write("".join(lines))
                 self._f.flush()
                 os.fsync(self._f.fileno())
-            except OSError as e:
+            except BaseException as e:  # noqa: BLE001 - whatever ends this thread must reach append and close
                 with self._cond:
-                    self._error = (e.errno or 0, f"the manifest could not be put on disk: {e.strerror or e}")
+                    errno = getattr(e, "errno", None) or 0
+                    self._error = (errno, f"the manifest could not be put on disk: {getattr(e, 'strerror', None) or e}")
                     self._cond.notify_all()
                 return
 

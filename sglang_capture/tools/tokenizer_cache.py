@@ -133,23 +133,6 @@ def load(key: Optional[str], full: Callable[[], Any]) -> Optional["CachedTokeniz
         return None
 
 
-def warm_renderer() -> threading.Thread:
-    """Import transformers' template renderer on a thread of its own, now: ``CachedTokenizer``
-    renders with it, and its import (transformers' package with it) took seconds on a GPU host
-    while ``extract``'s 256 workers waited on the import lock for their first sample (r106: half
-    of their samples). Started before the servers are asked and the input is read, the import
-    overlaps them. Returns the thread (a failed import is only redone, and reported, on first use)."""
-    def load() -> None:
-        try:
-            from transformers.utils import chat_template_utils  # noqa: F401
-        except Exception:  # noqa: BLE001 - the first render imports it again and says why
-            pass
-
-    thread = threading.Thread(target=load, name="template-renderer-import", daemon=True)
-    thread.start()
-    return thread
-
-
 class CachedTokenizer:
     """The parts of a transformers fast tokenizer that ``ChatEncoder`` uses, rebuilt from the
     cache: calling it, and ``apply_chat_template`` without tokenizing. The rest goes to
