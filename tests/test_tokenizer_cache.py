@@ -210,4 +210,3 @@ def test_a_class_with_its_own_encoding_is_never_cached(tokenizer_dirs, cache, tm
     tok.__class__ = infilling
     tokenizer_cache.save(tokenizer_cache.cache_key(path), tok)
     assert not cache.exists() or not os.listdir(cache)
-
