@@ -180,30 +180,13 @@ class FrameWriter:
         parts = _frame(_together(messages))
         if self.broken:
             return False
-        if not self._pending:
-            wrote = False
-            try:
-                while parts:
-                    n = os.write(self.fd, parts[0])
-                    wrote = wrote or n > 0
-                    if n < len(parts[0]):
-                        parts[0] = parts[0][n:]
-                        break
-                    parts.pop(0)
-            except BlockingIOError:
-                pass
-            except OSError:  # gone: a message cut short is the reader's EOF, one not begun is not sent
-                self.broken = True
-                return wrote
-            if not parts:
-                return True
-        for part in parts:
-            self._pending.append(part)
-            self.pending_bytes += len(part)
+        had_pending, size = bool(self._pending), sum(len(p) for p in parts)
+        self._pending.extend(parts)
+        self.pending_bytes += size
         try:
             self.flush()
-        except OSError:  # gone: the reader sees its EOF; this message is lost with the rest
-            pass
+        except OSError:  # gone: a message cut short is the reader's EOF, one not begun is not sent
+            return had_pending or self.pending_bytes < size  # behind others, it is lost with the rest
         return True
 
     def flush(self, timeout: Optional[float] = None) -> None:

@@ -105,8 +105,7 @@ class ManifestWriter:
                 os.fsync(self._f.fileno())
             except BaseException as e:  # noqa: BLE001 - whatever ends this thread must reach append and close
                 with self._cond:
-                    errno = getattr(e, "errno", None) or 0
-                    self._error = (errno, f"the manifest could not be put on disk: {getattr(e, 'strerror', None) or e}")
+                    self._error = _failure(e)
                     self._cond.notify_all()
                 return
 
@@ -120,12 +119,17 @@ class ManifestWriter:
             self._f.close()
         except OSError as e:  # a line the failed commit left buffered: its error is the one raised
             if self._error is None:
-                self._error = (e.errno or 0, f"the manifest could not be put on disk: {e.strerror or e}")
+                self._error = _failure(e)
         self._raise_error()
 
     def _raise_error(self) -> None:
         if self._error is not None:  # a new exception each time: no traceback keeps another thread's frames
             raise OSError(*self._error)
+
+
+def _failure(e: BaseException) -> Tuple[int, str]:
+    """(errno, why) of what kept the manifest off the disk: the OSError ``close`` and ``append`` raise."""
+    return getattr(e, "errno", None) or 0, f"the manifest could not be put on disk: {getattr(e, 'strerror', None) or e}"
 
 
 def sample_files(directory: str) -> List[str]:
