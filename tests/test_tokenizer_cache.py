@@ -1,5 +1,5 @@
 """The cached tokenizer (tools/tokenizer_cache.py): the same ids and masks as transformers' own,
-a fast start that does not import transformers' auto classes, and a key that follows the files."""
+a fast start that does not import transformers, and a key that follows the files."""
 from __future__ import annotations
 
 import json
@@ -82,6 +82,7 @@ def test_cached_tokenizer_gives_transformers_ids_and_masks(name, tokenizer_dirs,
     assert got == want
     assert sum(1 for w in want if w[0] != "error") >= 50  # the comparison covered real encodings
     assert second._full is None  # none of it needed transformers' tokenizer
+    assert second.renders_here  # nor transformers' renderer
 
 
 def test_a_changed_tokenizer_file_misses_the_cache_and_a_damaged_entry_is_reloaded(tokenizer_dirs, cache, tmp_path):
@@ -105,8 +106,10 @@ def test_an_unwritable_cache_only_costs_the_fast_start(tokenizer_dirs, tmp_path,
     assert not isinstance(tok, tokenizer_cache.CachedTokenizer) and tok("hello world")["input_ids"]
 
 
-def test_a_cached_start_imports_neither_transformers_auto_classes_nor_torch(tokenizer_dirs, cache, tmp_path):
-    """What made extract slow to start: AutoTokenizer pulls in the auto model classes (and torch)."""
+def test_a_cached_start_imports_neither_transformers_nor_torch(tokenizer_dirs, cache, tmp_path):
+    """What made extract slow to start: AutoTokenizer pulls in the auto model classes (and torch);
+    then its first render imported transformers' renderer, and with it the package (r106: ~2 s while
+    the other workers waited on the import lock)."""
     path = tokenizer_dirs["smollm2"]
     load_tokenizer(path)
     make_conversations(tmp_path / "c.jsonl", n=5)
@@ -115,11 +118,59 @@ def test_a_cached_start_imports_neither_transformers_auto_classes_nor_torch(toke
             "from sglang_capture.tools.templating import ChatEncoder, load_tokenizer\n"
             f"enc = ChatEncoder(load_tokenizer({path!r}), {path!r})\n"
             f"[enc.encode(s) for s in read_samples({str(tmp_path / 'c.jsonl')!r}).samples]\n"
-            "print(type(enc.tok).__name__, 'transformers.models.auto' in sys.modules, 'torch' in sys.modules)\n")
+            "print(type(enc.tok).__name__, 'transformers' in sys.modules, 'torch' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "SGLANG_CAPTURE_CACHE": str(cache.parent)}, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["CachedTokenizer", "False", "False"]
+
+
+def _with_template(tokenizer_dirs, tmp_path, template):
+    path = _copy(tokenizer_dirs["smollm2"], tmp_path / "tok")
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(template)
+    return path
+
+
+def test_a_template_that_renders_otherwise_here_is_rendered_by_transformers(tokenizer_dirs, cache, tmp_path):
+    """The rebuilt environment is trusted only where it rendered the probes as transformers did when
+    the entry was written: a template that reads the clock to the microsecond never does, so its
+    renders stay transformers' own."""
+    path = _with_template(tokenizer_dirs, tmp_path, "{{ strftime_now('%f') }}{% for m in messages %}"
+                                                    "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    load_tokenizer(path)
+    cached = load_tokenizer(path)
+    assert isinstance(cached, tokenizer_cache.CachedTokenizer) and not cached.renders_here
+    text = cached.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text.endswith("<user>hi") and len(text) == len("<user>hi") + 6
+
+
+def test_the_rebuilt_environment_matches_transformers_filters_globals_and_refusals(tokenizer_dirs, cache, tmp_path):
+    """tojson without HTML escaping and with its options, raise_exception, loop controls, whitespace
+    control, {% generation %} and a template's refusal of a conversation: rendered here, alike."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools: ' + m['content']) }}"
+                "{% endif %}{% if loop.index > 3 %}{% break %}{% endif %}\n  {{ m | tojson(indent=1, sort_keys=true) }}"
+                "{% if m['role'] == 'assistant' %}{% generation %}[{{ m['content'] }}]{% endgeneration %}{% endif %}"
+                "{% endfor %}{% if add_generation_prompt %}{{ eos_token }}{{ strftime_now('%Y') }}{% endif %}")
+    path = _with_template(tokenizer_dirs, tmp_path, template)
+    load_tokenizer(path)
+    cached = load_tokenizer(path)
+    assert cached.renders_here
+    for conversation in [TRICKY[0] + TRICKY[1], [{"role": "user", "content": "<a href='x'>&</a>"}]]:
+        for prompt in (False, True):
+            want = render_jinja_template(conversations=[conversation], chat_template=template,
+                                         add_generation_prompt=prompt, **cached.special_tokens_map)[0][0]
+            assert cached.apply_chat_template(conversation, tokenize=False, add_generation_prompt=prompt) == want
+    assert "<a href='x'>&</a>" in want and "<|im_end|>" in want
+    with pytest.raises(Exception, match="no tools: t"):
+        cached.apply_chat_template([{"role": "tool", "content": "t"}], tokenize=False)
+    encoder = ChatEncoder(cached, path)
+    from sglang_capture.tools.conversations import Sample
+
+    with pytest.raises(TemplateError, match="the chat template failed on this conversation: no tools: t"):
+        encoder.encode(Sample(id="s", line=1, messages=[{"role": "tool", "content": "t"}], text=None))
 
 
 def test_generation_marker_templates_go_to_transformers(tokenizer_dirs, cache):

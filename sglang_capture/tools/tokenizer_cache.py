@@ -5,9 +5,10 @@
 tokenizer through transformers once, this module stores exactly what the package uses of it:
 the backend tokenizer as transformers configured it (``backend_tokenizer.to_str()``, so any
 change transformers makes at load time is kept), the resolved chat template and the special
-tokens the template sees. Later runs rebuild it with the ``tokenizers`` library and render with
-transformers' own ``render_jinja_template``: the same backend, the same template, the same
-renderer and arguments, so the same ids and the same offsets, without the auto classes.
+tokens the template sees. Later runs rebuild it with the ``tokenizers`` library and render in
+transformers' template environment rebuilt (chat_render.py), which the cache trusts only where it
+rendered exactly as transformers did when the entry was written: the same backend, the same
+template, the same arguments, so the same ids and the same offsets, without importing transformers.
 
 What transformers does on each call is redone here: it encodes with truncation and padding off
 (it turns off whatever ``tokenizer.json`` saved) and sets the backend's ``encode_special_tokens``
@@ -34,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from sglang_capture.core.durable import replace_atomic
 
-FORMAT = 2
+FORMAT = 3
 _KEY_FILES = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")  # the tokenizer's own files, not the weights
 _KEY_DIRS = ("", "additional_chat_templates")
 _ELSEWHERE = ("tokenizer_file", "vocab_file", "merges_file")  # tokenizer_config keys naming files to read instead
@@ -96,10 +97,14 @@ def save(key: Optional[str], tokenizer: Any) -> None:
     if key is None or not _plain_backend(tokenizer):
         return
     try:
+        from sglang_capture.tools import chat_render
+
         template = tokenizer.get_chat_template() if getattr(tokenizer, "chat_template", None) else None
+        special_tokens = dict(tokenizer.special_tokens_map)
         doc = {"format": FORMAT, "backend": tokenizer.backend_tokenizer.to_str(), "chat_template": template,
-               "special_tokens_map": dict(tokenizer.special_tokens_map),
-               "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))}
+               "special_tokens_map": special_tokens,
+               "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False)),
+               "renders_here": template is not None and chat_render.agrees_with_transformers(template, special_tokens)}
         text = json.dumps(doc)
     except Exception:  # noqa: BLE001 - a component tokenizers cannot serialize, a map that is not JSON: not cached
         return
@@ -128,7 +133,8 @@ def load(key: Optional[str], full: Callable[[], Any]) -> Optional["CachedTokeniz
         backend.no_truncation()  # transformers turns off what tokenizer.json saved, on every call
         backend.no_padding()
         backend.encode_special_tokens = bool(doc["split_special_tokens"])
-        return CachedTokenizer(backend, doc.get("chat_template"), doc.get("special_tokens_map") or {}, full)
+        return CachedTokenizer(backend, doc.get("chat_template"), doc.get("special_tokens_map") or {}, full,
+                               renders_here=bool(doc.get("renders_here")))
     except Exception:  # noqa: BLE001 - a damaged or foreign entry: load the tokenizer anew
         return None
 
@@ -136,18 +142,23 @@ def load(key: Optional[str], full: Callable[[], Any]) -> Optional["CachedTokeniz
 class CachedTokenizer:
     """The parts of a transformers fast tokenizer that ``ChatEncoder`` uses, rebuilt from the
     cache: calling it, and ``apply_chat_template`` without tokenizing. The rest goes to
-    transformers' own tokenizer (loaded the first time it is needed)."""
+    transformers' own tokenizer (loaded the first time it is needed). ``renders_here``: the
+    template renders in chat_render's environment (it agreed with transformers' on the probes),
+    else in transformers' own."""
 
     is_fast = True
 
     def __init__(self, backend: Any, chat_template: Optional[str], special_tokens_map: Dict[str, Any],
-                 full: Callable[[], Any]) -> None:
+                 full: Callable[[], Any], renders_here: bool = False) -> None:
         self.backend_tokenizer = backend
         self.chat_template = chat_template
         self.special_tokens_map = special_tokens_map
+        self.renders_here = renders_here and chat_template is not None
         self._full_loader = full
         self._full: Any = None
         self._full_lock = threading.Lock()  # extract's worker threads: one load, not one each
+        self._compiled: Any = None
+        self._compile_lock = threading.Lock()
 
     def full(self) -> Any:
         with self._full_lock:
@@ -174,6 +185,13 @@ class CachedTokenizer:
             return self.full().apply_chat_template(conversation, tokenize=tokenize,
                                                    add_generation_prompt=add_generation_prompt, **kwargs)
         conversation[0]  # noqa: B018 - transformers indexes it too: an empty conversation fails alike
+        if self.renders_here:
+            from sglang_capture.tools import chat_render
+
+            with self._compile_lock:
+                if self._compiled is None:
+                    self._compiled = chat_render.compile_template(self.chat_template)
+            return chat_render.render(self._compiled, conversation, add_generation_prompt, self.special_tokens_map)
         from transformers.utils.chat_template_utils import render_jinja_template
 
         rendered, _ = render_jinja_template(conversations=[conversation], chat_template=self.chat_template,
