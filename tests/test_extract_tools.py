@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer
 import sglang_capture
 from sglang_capture.testbed.server import capture_cmd, free_port
 from sglang_capture.tools.dataset import CaptureDataset
+from sglang_capture.tools.extract import WORKERS_PER_REQUEST
 from sglang_capture.tools.manifest import MANIFEST, read_manifest
 
 LAYERS = [0, 2, 3]
@@ -621,4 +623,45 @@ def test_extract_keeps_one_connection_per_worker_thread(server, conversations, t
     r = extract(server, inp, tmp_path / "out", "--concurrency", "2", env=env)
     assert r.returncode == 0, r.stderr
     assert len(_files(tmp_path / "out")) == 20
-    assert 1 <= len(closed() - before) <= 3  # discovery's connection closes too: the count is seen
+    # two workers per request in flight (one publishing), and discovery's connection closes too: the count is seen
+    assert 1 <= len(closed() - before) <= 2 * WORKERS_PER_REQUEST + 1
+
+
+def test_concurrency_counts_requests_in_flight_while_other_workers_publish(server, conversations, tmp_path,
+                                                                          monkeypatch):
+    """--concurrency N keeps N requests at the server while earlier samples' files are published
+    (links and directory fsyncs took about as long as the request in r106's SmolLM2 run, so N
+    workers kept about N/2 requests in flight). Publishing is slowed here so that the overlap is
+    certain; the count of requests never passes N."""
+    from sglang_capture.tools import extract as extract_module
+
+    monkeypatch.setenv("SGLANG_CAPTURE_CACHE", str(tmp_path / "cache"))
+    lock = threading.Lock()
+    state = {"requests": 0, "publishing": 0, "max_requests": 0, "full_while_publishing": 0}
+    send, publish = extract_module.capture_prefill, extract_module.move_to_sample
+
+    def counted(key, fn):
+        def run(*a, **k):
+            with lock:
+                state[key] += 1
+                state["max_requests"] = max(state["max_requests"], state["requests"])
+                state["full_while_publishing"] += state["requests"] == 2 and state["publishing"] > 0
+            try:
+                if key == "publishing":
+                    time.sleep(0.4)
+                return fn(*a, **k)
+            finally:
+                with lock:
+                    state[key] -= 1
+        return run
+
+    monkeypatch.setattr(extract_module, "capture_prefill", counted("requests", send))
+    monkeypatch.setattr(extract_module, "move_to_sample", counted("publishing", publish))
+    inp = tmp_path / "twelve.jsonl"
+    inp.write_text("".join(open(conversations[0]).readlines()[:12]))
+    report = extract_module.Extractor(str(inp), [server.url], str(tmp_path / "out"), concurrency=2,
+                                      progress=False).run()
+    assert report.written == 12 and not report.failures
+    assert len(_files(tmp_path / "out")) == 12
+    assert state["max_requests"] == 2
+    assert state["full_while_publishing"] >= 3

@@ -38,6 +38,7 @@ from sglang_capture.tools.manifest import Entry, ManifestWriter, read_manifest, 
 from sglang_capture.tools.templating import ChatEncoder, Encoded, TemplateError, load_tokenizer
 
 LOCK_FILE = ".extract.lock"
+WORKERS_PER_REQUEST = 2  # workers per request in flight: one waits for its answer while the other publishes
 
 
 class ExtractError(RuntimeError):
@@ -309,6 +310,10 @@ class Extractor:
         bar = tqdm(total=len(todo), unit="sample", disable=None if self.progress else True, dynamic_ncols=True)
 
         stop: List[str] = []  # set once: a server refuses every request alike (tools/client.py: fatal)
+        # --concurrency counts requests in flight. A worker then publishes its file (links, directory
+        # fsyncs, about as long as the request at 256 in flight: r106) while another worker's request
+        # takes its place, so there are twice as many workers as requests.
+        in_flight = threading.Semaphore(self.concurrency)
 
         def one(sample: Sample) -> Union[Entry, Failure]:
             if stop:
@@ -327,7 +332,7 @@ class Extractor:
                     break
                 server = servers[(first + attempt) % len(servers)]
                 try:
-                    entry = self._capture(sample, enc, server)
+                    entry = self._capture(sample, enc, server, in_flight)
                 except ServerError as e:
                     reason = str(e)
                     if e.fatal:
@@ -350,7 +355,7 @@ class Extractor:
             return Failure(sample.id, sample.line, reason)
 
         try:
-            with ThreadPoolExecutor(self.concurrency) as pool:
+            with ThreadPoolExecutor(WORKERS_PER_REQUEST * self.concurrency) as pool:
                 futures = [pool.submit(one, s) for s in todo]
                 for f in as_completed(futures):
                     result = f.result()
@@ -385,10 +390,11 @@ class Extractor:
             self._sessions.append(session)  # list.append is atomic: closed when the run ends
         return session
 
-    def _capture(self, sample: Sample, enc: Encoded, server: ServerInfo) -> Entry:
+    def _capture(self, sample: Sample, enc: Encoded, server: ServerInfo, in_flight: threading.Semaphore) -> Entry:
         name = self._runs.attempt_name(sample.id)
-        ref = capture_prefill(server, enc.input_ids, name, spans_from_mask(enc.loss_mask), self.timeout,
-                              self.capture_dtype, self._session())
+        with in_flight:
+            ref = capture_prefill(server, enc.input_ids, name, spans_from_mask(enc.loss_mask), self.timeout,
+                                  self.capture_dtype, self._session())
         if int(ref.get("rows", -1)) != len(enc.input_ids):
             raise ServerError(f"{server.url}: the capture has {ref.get('rows')} rows for {len(enc.input_ids)} tokens")
         dst = sample_path(self.out, sample.id)
