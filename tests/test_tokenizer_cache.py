@@ -261,3 +261,33 @@ def test_a_class_with_its_own_encoding_is_never_cached(tokenizer_dirs, cache, tm
     tok.__class__ = infilling
     tokenizer_cache.save(tokenizer_cache.cache_key(path), tok)
     assert not cache.exists() or not os.listdir(cache)
+
+
+def test_the_token_mask_by_bisection_is_the_token_by_token_overlap():
+    """``token_mask`` finds each span's run of tokens by bisection over forward-running offsets; it must
+    give what checking every token against every span gives, zero-length tokens (special tokens at a
+    span's edge or inside it) and offsets out of order included."""
+    import random
+
+    from sglang_capture.tools.templating import token_mask
+
+    def brute(offsets, spans):
+        return [int(any(s < b and e > a for a, b in spans)) for s, e in offsets]
+
+    rng = random.Random(7)
+    for trial in range(2000):
+        offsets, pos = [], 0
+        for _ in range(rng.randrange(0, 40)):
+            width = rng.choice([0, 0, 1, 2, 3, 5])
+            offsets.append((pos, pos + width))
+            pos += width + rng.choice([0, 0, 0, 1])  # gaps: characters no token covers (stripped spaces)
+        if trial % 5 == 0 and len(offsets) > 2:  # out of order: the token-by-token path
+            i = rng.randrange(len(offsets) - 1)
+            offsets[i], offsets[i + 1] = offsets[i + 1], offsets[i]
+        spans, at = [], 0
+        while at < pos and len(spans) < 4:
+            a = rng.randrange(at, pos + 1)
+            b = rng.randrange(a, pos + 2)
+            spans.append((a, b))
+            at = b + 1
+        assert token_mask(offsets, spans) == brute(offsets, spans), (offsets, spans)

@@ -176,7 +176,7 @@ class CachedTokenizer:
         enc = self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens)
         out: Dict[str, List[Any]] = {"input_ids": list(enc.ids)}
         if return_offsets_mapping:
-            out["offset_mapping"] = [tuple(o) for o in enc.offsets]
+            out["offset_mapping"] = enc.offsets  # (start, end) tuples already, as transformers gives them
         return out
 
     def apply_chat_template(self, conversation: List[dict], tokenize: bool = True,
