@@ -132,17 +132,59 @@ def _with_template(tokenizer_dirs, tmp_path, template):
     return path
 
 
-def test_a_template_that_renders_otherwise_here_is_rendered_by_transformers(tokenizer_dirs, cache, tmp_path):
-    """The rebuilt environment is trusted only where it rendered the probes as transformers did when
-    the entry was written: a template that reads the clock to the microsecond never does, so its
-    renders stay transformers' own."""
-    path = _with_template(tokenizer_dirs, tmp_path, "{{ strftime_now('%f') }}{% for m in messages %}"
-                                                    "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+@pytest.mark.parametrize("template", [
+    # reads the clock to the microsecond: its two renders of a probe differ
+    "{{ strftime_now('%f') }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}",
+    # refuses every probe alike: nothing rendered, so nothing compared
+    "{% if messages[0]['role'] != 'narrator' %}{{ raise_exception('narrators only') }}{% endif %}"
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+], ids=["clock", "refuses-every-probe"])
+def test_a_template_the_probes_cannot_vouch_for_is_rendered_by_transformers(template, tokenizer_dirs, cache, tmp_path,
+                                                                          monkeypatch):
+    """The rebuilt environment is trusted only where it rendered at least one probe, and every probe
+    as transformers did, when the entry was written; otherwise transformers renders."""
+    from sglang_capture.tools import chat_render
+
+    path = _with_template(tokenizer_dirs, tmp_path, template)
     load_tokenizer(path)
     cached = load_tokenizer(path)
     assert isinstance(cached, tokenizer_cache.CachedTokenizer) and not cached.renders_here
-    text = cached.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
-    assert text.endswith("<user>hi") and len(text) == len("<user>hi") + 6
+    monkeypatch.setattr(chat_render, "render", None)  # rendering here would fail
+    conversation = [{"role": "narrator", "content": "hi"}]
+    text = cached.apply_chat_template(conversation, tokenize=False)
+    assert text in ("hi",) or (text.endswith("<narrator>hi") and text[:-12].isdigit())
+
+
+def test_an_entry_written_by_another_renderer_version_is_written_anew(tokenizer_dirs, cache, monkeypatch):
+    """A fix to the rebuilt renderer changes its VERSION: entries checked against the old one are not
+    trusted, but loaded through transformers and checked again."""
+    from sglang_capture.tools import chat_render
+
+    path = tokenizer_dirs["smollm2"]
+    load_tokenizer(path)
+    assert isinstance(load_tokenizer(path), tokenizer_cache.CachedTokenizer)
+    monkeypatch.setattr(chat_render, "VERSION", chat_render.VERSION + 1)
+    assert not isinstance(load_tokenizer(path), tokenizer_cache.CachedTokenizer)
+    again = load_tokenizer(path)
+    assert isinstance(again, tokenizer_cache.CachedTokenizer) and again.renders_here
+
+
+def test_an_environment_unlike_transformers_is_not_trusted_whatever_the_probes_render(monkeypatch):
+    """A global transformers' environment has and this one lacks (as a later transformers might add),
+    used only in a branch no probe reaches, is caught by comparing the environments themselves."""
+    from sglang_capture.tools import chat_render
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert chat_render.agrees_with_transformers(template, {})
+    compile_here = chat_render.compile_template
+
+    def lacking(source):
+        t = compile_here(source)
+        t.environment.globals.pop("strftime_now")
+        return t
+
+    monkeypatch.setattr(chat_render, "compile_template", lacking)
+    assert not chat_render.agrees_with_transformers(template, {})
 
 
 def test_the_rebuilt_environment_matches_transformers_filters_globals_and_refusals(tokenizer_dirs, cache, tmp_path):
@@ -285,6 +327,9 @@ def test_the_token_mask_by_bisection_is_the_token_by_token_overlap():
             i = rng.randrange(len(offsets) - 1)
             offsets[i], offsets[i + 1] = offsets[i + 1], offsets[i]
         spans, at = [], 0
+        if trial % 7 == 0 and offsets:  # a token inside the one before it: starts forward, ends not
+            offsets.insert(1, (offsets[0][0], offsets[0][0]))
+            offsets[0] = (offsets[0][0], offsets[0][1] + 2)
         while at < pos and len(spans) < 4:
             a = rng.randrange(at, pos + 1)
             b = rng.randrange(a, pos + 2)

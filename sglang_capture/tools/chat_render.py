@@ -7,8 +7,10 @@ jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrol
 ``{% generation %}`` tag, its own ``tojson`` filter and the ``raise_exception`` and
 ``strftime_now`` globals (``transformers.utils.chat_template_utils``, the same in 5.12 and 5.19).
 It is rebuilt here. Whether it renders exactly as transformers does is checked against
-transformers itself when the tokenizer cache is written (``agrees_with_transformers``); where it
-does not, the cache keeps rendering with transformers.
+transformers itself when the tokenizer cache is written (``agrees_with_transformers``: the same
+environment, by its options, filters, tests, globals and tags, and the same text for every probe);
+where it does not, the cache keeps rendering with transformers. ``VERSION`` names this renderer in
+the cache, so that an entry checked against an older one is checked again.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+VERSION = 1
+
 # Conversations the cache renders both ways before it trusts this renderer: every role, a
 # generation prompt or not, JSON-ish and non-ASCII content. Templates may refuse some (a
 # raise_exception on an order they do not allow); both renderers must then refuse it alike.
@@ -29,7 +33,12 @@ PROBES: List[List[Dict[str, str]]] = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2? {\"a\": [1, 2]} <b>déjà</b> 東京"},
      {"role": "assistant", "content": "4"}, {"role": "user", "content": "  spaced\n\nlines  "}],
     [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}],
+    [{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}],
 ]
+_OPTIONS = ("block_start_string", "block_end_string", "variable_start_string", "variable_end_string",
+            "comment_start_string", "comment_end_string", "line_statement_prefix", "line_comment_prefix",
+            "trim_blocks", "lstrip_blocks", "newline_sequence", "keep_trailing_newline", "autoescape", "optimized",
+            "undefined", "finalize", "is_async")
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -78,15 +87,27 @@ def render(template: jinja2.Template, conversation: List[dict], add_generation_p
                            add_generation_prompt=add_generation_prompt, **special_tokens)
 
 
+def _shape(env: Any) -> tuple:
+    """What a template can see of an environment: its options, the names of its filters, tests and
+    globals, and its extensions' tags (a global or tag transformers adds later, used only in a
+    branch no probe reaches, would show here)."""
+    return (tuple(repr(getattr(env, o, None)) for o in _OPTIONS), type(env).__name__, sorted(env.filters),
+            sorted(env.tests), sorted(env.globals), sorted(tag for ext in env.extensions.values() for tag in ext.tags))
+
+
 def agrees_with_transformers(source: str, special_tokens: Dict[str, Any]) -> bool:
-    """Whether this renderer gives transformers' text (or refuses alike) on every probe, both ways
-    of the generation prompt. Called where transformers is loaded anyway: when the cache is written."""
-    from transformers.utils.chat_template_utils import render_jinja_template
+    """Whether this renderer's environment is transformers' and it gives transformers' text (or
+    refuses alike) on every probe, both ways of the generation prompt, at least one of them rendered.
+    Called where transformers is loaded anyway: when the cache is written."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
     try:
         ours = compile_template(source)
-    except Exception:  # noqa: BLE001 - a template this environment cannot compile: leave it to transformers
+        if _shape(ours.environment) != _shape(_compile_jinja_template(source).environment):
+            return False
+    except Exception:  # noqa: BLE001 - a template either environment cannot compile: leave it to transformers
         return False
+    rendered = False
     for conversation in PROBES:
         for prompt in (False, True):
             results = []
@@ -99,4 +120,5 @@ def agrees_with_transformers(source: str, special_tokens: Dict[str, Any]) -> boo
                     results.append(("error", type(e).__name__, str(e)))
             if results[0] != results[1]:
                 return False
-    return True
+            rendered |= results[0][0] == "text"
+    return rendered

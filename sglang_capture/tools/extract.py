@@ -14,8 +14,8 @@ import contextlib
 import fcntl
 import itertools
 import os
+import queue
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -43,6 +43,10 @@ WORKERS_PER_REQUEST = 2  # workers per request in flight: one waits for its answ
 
 class ExtractError(RuntimeError):
     """The run cannot start (bad input file, servers, tokenizer, output dir); one line."""
+
+
+class _NotSent(Exception):
+    """A run stopped (``stop``) while this sample's worker waited for a request slot."""
 
 
 @dataclass
@@ -179,7 +183,6 @@ class Extractor:
         self.tokenizer_path = tokenizer
         self.report = ExtractReport()
         self._runs = RunLocks()
-        self._thread = threading.local()  # each worker thread's requests.Session
         self._sessions: List[requests.Session] = []
 
     def _prepare_out(self) -> None:
@@ -310,10 +313,14 @@ class Extractor:
         bar = tqdm(total=len(todo), unit="sample", disable=None if self.progress else True, dynamic_ncols=True)
 
         stop: List[str] = []  # set once: a server refuses every request alike (tools/client.py: fatal)
-        # --concurrency counts requests in flight. A worker then publishes its file (links, directory
-        # fsyncs, about as long as the request at 256 in flight: r106) while another worker's request
-        # takes its place, so there are twice as many workers as requests.
-        in_flight = threading.Semaphore(self.concurrency)
+        # --concurrency counts requests in flight: a request holds one of that many sessions (one
+        # kept-alive connection per server each). Its worker then publishes the file (links, directory
+        # fsyncs: about as long as the request at 256 in flight, r106) while another worker's request
+        # takes the session, so there are twice as many workers as sessions.
+        self._sessions = [self._new_session() for _ in range(self.concurrency)]
+        slots: "queue.Queue[requests.Session]" = queue.Queue()
+        for session in self._sessions:
+            slots.put(session)
 
         def one(sample: Sample) -> Union[Entry, Failure]:
             if stop:
@@ -332,7 +339,10 @@ class Extractor:
                     break
                 server = servers[(first + attempt) % len(servers)]
                 try:
-                    entry = self._capture(sample, enc, server, in_flight)
+                    entry = self._capture(sample, enc, server, slots, stop)
+                except _NotSent:
+                    reason = reason or f"not sent: {stop[0]}"
+                    break
                 except ServerError as e:
                     reason = str(e)
                     if e.fatal:
@@ -377,24 +387,27 @@ class Extractor:
             raise ExtractError(f"{stop[0]} (stopped: {len(self.report.failures)} samples not captured; "
                                "re-run once that is fixed)")
 
-    def _session(self) -> requests.Session:
-        """This worker thread's session: one kept-alive connection per thread and server."""
-        session = getattr(self._thread, "session", None)
-        if session is None:
-            session = self._thread.session = requests.Session()
-            # a pool per server (requests keeps 10 by default: with more --server URLs each request
-            # would evict one and open a new connection), one connection each: this thread's
-            adapter = requests.adapters.HTTPAdapter(pool_connections=max(self._server_count, 1), pool_maxsize=1)
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
-            self._sessions.append(session)  # list.append is atomic: closed when the run ends
+    def _new_session(self) -> requests.Session:
+        """A request slot's session: one kept-alive connection per server."""
+        session = requests.Session()
+        # a pool per server (requests keeps 10 by default: with more --server URLs each request
+        # would evict one and open a new connection), one connection each: this slot's
+        adapter = requests.adapters.HTTPAdapter(pool_connections=max(self._server_count, 1), pool_maxsize=1)
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
         return session
 
-    def _capture(self, sample: Sample, enc: Encoded, server: ServerInfo, in_flight: threading.Semaphore) -> Entry:
+    def _capture(self, sample: Sample, enc: Encoded, server: ServerInfo, slots: "queue.Queue[requests.Session]",
+                 stop: List[str]) -> Entry:
         name = self._runs.attempt_name(sample.id)
-        with in_flight:
+        session = slots.get()
+        try:
+            if stop:  # set while this worker waited for a slot
+                raise _NotSent
             ref = capture_prefill(server, enc.input_ids, name, spans_from_mask(enc.loss_mask), self.timeout,
-                                  self.capture_dtype, self._session())
+                                  self.capture_dtype, session)
+        finally:
+            slots.put(session)
         if int(ref.get("rows", -1)) != len(enc.input_ids):
             raise ServerError(f"{server.url}: the capture has {ref.get('rows')} rows for {len(enc.input_ids)} tokens")
         dst = sample_path(self.out, sample.id)

@@ -104,6 +104,7 @@ def save(key: Optional[str], tokenizer: Any) -> None:
         doc = {"format": FORMAT, "backend": tokenizer.backend_tokenizer.to_str(), "chat_template": template,
                "special_tokens_map": special_tokens,
                "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False)),
+               "renderer": chat_render.VERSION,
                "renders_here": template is not None and chat_render.agrees_with_transformers(template, special_tokens)}
         text = json.dumps(doc)
     except Exception:  # noqa: BLE001 - a component tokenizers cannot serialize, a map that is not JSON: not cached
@@ -125,7 +126,9 @@ def load(key: Optional[str], full: Callable[[], Any]) -> Optional["CachedTokeniz
     try:
         with open(os.path.join(cache_dir(), key + ".json"), encoding="utf-8") as f:
             doc = json.load(f)
-        if doc.get("format") != FORMAT:
+        from sglang_capture.tools import chat_render
+
+        if doc.get("format") != FORMAT or doc.get("renderer") != chat_render.VERSION:  # written by another version: anew
             return None
         from tokenizers import Tokenizer
 
@@ -188,9 +191,10 @@ class CachedTokenizer:
         if self.renders_here:
             from sglang_capture.tools import chat_render
 
-            with self._compile_lock:
-                if self._compiled is None:
-                    self._compiled = chat_render.compile_template(self.chat_template)
+            if self._compiled is None:
+                with self._compile_lock:
+                    if self._compiled is None:
+                        self._compiled = chat_render.compile_template(self.chat_template)
             return chat_render.render(self._compiled, conversation, add_generation_prompt, self.special_tokens_map)
         from transformers.utils.chat_template_utils import render_jinja_template
 
